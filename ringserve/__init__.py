@@ -1,0 +1,85 @@
+"""ringserve: collective communication over gRPC.
+
+Synchronous numpy API for training scripts::
+
+    import ringserve as rs
+    rs.init()                                   # RINGSERVE_COORDINATOR or init(coordinator=...)
+    out = rs.allreduce(a, op="average", name="grad.w")
+    rs.shutdown()
+
+Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
+``import ringserve`` never imports torch.
+"""
+
+from ringserve.api import (
+    allgather,
+    allgather_object,
+    allreduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    reduce_scatter,
+    shutdown,
+    size,
+)
+from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.coordinator import Coordinator
+from ringserve.errors import (
+    CollectiveTimeoutError,
+    CoordinatorUnreachableError,
+    InvalidArgumentError,
+    MismatchError,
+    NotInitializedError,
+    PeerUnavailableError,
+    ProtocolError,
+    RecoverableError,
+    RendezvousTimeoutError,
+    RingChangedError,
+    RingserveError,
+    UsageError,
+)
+from ringserve.worker.runtime import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorUnreachableError",
+    "InvalidArgumentError",
+    "MismatchError",
+    "NotInitializedError",
+    "PeerUnavailableError",
+    "ProtocolError",
+    "RecoverableError",
+    "RendezvousTimeoutError",
+    "RingChangedError",
+    "RingserveError",
+    "UsageError",
+    "Worker",
+    "WorkerConfig",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "cross_rank",
+    "cross_size",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reduce_scatter",
+    "shutdown",
+    "size",
+]

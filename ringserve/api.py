@@ -1,0 +1,150 @@
+"""The synchronous numpy API: one Worker on a background event-loop thread.
+
+There is one module-level default context, created by ``init()`` and dropped by ``shutdown()``:
+the documented exception to "no module-level mutable state", which the Horovod-style functions
+need. Code that wants several workers in a process uses ``Context`` or ``Worker`` directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ringserve.config import WorkerConfig
+from ringserve.errors import NotInitializedError
+from ringserve.loop import LoopThread
+from ringserve.worker.runtime import Worker
+
+T = TypeVar("T")
+
+# Slack on top of a collective's own deadline before the caller's thread gives up waiting.
+_WAIT_SLACK_S = 10.0
+
+
+class Context:
+    """A Worker on its own loop thread, driven from synchronous code."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self._thread = LoopThread(use_uvloop=config.use_uvloop)
+        self.worker = Worker(config=config)
+
+    def start(self) -> Context:
+        try:
+            self._thread.run(self.worker.start(), self.config.rendezvous_timeout_s + self.config.connect_timeout_s + _WAIT_SLACK_S)
+        except BaseException:
+            self._thread.stop()
+            raise
+        return self
+
+    def submit(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        """Starts a call on the loop and returns its future (for async handles)."""
+        return self._thread.submit(call(self.worker))
+
+    def call(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> T:
+        return self.submit(call).result(self.config.collective_timeout_s + _WAIT_SLACK_S)
+
+    def close(self) -> None:
+        try:
+            self._thread.run(self.worker.close(), _WAIT_SLACK_S + self.config.rpc_timeout_s)
+        finally:
+            self._thread.stop()
+
+
+_default: Context | None = None
+
+
+def init(coordinator: str | None = None, **overrides: Any) -> None:
+    """Joins the world and blocks until the first view that includes this process forms.
+
+    Args:
+        coordinator: host:port; defaults to RINGSERVE_COORDINATOR.
+        **overrides: any WorkerConfig field, over the RINGSERVE_* environment.
+
+    Raises:
+        CoordinatorUnreachableError, RendezvousTimeoutError.
+    """
+    global _default
+    if _default is not None:
+        return
+    config = WorkerConfig.from_env(coordinator=coordinator, **overrides)
+    _default = Context(config).start()
+
+
+def shutdown() -> None:
+    """Leaves the world and stops the background thread; init() may be called again afterwards."""
+    global _default
+    ctx, _default = _default, None
+    if ctx is not None:
+        ctx.close()
+
+
+def is_initialized() -> bool:
+    return _default is not None
+
+
+def context() -> Context:
+    """The default context; raises NotInitializedError before init()."""
+    if _default is None:
+        raise NotInitializedError("ringserve is not initialized: call ringserve.init() first.")
+    return _default
+
+
+def _worker() -> Worker:
+    return context().worker
+
+
+def rank() -> int:
+    return _worker().rank
+
+
+def size() -> int:
+    return _worker().size
+
+
+def local_rank() -> int:
+    return _worker().local_rank
+
+
+def local_size() -> int:
+    return _worker().local_size
+
+
+def cross_rank() -> int:
+    return _worker().cross_rank
+
+
+def cross_size() -> int:
+    return _worker().cross_size
+
+
+def allreduce(a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
+    """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``."""
+    return context().call(lambda w: w.allreduce(a, op=op, name=name))
+
+
+def broadcast(a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
+    return context().call(lambda w: w.broadcast(a, root=root, name=name))
+
+
+def allgather(a: Any, name: str | None = None) -> np.ndarray:
+    return context().call(lambda w: w.allgather(a, name=name))
+
+
+def reduce_scatter(a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
+    return context().call(lambda w: w.reduce_scatter(a, op=op, name=name))
+
+
+def barrier() -> None:
+    context().call(lambda w: w.barrier())
+
+
+def broadcast_object(obj: object = None, root: int = 0, name: str | None = None) -> object:
+    return context().call(lambda w: w.broadcast_object(obj, root=root, name=name))
+
+
+def allgather_object(obj: object, name: str | None = None) -> list[object]:
+    return context().call(lambda w: w.allgather_object(obj, name=name))

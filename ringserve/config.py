@@ -1,0 +1,149 @@
+"""Configuration as frozen, validated dataclasses.
+
+Environment variables are read only by the ``from_env`` constructors (and by the CLI), never at
+import time, so several workers with different settings can live in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from ringserve.errors import InvalidArgumentError
+
+MiB = 1 << 20
+
+
+def _positive(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not value > 0:
+            raise InvalidArgumentError(
+                f"{type(owner).__name__}.{name} ({value!r}) must be greater than zero."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Settings of a coordinator.
+
+    Attributes:
+        host: address to bind; loopback by default.
+        port: port to bind; 0 picks a free one.
+        min_workers: the first view forms once this many workers have joined.
+        max_workers: at most this many workers are in a view; later joiners wait.
+        settle_s: membership must be unchanged this long before a view forms (torchrun's
+            "last call"), so workers that start a little apart land in one view.
+        heartbeat_interval_s: how often workers send heartbeats.
+        heartbeat_timeout_s: a worker silent this long is declared dead.
+        tick_s: how often the coordinator checks deadlines.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    min_workers: int = 1
+    max_workers: int = 1024
+    settle_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    tick_s: float = 0.1
+    max_message_bytes: int = 64 * MiB
+
+    def __post_init__(self) -> None:
+        _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
+                  "heartbeat_timeout_s", "tick_s", "max_message_bytes")
+        if self.settle_s < 0:
+            raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
+        if self.max_workers < self.min_workers:
+            raise InvalidArgumentError(
+                f"The maximum number of workers ({self.max_workers}) must be at least the "
+                f"minimum ({self.min_workers})."
+            )
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise InvalidArgumentError(
+                f"The heartbeat timeout ({self.heartbeat_timeout_s} s) must be longer than the "
+                f"heartbeat interval ({self.heartbeat_interval_s} s)."
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> CoordinatorConfig:
+        """Builds a config from RINGSERVE_* variables; explicit overrides win."""
+        return cls(**_from_env(cls, env, overrides))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Settings of a worker.
+
+    Attributes:
+        coordinator: host:port of the coordinator.
+        bind_host: address the peer server binds.
+        advertise_host: address other workers use to reach this one; defaults to bind_host.
+        hostname: groups workers into local ranks; defaults to the machine's name.
+        rank_hint: preferred rank in the first view (the launcher's process index), or -1.
+        chunk_bytes: the ring pipelines chunks of at most this size.
+        connect_timeout_s: deadline to reach the coordinator or a peer.
+        rendezvous_timeout_s: deadline for the first view that includes this worker.
+        collective_timeout_s: deadline for one collective, from submission to result.
+        rpc_timeout_s: deadline of each unary control-plane call.
+        abort_grace_s: after a mismatch, how long ranks wait to learn every rank's arguments.
+        use_uvloop: run the background event loop on uvloop (measured faster; see README).
+    """
+
+    coordinator: str = "127.0.0.1:50051"
+    bind_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    hostname: str = field(default_factory=socket.gethostname)
+    rank_hint: int = -1
+    chunk_bytes: int = 1 * MiB
+    connect_timeout_s: float = 10.0
+    rendezvous_timeout_s: float = 120.0
+    collective_timeout_s: float = 300.0
+    rpc_timeout_s: float = 5.0
+    abort_grace_s: float = 2.0
+    use_uvloop: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
+                  "collective_timeout_s", "rpc_timeout_s", "abort_grace_s")
+        if ":" not in self.coordinator:
+            raise InvalidArgumentError(
+                f"The coordinator address ({self.coordinator!r}) must have the form host:port."
+            )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest frame accepted on the data plane: a chunk plus room for its header."""
+        return self.chunk_bytes + 64 * 1024
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerConfig:
+        """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win."""
+        return cls(**_from_env(cls, env, overrides))
+
+
+def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, object]) -> dict:
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        raw = env.get(f"RINGSERVE_{f.name.upper()}")
+        if raw is None or raw == "":
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        try:
+            if kind == "bool":
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif kind == "int":
+                values[f.name] = int(raw)
+            elif kind == "float":
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        except ValueError:
+            raise InvalidArgumentError(
+                f"RINGSERVE_{f.name.upper()} ({raw!r}) is not a valid {kind}."
+            ) from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return values

@@ -1,0 +1,81 @@
+"""Coordinator lifecycle: the gRPC server, the health service and the deadline ticker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ringserve import membership
+from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.config import CoordinatorConfig
+from ringserve.coordinator.service import CoordinatorService
+from ringserve.transport import server_options
+
+log = logging.getLogger("ringserve.coordinator")
+
+SERVICE_NAME = "ringserve.v1.Coordinator"
+
+
+class Coordinator:
+    """A coordinator on its own gRPC server, in the running event loop.
+
+    Example::
+
+        async with Coordinator(CoordinatorConfig(min_workers=2)) as coord:
+            print(coord.address)   # 127.0.0.1:<free port>
+    """
+
+    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or CoordinatorConfig()
+        self.service = CoordinatorService(self.config, clock)
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> Coordinator:
+        server = grpc.aio.server(options=server_options(self.config.max_message_bytes))
+        pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"The coordinator could not bind {self.config.host}:{self.config.port}.")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="ringserve-coordinator-tick")
+        log.info("coordinator serving on %s (min_workers=%d)", self.address, self.config.min_workers)
+        return self
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            self.service.apply(membership.Tick())
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def __aenter__(self) -> Coordinator:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()

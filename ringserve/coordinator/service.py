@@ -1,0 +1,185 @@
+"""Thin grpc.aio servicer over the membership state machine: protos in, domain calls, protos out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from ringserve import membership
+from ringserve._proto import coordinator_pb2 as pb
+from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.config import CoordinatorConfig
+
+log = logging.getLogger("ringserve.coordinator")
+
+PARAM_CHUNK_BYTES = 1 << 20
+
+
+def view_to_proto(view: membership.ViewInfo) -> pb.View:
+    members = []
+    for rank, m in enumerate(view.members):
+        local_rank, local_size, cross_rank, cross_size = view.local(rank)
+        members.append(
+            pb.Member(
+                worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
+                local_rank=local_rank, local_size=local_size,
+                cross_rank=cross_rank, cross_size=cross_size,
+            )
+        )
+    return pb.View(view_id=view.view_id, members=members)
+
+
+@dataclass
+class _Blob:
+    total: int
+    data: bytearray = field(default_factory=bytearray)
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """Owns the membership state; every change goes through ``membership.step``."""
+
+    def __init__(self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._clock = clock
+        self._started = clock()
+        rules = membership.Rules(
+            min_workers=config.min_workers,
+            max_workers=config.max_workers,
+            settle_s=config.settle_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+        )
+        self._state = membership.State(rules=rules)
+        self._watchers: set[asyncio.Queue[membership.ViewInfo]] = set()
+        self._counters: dict[str, pb.WorkerCounters] = {}
+        self._params: dict[str, bytes] = {}
+        self._param_versions: dict[str, int] = {}
+        self.views_formed = 0
+        self.view_changed = asyncio.Event()
+
+    @property
+    def view(self) -> membership.ViewInfo:
+        return self._state.view
+
+    def apply(self, event: membership.Event) -> None:
+        """Feeds one event to the state machine and carries out its actions."""
+        self._state, actions = membership.step(self._state, event, self._clock())
+        for action in actions:
+            if isinstance(action, membership.PublishView):
+                self.views_formed += 1
+                log.info(
+                    "view %d formed with %d workers: %s", action.view.view_id,
+                    len(action.view.members), [m.address for m in action.view.members],
+                )
+                for queue in self._watchers:
+                    queue.put_nowait(action.view)
+                self.view_changed.set()
+                self.view_changed = asyncio.Event()
+            elif isinstance(action, membership.Removed):
+                log.info("worker %s removed: %s", action.worker_id, action.reason)
+                self._counters.pop(action.worker_id, None)
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        worker_id = request.worker_id or uuid.uuid4().hex
+        self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint))
+        return pb.JoinResponse(
+            worker_id=worker_id,
+            heartbeat_interval_s=self._config.heartbeat_interval_s,
+            heartbeat_timeout_s=self._config.heartbeat_timeout_s,
+        )
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        self.apply(membership.Leave(request.worker_id))
+        return pb.LeaveResponse()
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        known = membership.is_known(self._state, request.worker_id)
+        if known:
+            self.apply(membership.Heartbeat(request.worker_id))
+            self._counters[request.worker_id] = request.counters
+        return pb.HeartbeatResponse(view_id=self._state.view.view_id, known=known)
+
+    async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.View]:
+        queue: asyncio.Queue[membership.ViewInfo] = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            if self._state.view.view_id:
+                yield view_to_proto(self._state.view)
+            while True:
+                yield view_to_proto(await queue.get())
+        finally:
+            self._watchers.discard(queue)
+
+    async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
+        log.warning(
+            "worker %s reports rank %d of view %d: %s",
+            request.reporter_id, request.suspect_rank, request.view_id, request.reason,
+        )
+        return pb.ReportFailureResponse()
+
+    async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
+        blobs: dict[str, _Blob] = {}
+        async for chunk in request_iterator:
+            blob = blobs.setdefault(chunk.key, _Blob(chunk.total_bytes))
+            if chunk.offset != len(blob.data) or chunk.total_bytes != blob.total:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"Chunk of {chunk.key!r} at offset {chunk.offset} does not follow the "
+                    f"{len(blob.data)} bytes received so far of {blob.total}.",
+                )
+            blob.data += chunk.data
+            if len(blob.data) > blob.total:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{chunk.key!r} is longer than its total.")
+        version = 0
+        for key, blob in blobs.items():
+            if len(blob.data) != blob.total:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{key!r} ended after {len(blob.data)} of {blob.total} bytes.",
+                )
+        for key, blob in blobs.items():
+            self._params[key] = bytes(blob.data)
+            version = self._param_versions[key] = self._param_versions.get(key, 0) + 1
+        return pb.PutParamsResponse(version=version)
+
+    async def GetParams(self, request: pb.GetParamsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ParamChunk]:
+        data = self._params.get(request.key)
+        if data is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"No parameters are stored under {request.key!r}.")
+            return
+        for offset in range(0, max(len(data), 1), PARAM_CHUNK_BYTES):
+            yield pb.ParamChunk(
+                key=request.key, offset=offset, total_bytes=len(data),
+                data=data[offset : offset + PARAM_CHUNK_BYTES],
+            )
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        now = self._clock()
+        view = self._state.view
+        members = []
+        for rank, m in enumerate(view.members):
+            seen = self._state.last_seen.get(m.worker_id, now)
+            members.append(
+                pb.MemberStatus(
+                    member=view_to_proto(view).members[rank],
+                    seconds_since_heartbeat=now - seen,
+                    counters=self._counters.get(m.worker_id, pb.WorkerCounters()),
+                )
+            )
+        in_view = {m.worker_id for m in view.members}
+        return pb.StatusResponse(
+            view=view_to_proto(view),
+            members=members,
+            uptime_s=now - self._started,
+            views_formed=self.views_formed,
+            pending_workers=len([w for w in self._state.workers if w not in in_view]),
+            min_workers=self._config.min_workers,
+            max_workers=self._config.max_workers,
+        )

@@ -1,0 +1,90 @@
+"""The one error tree of ringserve.
+
+Errors are split by what a caller does next, as Horovod's elastic mode splits them::
+
+    RingserveError
+    ├── RecoverableError          restore the last commit, wait for the next view, retry
+    │   ├── PeerUnavailableError  a ring neighbour stopped answering
+    │   ├── RingChangedError      the view changed under a collective (old and new view named)
+    │   └── CollectiveTimeoutError  a collective passed its deadline
+    ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
+    ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
+    └── UsageError                a bug in the calling program; retrying will not help
+        ├── NotInitializedError   a collective called before init()
+        ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
+        ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
+        └── ProtocolError         a malformed or unexpected frame
+
+``grpc.aio.AioRpcError`` is translated at the transport boundary and never reaches users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class RingserveError(Exception):
+    """Base class of every error ringserve raises."""
+
+
+class RecoverableError(RingserveError):
+    """The world changed or a peer failed: state can be restored and the work retried."""
+
+
+class PeerUnavailableError(RecoverableError):
+    """A ring neighbour could not be reached or dropped its stream."""
+
+
+class RingChangedError(RecoverableError):
+    """A collective of one view cannot finish because a newer view replaced it."""
+
+    def __init__(self, old_view: int, new_view: int, detail: str = "") -> None:
+        self.old_view = old_view
+        self.new_view = new_view
+        message = f"The ring changed from view {old_view} to view {new_view}"
+        super().__init__(f"{message}: {detail}" if detail else message + ".")
+
+
+class CollectiveTimeoutError(RecoverableError):
+    """A collective did not finish within its deadline."""
+
+
+class CoordinatorUnreachableError(RingserveError):
+    """The coordinator at an address did not answer within the deadline."""
+
+    def __init__(self, address: str, deadline_s: float, detail: str = "") -> None:
+        self.address = address
+        message = f"The coordinator at {address} could not be reached within {deadline_s:g} s"
+        super().__init__(f"{message}: {detail}" if detail else message + ".")
+
+
+class RendezvousTimeoutError(RingserveError):
+    """No view that includes this worker formed before the rendezvous deadline."""
+
+
+class UsageError(RingserveError):
+    """The calling program used ringserve wrongly; retrying the same call will fail again."""
+
+
+class NotInitializedError(UsageError):
+    """A function that needs a running worker was called before init() or after shutdown()."""
+
+
+class InvalidArgumentError(UsageError, ValueError):
+    """An argument is out of range or unsupported."""
+
+
+class MismatchError(UsageError):
+    """The ranks called the same collective with different shapes, dtypes, ops or roots."""
+
+    def __init__(self, op_key: str, descriptors: Mapping[int, str]) -> None:
+        self.op_key = op_key
+        self.descriptors = dict(sorted(descriptors.items()))
+        listing = "; ".join(f"rank {r}: {d}" for r, d in self.descriptors.items())
+        super().__init__(
+            f"The ranks called collective {op_key!r} with different arguments ({listing})."
+        )
+
+
+class ProtocolError(UsageError):
+    """A peer sent a frame that breaks the wire contract."""

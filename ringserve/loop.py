@@ -1,0 +1,60 @@
+"""One asyncio event loop on a background thread, for synchronous callers."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:  # uvloop is optional off Linux
+            return asyncio.new_event_loop()
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """Runs an event loop on a daemon thread until stop()."""
+
+    def __init__(self, *, use_uvloop: bool, name: str = "ringserve-loop") -> None:
+        self.loop = new_event_loop(use_uvloop)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Runs coro on the loop and waits for it; cancels it if timeout_s passes first."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"The background loop did not finish the call within {timeout_s:g} s.") from None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)

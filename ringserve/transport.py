@@ -1,0 +1,57 @@
+"""gRPC plumbing shared by the coordinator and the workers: channel and server options, and the
+translation of ``grpc.aio.AioRpcError`` into ringserve's errors at the boundary."""
+
+from __future__ import annotations
+
+import grpc
+
+from ringserve.errors import (
+    CoordinatorUnreachableError,
+    PeerUnavailableError,
+    RingserveError,
+)
+
+# Keepalive is explicit so a peer that stops answering without closing its socket (SIGSTOP, a dead
+# link) is noticed by the transport too, not only by heartbeats.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Loopback and LAN links: a large window keeps 1 MiB chunks flowing without stalls.
+        ("grpc.http2.lookahead_bytes", 4 * max_message_bytes),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def coordinator_error(exc: grpc.aio.AioRpcError, address: str, deadline_s: float) -> RingserveError:
+    """Maps a failed control-plane call to a ringserve error naming the coordinator."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CoordinatorUnreachableError(address, deadline_s, f"{code.name}: {exc.details()}")
+    return RingserveError(f"The coordinator at {address} answered {code.name}: {exc.details()}")
+
+
+def peer_error(exc: grpc.aio.AioRpcError, address: str) -> PeerUnavailableError:
+    return PeerUnavailableError(
+        f"The peer at {address} dropped the stream ({exc.code().name}: {exc.details()})."
+    )

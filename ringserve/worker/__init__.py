@@ -1,0 +1,1 @@
+"""The worker runtime: peer server, ring sessions per view, and the collectives."""

@@ -1,0 +1,86 @@
+"""The worker's client of the coordinator: unary calls with deadlines, and the view watch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ringserve._proto import coordinator_pb2 as pb
+from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.config import WorkerConfig
+from ringserve.transport import channel_options, coordinator_error
+
+PARAM_CHUNK_BYTES = 1 << 20
+
+
+class ControlClient:
+    """Calls the coordinator; every failure comes back as a ringserve error naming its address."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.address = config.coordinator
+        self._config = config
+        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(64 << 20))
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    async def _call(self, method: str, request: object, timeout_s: float, wait_for_ready: bool = False) -> object:
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        except grpc.aio.AioRpcError as exc:
+            raise coordinator_error(exc, self.address, timeout_s) from None
+
+    async def join(self, *, address: str, hostname: str, rank_hint: int, worker_id: str = "") -> pb.JoinResponse:
+        request = pb.JoinRequest(address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id)
+        # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline.
+        return await self._call("Join", request, self._config.connect_timeout_s, wait_for_ready=True)  # type: ignore[return-value]
+
+    async def leave(self, worker_id: str) -> None:
+        await self._call("Leave", pb.LeaveRequest(worker_id=worker_id), self._config.rpc_timeout_s)
+
+    async def heartbeat(self, worker_id: str, view_id: int, counters: pb.WorkerCounters) -> pb.HeartbeatResponse:
+        request = pb.HeartbeatRequest(worker_id=worker_id, view_id=view_id, counters=counters)
+        return await self._call("Heartbeat", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
+
+    async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:
+        request = pb.ReportFailureRequest(reporter_id=worker_id, view_id=view_id, suspect_rank=suspect_rank, reason=reason)
+        await self._call("ReportFailure", request, self._config.rpc_timeout_s)
+
+    async def status(self) -> pb.StatusResponse:
+        return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+
+    async def watch(self, worker_id: str) -> AsyncIterator[pb.View]:
+        """Every view from the current one on. Long-lived by design: liveness comes from keepalive
+        and from heartbeats, which also carry the current view id."""
+        call = self._stub.WatchView(pb.WatchViewRequest(worker_id=worker_id))
+        try:
+            async for view in call:
+                yield view
+        except grpc.aio.AioRpcError as exc:
+            raise coordinator_error(exc, self.address, self._config.rpc_timeout_s) from None
+        finally:
+            call.cancel()
+
+    async def put_params(self, key: str, data: bytes) -> int:
+        async def chunks() -> AsyncIterator[pb.ParamChunk]:
+            for offset in range(0, max(len(data), 1), PARAM_CHUNK_BYTES):
+                yield pb.ParamChunk(key=key, offset=offset, total_bytes=len(data),
+                                    data=data[offset : offset + PARAM_CHUNK_BYTES])
+
+        timeout = self._config.rpc_timeout_s + len(data) / (50 << 20)
+        try:
+            response = await self._stub.PutParams(chunks(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise coordinator_error(exc, self.address, timeout) from None
+        return response.version
+
+    async def get_params(self, key: str) -> bytes:
+        parts: list[bytes] = []
+        try:
+            async for chunk in self._stub.GetParams(pb.GetParamsRequest(key=key), timeout=self._config.collective_timeout_s):
+                parts.append(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            raise coordinator_error(exc, self.address, self._config.collective_timeout_s) from None
+        return b"".join(parts)
+
+    async def close(self) -> None:
+        await self._channel.close()

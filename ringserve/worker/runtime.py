@@ -1,0 +1,345 @@
+"""The Worker: its peer server, its membership (join, heartbeats, view watch), and one ring session
+per view that the collectives run on. Everything lives on the event loop that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ringserve import wire
+from ringserve._proto import coordinator_pb2 as cpb
+from ringserve._proto import peer_pb2
+from ringserve.config import WorkerConfig
+from ringserve.errors import (
+    NotInitializedError,
+    ProtocolError,
+    RendezvousTimeoutError,
+    RingChangedError,
+    RingserveError,
+)
+from ringserve.ring import successor
+from ringserve.transport import channel_options, server_options
+from ringserve.worker import collectives
+from ringserve.worker.control import ControlClient
+from ringserve.worker.session import Counters, Place, Session
+
+log = logging.getLogger("ringserve.worker")
+
+PEER_SERVICE = "ringserve.v1.Peer"
+
+
+class Worker:
+    """A ringserve worker in the running event loop.
+
+    Example::
+
+        async with Worker(coordinator="127.0.0.1:50051") as w:
+            total = await w.allreduce(np.ones(4), op="sum")
+    """
+
+    def __init__(self, coordinator: str | None = None, *, config: WorkerConfig | None = None) -> None:
+        config = config or WorkerConfig(**({"coordinator": coordinator} if coordinator else {}))
+        if coordinator and config.coordinator != coordinator:
+            config = replace(config, coordinator=coordinator)
+        self.config = config
+        self.counters = Counters()
+        self.worker_id = ""
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+        self._control: ControlClient | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._session: Session | None = None
+        self._retired: list[Session] = []
+        self._latest_view = 0
+        self._early: dict[int, list[tuple[wire.FrameHeader, memoryview]]] = {}
+        self._view_changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat_interval_s = 1.0
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> Worker:
+        """Starts the peer server, joins the coordinator and waits for a view that includes us.
+
+        Raises:
+            CoordinatorUnreachableError: the coordinator did not answer within connect_timeout_s.
+            RendezvousTimeoutError: no view formed within rendezvous_timeout_s.
+        """
+        cfg = self.config
+        server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
+        handler = grpc.stream_unary_rpc_method_handler(
+            self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
+        )
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": handler})])
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port(f"{cfg.bind_host}:0")
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"
+        self._control = ControlClient(cfg)
+        try:
+            joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
+            self.worker_id = joined.worker_id
+            self._heartbeat_interval_s = joined.heartbeat_interval_s
+            loop = asyncio.get_running_loop()
+            self._tasks = [
+                loop.create_task(self._watch_loop(), name="ringserve-watch"),
+                loop.create_task(self._heartbeat_loop(), name="ringserve-heartbeat"),
+            ]
+            self._started = True
+            await self._wait_for_view(cfg.rendezvous_timeout_s)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def _wait_for_view(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._session is None:
+                    await self._view_changed.wait()
+        except TimeoutError:
+            raise RendezvousTimeoutError(
+                f"No view that includes the worker at {self.address} formed within {timeout_s:g} s "
+                f"(coordinator {self.config.coordinator})."
+            ) from None
+
+    async def close(self) -> None:
+        """Leaves the world and releases every task, stream, channel and the server."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._control is not None and self.worker_id:
+            with contextlib.suppress(RingserveError):
+                await self._control.leave(self.worker_id)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            self._retire(self._session, RingChangedError(self._session.view_id, self._session.view_id, "the worker shut down"))
+            self._session = None
+        for session in self._retired:
+            await session.wait_closed()
+        self._retired.clear()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        if self._control is not None:
+            await self._control.close()
+        if self._server is not None:
+            await self._server.stop(0.5)
+
+    async def __aenter__(self) -> Worker:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- where we are ----------------------------------------------------------------------
+
+    def _place(self) -> Place:
+        if not self._started or self._closed:
+            raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
+        if self._session is None:
+            raise RingChangedError(self._latest_view, self._latest_view, "this worker is not in the current view")
+        return self._session.place
+
+    @property
+    def rank(self) -> int:
+        return self._place().rank
+
+    @property
+    def size(self) -> int:
+        return self._place().size
+
+    @property
+    def local_rank(self) -> int:
+        return self._place().local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._place().local_size
+
+    @property
+    def cross_rank(self) -> int:
+        return self._place().cross_rank
+
+    @property
+    def cross_size(self) -> int:
+        return self._place().cross_size
+
+    @property
+    def view_id(self) -> int:
+        return self._place().view_id
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def _ring(self) -> Session:
+        self._place()
+        assert self._session is not None
+        return self._session
+
+    def _opts(self) -> dict[str, Any]:
+        return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}
+
+    async def allreduce(self, a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
+        """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank."""
+        return await collectives.allreduce(self._ring(), a, op=op, name=name, **self._opts())
+
+    async def broadcast(self, a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
+        """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype."""
+        return await collectives.broadcast(self._ring(), a, root=root, name=name, **self._opts())
+
+    async def allgather(self, a: Any, name: str | None = None) -> np.ndarray:
+        """Concatenates every rank's ``a`` along axis 0, in rank order (first dimensions may differ)."""
+        return await collectives.allgather(self._ring(), a, name=name, **self._opts())
+
+    async def reduce_scatter(self, a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
+        """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more)."""
+        return await collectives.reduce_scatter(self._ring(), a, op=op, name=name, **self._opts())
+
+    async def barrier(self) -> None:
+        """Returns once every rank has called barrier."""
+        await collectives.barrier(self._ring(), timeout_s=self.config.collective_timeout_s)
+
+    async def broadcast_object(self, obj: object = None, root: int = 0, name: str | None = None) -> object:
+        """Returns root's picklable ``obj`` on every rank. Objects travel only between the view's peers."""
+        return await collectives.broadcast_object(self._ring(), obj, root=root, name=name, **self._opts())
+
+    async def allgather_object(self, obj: object, name: str | None = None) -> list[object]:
+        """Returns every rank's picklable ``obj`` in rank order."""
+        return await collectives.allgather_object(self._ring(), obj, name=name, **self._opts())
+
+    # -- parameter store -------------------------------------------------------------------
+
+    async def put_params(self, key: str, data: bytes) -> int:
+        """Stores a blob on the coordinator (initial parameters for joiners); returns its version."""
+        assert self._control is not None
+        return await self._control.put_params(key, data)
+
+    async def get_params(self, key: str) -> bytes:
+        assert self._control is not None
+        return await self._control.get_params(key)
+
+    # -- data plane ------------------------------------------------------------------------
+
+    async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
+        frames = 0
+        try:
+            async for raw in request_iterator:
+                header, payload = wire.decode(raw)
+                frames += 1
+                if header.kind != wire.HELLO:
+                    self._route(header, payload)
+        except ProtocolError as exc:
+            log.warning("worker %s: rejected a peer stream: %s", self.address, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return peer_pb2.StreamSummary(frames=frames)
+
+    def _route(self, header: wire.FrameHeader, payload: memoryview) -> None:
+        session = self._session
+        if session is not None and header.view_id == session.view_id:
+            session.on_frame(header, payload)
+        elif header.view_id > self._latest_view:
+            # The predecessor heard of the new view before we did: keep its frames until we do.
+            self._early.setdefault(header.view_id, []).append((header, payload))
+        else:
+            self.counters.frames_rejected += 1
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=channel_options(self.config.max_message_bytes)
+            )
+        return channel
+
+    # -- membership ------------------------------------------------------------------------
+
+    def _retire(self, session: Session, exc: BaseException) -> None:
+        session.close(exc)
+        self._retired.append(session)
+
+    def _install(self, view: cpb.View) -> None:
+        if view.view_id <= self._latest_view:
+            return
+        old = self._session
+        self._latest_view = view.view_id
+        if old is not None:
+            self._retire(old, RingChangedError(old.view_id, view.view_id))
+        mine = [m for m in view.members if m.worker_id == self.worker_id]
+        self._session = None
+        if mine:
+            me = mine[0]
+            addresses = tuple(m.address for m in view.members)
+            place = Place(
+                view_id=view.view_id, rank=me.rank, size=len(addresses), addresses=addresses,
+                local_rank=me.local_rank, local_size=me.local_size,
+                cross_rank=me.cross_rank, cross_size=me.cross_size,
+            )
+            nxt = addresses[successor(me.rank, place.size)]
+            channel = self._channel(nxt) if place.size > 1 else None
+            self._session = Session(place, channel, self.counters, self.config.abort_grace_s)
+            log.info("worker %s: rank %d of %d in view %d", self.address, me.rank, place.size, view.view_id)
+        for vid in [v for v in self._early if v <= view.view_id]:
+            frames = self._early.pop(vid)
+            if self._session is not None and vid == view.view_id:
+                for header, payload in frames:
+                    self._session.on_frame(header, payload)
+            else:
+                self.counters.frames_rejected += len(frames)
+        self._view_changed.set()
+        self._view_changed = asyncio.Event()
+
+    async def _watch_loop(self) -> None:
+        assert self._control is not None
+        backoff = 0.05
+        while True:
+            try:
+                async for view in self._control.watch(self.worker_id):
+                    self._install(view)
+                    backoff = 0.05
+            except RingserveError as exc:
+                log.warning("worker %s: view watch broke: %s", self.address, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+            await self._drain_retired()
+
+    async def _drain_retired(self) -> None:
+        done = [s for s in self._retired if s.error is not None]
+        for session in done:
+            await session.wait_closed()
+            self._retired.remove(session)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._control is not None
+        while True:
+            await asyncio.sleep(self._heartbeat_interval_s)
+            c = self.counters
+            counters = cpb.WorkerCounters(
+                collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
+            )
+            view_id = self._session.view_id if self._session is not None else 0
+            try:
+                answer = await self._control.heartbeat(self.worker_id, view_id, counters)
+            except RingserveError as exc:
+                log.warning("worker %s: heartbeat failed: %s", self.address, exc)
+                continue
+            if not answer.known:
+                log.warning("worker %s: the coordinator no longer knows this worker", self.address)
+            await self._drain_retired()

@@ -1,0 +1,295 @@
+"""One view's ring, as seen by one worker: the stream to the successor, the frames received from
+the predecessor sorted by collective, and the abort protocol for ranks that disagree.
+
+A session lives exactly as long as its view. Closing it fails every collective still waiting on it,
+and frames of any other view never reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ringserve import wire
+from ringserve._proto import peer_pb2
+from ringserve.errors import MismatchError, PeerUnavailableError, ProtocolError, RingserveError
+from ringserve.ring import predecessor, successor
+from ringserve.transport import peer_error
+
+log = logging.getLogger("ringserve.worker")
+
+STREAM_METHOD = "/ringserve.v1.Peer/Stream"
+
+
+@dataclass
+class Counters:
+    collectives_done: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_rejected: int = 0
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this worker sits in a view."""
+
+    view_id: int
+    rank: int
+    size: int
+    addresses: tuple[str, ...]
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+
+
+class Inbox:
+    """The frames of one collective, by (step, chunk), and how that collective failed if it did."""
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[int, int], asyncio.Future[tuple[wire.FrameHeader, memoryview]]] = {}
+        self.error: BaseException | None = None
+        self._failed = asyncio.get_running_loop().create_future()
+        self.descriptor: str | None = None
+        self.known: dict[int, str] = {}
+        self.abort_sent = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def deliver(self, key: tuple[int, int], header: wire.FrameHeader, payload: memoryview) -> None:
+        fut = self._slots.get(key)
+        if fut is None:
+            fut = self._slots[key] = asyncio.get_running_loop().create_future()
+        if fut.done():
+            raise ProtocolError(f"Frame {key} of collective {header.op_key!r} arrived twice.")
+        fut.set_result((header, payload))
+
+    async def take(self, key: tuple[int, int]) -> tuple[wire.FrameHeader, memoryview]:
+        if self.error is not None:
+            raise self.error
+        fut = self._slots.get(key)
+        if fut is None:
+            fut = self._slots[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await fut
+        finally:
+            self._slots.pop(key, None)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = exc
+        for fut in self._slots.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._slots.clear()
+        self._failed.set_result(exc)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def fail_later(self, delay_s: float, make_error: Callable[[], BaseException]) -> None:
+        """Fails the collective after delay_s unless something fails it sooner."""
+        if self._timer is None and self.error is None:
+            self._timer = asyncio.get_running_loop().call_later(
+                delay_s, lambda: self.fail(make_error())
+            )
+
+    async def failure(self) -> BaseException:
+        """Waits for fail() and returns its error."""
+        return await asyncio.shield(self._failed)
+
+
+class Session:
+    """The ring of one view, for one worker."""
+
+    def __init__(
+        self,
+        place: Place,
+        channel: grpc.aio.Channel | None,
+        counters: Counters,
+        abort_grace_s: float,
+    ) -> None:
+        self.place = place
+        self.counters = counters
+        self.abort_grace_s = abort_grace_s
+        self._inboxes: dict[str, Inbox] = {}
+        self._occurrences: defaultdict[str, int] = defaultdict(int)
+        self.error: BaseException | None = None
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._sender: asyncio.Task[None] | None = None
+        if channel is not None and place.size > 1:
+            self._sender = asyncio.get_running_loop().create_task(
+                self._send_loop(channel), name=f"ringserve-send-v{place.view_id}"
+            )
+
+    @property
+    def view_id(self) -> int:
+        return self.place.view_id
+
+    @property
+    def successor_address(self) -> str:
+        return self.place.addresses[successor(self.place.rank, self.place.size)]
+
+    # -- collectives' side -----------------------------------------------------------------
+
+    def open(self, name: str | None, descriptor: str) -> tuple[str, Inbox]:
+        """Registers a collective; its key is equal on every rank that calls it in the same order."""
+        if self.error is not None:
+            raise self.error
+        base = name if name is not None else ""
+        self._occurrences[base] += 1
+        key = f"{base}#{self._occurrences[base]}"
+        inbox = self._inbox(key)
+        inbox.descriptor = descriptor
+        inbox.known[self.place.rank] = descriptor
+        return key, inbox
+
+    def release(self, key: str) -> None:
+        self._inboxes.pop(key, None)
+
+    async def recv(self, key: str, inbox: Inbox, step: int, chunk: int) -> tuple[wire.FrameHeader, memoryview]:
+        """The frame (step, chunk) of a collective, after checking the sender ran the same call."""
+        header, payload = await inbox.take((step, chunk))
+        if header.descriptor != inbox.descriptor:
+            self._start_abort(key, inbox, {header.sender_rank: header.descriptor})
+            raise await inbox.failure()
+        return header, payload
+
+    def send(
+        self,
+        key: str,
+        inbox: Inbox,
+        *,
+        step: int,
+        chunk: int,
+        payload: np.ndarray | memoryview | bytes,
+        dtype: int,
+        count: int,
+        origin: int = 0,
+        origin_count: int = 0,
+    ) -> None:
+        header = wire.FrameHeader(
+            kind=wire.DATA,
+            view_id=self.place.view_id,
+            sender_rank=self.place.rank,
+            op_key=key,
+            descriptor=inbox.descriptor,
+            step=step,
+            chunk=chunk,
+            origin=origin,
+            origin_count=origin_count,
+            dtype=dtype,
+            count=count,
+        )
+        self._put(wire.encode(header, payload))
+
+    # -- the peer server's side ------------------------------------------------------------
+
+    def on_frame(self, header: wire.FrameHeader, payload: memoryview) -> None:
+        """Routes one frame from the predecessor to its collective."""
+        expected = predecessor(self.place.rank, self.place.size)
+        if header.sender_rank != expected:
+            raise ProtocolError(
+                f"A frame claims rank {header.sender_rank}, but rank {expected} is the only "
+                f"predecessor of rank {self.place.rank} in view {self.view_id}."
+            )
+        self.counters.bytes_received += len(payload)
+        inbox = self._inbox(header.op_key)
+        if header.kind == wire.DATA:
+            if inbox.error is None:
+                inbox.deliver((header.step, header.chunk), header, payload)
+        elif header.kind == wire.ABORT:
+            self._on_abort(header.op_key, inbox, header)
+        else:
+            raise ProtocolError(f"A frame of kind {header.kind} is not expected mid-stream.")
+
+    def close(self, exc: BaseException) -> None:
+        """Fails every collective of this view with exc and stops sending."""
+        if self.error is None:
+            self.error = exc
+        for inbox in self._inboxes.values():
+            inbox.fail(exc)
+        if self._sender is not None:
+            self._sender.cancel()
+
+    async def wait_closed(self) -> None:
+        if self._sender is not None:
+            try:
+                await self._sender
+            except (asyncio.CancelledError, RingserveError):
+                pass
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _inbox(self, key: str) -> Inbox:
+        inbox = self._inboxes.get(key)
+        if inbox is None:
+            inbox = self._inboxes[key] = Inbox()
+            if self.error is not None:
+                inbox.fail(self.error)
+        return inbox
+
+    def _put(self, frame: bytes) -> None:
+        self.counters.bytes_sent += len(frame)
+        self._queue.put_nowait(frame)
+
+    async def _send_loop(self, channel: grpc.aio.Channel) -> None:
+        method = channel.stream_unary(STREAM_METHOD, response_deserializer=peer_pb2.StreamSummary.FromString)
+        call = method()
+        hello = wire.FrameHeader(kind=wire.HELLO, view_id=self.view_id, sender_rank=self.place.rank)
+        try:
+            await call.write(wire.encode(hello))
+            while True:
+                frame = await self._queue.get()
+                await call.write(frame)
+        except grpc.aio.AioRpcError as exc:
+            self.close(peer_error(exc, self.successor_address))
+        except asyncio.InvalidStateError:
+            self.close(PeerUnavailableError(f"The stream to {self.successor_address} closed."))
+        finally:
+            call.cancel()
+
+    def _start_abort(self, key: str, inbox: Inbox, descriptors: dict[int, str]) -> None:
+        inbox.known.update(descriptors)
+        if inbox.abort_sent:
+            return
+        inbox.abort_sent = True
+        inbox.fail_later(self.abort_grace_s, lambda: MismatchError(key, inbox.known))
+        log.warning(
+            "rank %d view %d: collective %r disagrees with its predecessor: %s",
+            self.place.rank, self.view_id, key, inbox.known,
+        )
+        self._send_abort(key, inbox, origin=self.place.rank, final=False)
+
+    def _send_abort(self, key: str, inbox: Inbox, *, origin: int, final: bool) -> None:
+        header = wire.FrameHeader(
+            kind=wire.ABORT,
+            view_id=self.view_id,
+            sender_rank=self.place.rank,
+            op_key=key,
+            reason="mismatch",
+            abort_origin=origin,
+            abort_final=final,
+        )
+        header.rank_descriptors.update(inbox.known)
+        self._put(wire.encode(header))
+
+    def _on_abort(self, key: str, inbox: Inbox, header: wire.FrameHeader) -> None:
+        # Lap 1 collects every rank's descriptor on its way round the ring; lap 2 (final) hands the
+        # full list to everyone. A rank fails its collective on the final lap, or after a grace.
+        inbox.known.update(header.rank_descriptors)
+        me = self.place.rank
+        if header.abort_origin != me:
+            self._send_abort(key, inbox, origin=header.abort_origin, final=header.abort_final)
+        elif not header.abort_final:
+            self._send_abort(key, inbox, origin=me, final=True)
+        if header.abort_final or header.abort_origin == me:
+            inbox.fail(MismatchError(key, inbox.known))
+        else:
+            inbox.abort_sent = True
+            inbox.fail_later(self.abort_grace_s, lambda: MismatchError(key, inbox.known))
