@@ -89,6 +89,8 @@ class WorkerConfig:
         collective_timeout_s: deadline for one collective, from submission to result.
         rpc_timeout_s: deadline of each unary control-plane call.
         abort_grace_s: after a mismatch, how long ranks wait to learn every rank's arguments.
+        drain_timeout_s: on shutdown or a graceful view change, how long collectives in flight
+            may take to finish before they are cut off.
         use_uvloop: run the background event loop on uvloop (measured faster; see README).
     """
 
@@ -103,11 +105,12 @@ class WorkerConfig:
     collective_timeout_s: float = 300.0
     rpc_timeout_s: float = 5.0
     abort_grace_s: float = 2.0
+    drain_timeout_s: float = 10.0
     use_uvloop: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
-                  "collective_timeout_s", "rpc_timeout_s", "abort_grace_s")
+                  "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s")
         if ":" not in self.coordinator:
             raise InvalidArgumentError(
                 f"The coordinator address ({self.coordinator!r}) must have the form host:port."

@@ -29,6 +29,8 @@ class ViewInfo:
 
     view_id: int
     members: tuple[MemberInfo, ...]
+    left: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
 
     def rank_of(self, worker_id: str) -> int | None:
         for rank, m in enumerate(self.members):
@@ -60,6 +62,9 @@ class State:
     view: ViewInfo = ViewInfo(0, ())
     changed_at: float = -INF
     join_seq: int = 0
+    # Workers removed since the last published view, by how they went.
+    left: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     elif isinstance(event, Leave):
         if event.worker_id in state.workers:
             state = _remove(state, event.worker_id, now)
+            state = replace(state, left=state.left | {event.worker_id})
             actions.append(Removed(event.worker_id, "left"))
     elif isinstance(event, Heartbeat):
         if event.worker_id in state.workers:
@@ -118,6 +124,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     for wid, seen in list(state.last_seen.items()):
         if now - seen > deadline:
             state = _remove(state, wid, now)
+            state = replace(state, failed=state.failed | {wid})
             actions.append(Removed(wid, f"silent for more than {deadline:g} s"))
     state, published = _maybe_publish(state, now)
     actions.extend(published)
@@ -178,12 +185,21 @@ def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
         # The world fell below its minimum: end it now, so that nobody waits on a dead ring.
         if not state.view.members:
             return state, []
-        view = ViewInfo(state.view.view_id + 1, ())
-        return replace(state, view=view), [PublishView(view)]
+        return _publish(state, ())
     if not enough:
         return state, []
     settled = now - state.changed_at >= state.rules.settle_s
     if not lost and not settled:
         return state, []
-    view = ViewInfo(state.view.view_id + 1, desired)
-    return replace(state, view=view), [PublishView(view)]
+    return _publish(state, desired)
+
+
+def _publish(state: State, members: tuple[MemberInfo, ...]) -> tuple[State, list[Action]]:
+    previous = {m.worker_id for m in state.view.members}
+    view = ViewInfo(
+        state.view.view_id + 1,
+        members,
+        left=tuple(sorted(state.left & previous)),
+        failed=tuple(sorted(state.failed & previous)),
+    )
+    return replace(state, view=view, left=frozenset(), failed=frozenset()), [PublishView(view)]

@@ -95,9 +95,13 @@ _COMBINE: dict[str, Callable[..., object]] = {
 }
 
 
-def combine_into(acc: np.ndarray, incoming: np.ndarray, op: str) -> None:
-    """acc <- op(acc, incoming), in place; numpy releases the GIL for the loop."""
-    _COMBINE[op](acc, incoming, out=acc)
+def combine_into(acc: np.ndarray, incoming: np.ndarray, op: str, out: np.ndarray | None = None) -> None:
+    """out <- op(acc, incoming), where out defaults to acc; numpy releases the GIL for the loop.
+
+    Writing into a separate ``out`` lets the ring reduce a rank's own input with what arrived
+    without first copying the input into the result.
+    """
+    _COMBINE[op](acc, incoming, out=acc if out is None else out)
 
 
 def finish_into(segment: np.ndarray, op: str, world: int) -> None:

@@ -28,12 +28,16 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., local_size: _Optional[int] = ..., cross_rank: _Optional[int] = ..., cross_size: _Optional[int] = ...) -> None: ...
 
 class View(_message.Message):
-    __slots__ = ("view_id", "members")
+    __slots__ = ("view_id", "members", "left_worker_ids", "failed_worker_ids")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     view_id: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, view_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    left_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, view_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., left_worker_ids: _Optional[_Iterable[str]] = ..., failed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("address", "hostname", "rank_hint", "worker_id")

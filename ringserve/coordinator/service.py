@@ -32,7 +32,10 @@ def view_to_proto(view: membership.ViewInfo) -> pb.View:
                 cross_rank=cross_rank, cross_size=cross_size,
             )
         )
-    return pb.View(view_id=view.view_id, members=members)
+    return pb.View(
+        view_id=view.view_id, members=members,
+        left_worker_ids=view.left, failed_worker_ids=view.failed,
+    )
 
 
 @dataclass

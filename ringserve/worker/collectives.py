@@ -76,6 +76,7 @@ async def ring_reduce(
     session: Session,
     key: str,
     inbox: Inbox,
+    src: np.ndarray,
     buf: np.ndarray,
     op: str,
     bounds: list[tuple[int, int]],
@@ -83,42 +84,49 @@ async def ring_reduce(
     *,
     gather: bool,
 ) -> None:
-    """Reduces the flat ``buf`` in place across the ring.
+    """Reduces the flat ``src`` across the ring into the flat ``buf`` (which may be ``src``).
 
-    After the reduce-scatter phase rank ``r`` holds the full result of segment ``r``; with
-    ``gather`` the allgather phase then gives every rank every segment.
+    Each rank adds its own input once, to the partial result that arrives from its
+    predecessor, so ``buf`` needs no copy of ``src`` first: every segment of ``buf`` is written
+    once, by a reduction or by the allgather. After the reduce-scatter phase rank ``r`` holds the
+    full result of segment ``r``; with
+    ``gather`` the allgather phase then gives every rank every segment. Reduce-scatter frames are
+    keyed by ring step; allgather frames by ``world - 1 + segment``, so that they can be forwarded
+    byte for byte.
     """
     rank, world = session.place.rank, session.place.size
     code = wire.dtype_code(buf.dtype)
     if world == 1:
+        if buf is not src:
+            buf[:] = src
         finish_into(buf, op, world)
         return
     last_rs = world - 2
+    gather_slot = world - 1
     send_seg, _ = reduce_scatter_step(rank, world, 0)
     for c, (a, b) in enumerate(chunk_bounds(*bounds[send_seg], chunk_elems)):
-        session.send(key, inbox, step=0, chunk=c, payload=buf[a:b], dtype=code, count=b - a)
+        session.send(key, inbox, slot=0, chunk=c, payload=src[a:b], dtype=code, count=b - a)
     for step in range(world - 1):
         _, recv_seg = reduce_scatter_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
-            _, payload = await session.recv(key, inbox, step, c)
+            frame = await session.recv(key, inbox, step, c)
             part = buf[a:b]
-            combine_into(part, _payload(payload, buf.dtype, b - a, key), op)
+            combine_into(src[a:b], _payload(frame.payload, buf.dtype, b - a, key), op, out=part)
             if step < last_rs:
-                session.send(key, inbox, step=step + 1, chunk=c, payload=part, dtype=code, count=b - a)
+                session.send(key, inbox, slot=step + 1, chunk=c, payload=part, dtype=code, count=b - a)
                 continue
             finish_into(part, op, world)
             if gather:
-                session.send(key, inbox, step=world - 1, chunk=c, payload=part, dtype=code, count=b - a)
+                session.send(key, inbox, slot=gather_slot + rank, chunk=c, payload=part, dtype=code, count=b - a)
     if not gather:
         return
     for step in range(world - 1):
         _, recv_seg = allgather_step(rank, world, step)
-        wire_step = world - 1 + step
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
-            _, payload = await session.recv(key, inbox, wire_step, c)
-            buf[a:b] = _payload(payload, buf.dtype, b - a, key)
+            frame = await session.recv(key, inbox, gather_slot + recv_seg, c)
+            buf[a:b] = _payload(frame.payload, buf.dtype, b - a, key)
             if step < world - 2:
-                session.send(key, inbox, step=wire_step + 1, chunk=c, payload=payload, dtype=code, count=b - a)
+                session.forward(frame)
 
 
 def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
@@ -128,13 +136,14 @@ def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
 async def allreduce(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:
     array = _as_array(a)
     check_op(op)
-    buf = np.array(array, copy=True, order="C").reshape(-1)
+    src = np.ascontiguousarray(array).reshape(-1)
+    buf = np.empty_like(src)
     descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}"
     bounds = segment_bounds(buf.size, session.place.size)
     elems = _chunk_elems(buf.dtype, chunk_bytes)
 
     async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, buf, op, bounds, elems, gather=True)
+        await ring_reduce(session, key, inbox, src, buf, op, bounds, elems, gather=True)
 
     await run(session, name, descriptor, timeout_s, body)
     return buf.reshape(array.shape)
@@ -146,13 +155,14 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     if array.ndim == 0:
         raise InvalidArgumentError("reduce_scatter needs an array with at least one dimension.")
     rest = array.shape[1:]
-    buf = np.array(array, copy=True, order="C").reshape(-1)
+    src = np.ascontiguousarray(array).reshape(-1)
+    buf = np.empty_like(src)
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
     descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}"
 
     async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, buf, op, bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
+        await ring_reduce(session, key, inbox, src, buf, op, bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
 
     await run(session, name, descriptor, timeout_s, body)
     a0, b0 = bounds[rank]
@@ -164,7 +174,7 @@ async def barrier(session: Session, *, timeout_s: float) -> None:
     bounds = segment_bounds(1, session.place.size)
 
     async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, buf, "sum", bounds, 1, gather=True)
+        await ring_reduce(session, key, inbox, buf, buf, "sum", bounds, 1, gather=True)
 
     await run(session, None, "barrier", timeout_s, body)
 
@@ -196,24 +206,23 @@ async def broadcast_bytes(
             assert flat is not None
             if world > 1:
                 for c, (a, b) in enumerate(chunk_bounds(0, flat.size, elems)):
-                    session.send(key, inbox, step=0, chunk=c, payload=flat[a:b], dtype=code,
+                    session.send(key, inbox, slot=0, chunk=c, payload=flat[a:b], dtype=code,
                                  count=b - a, origin=root, origin_count=flat.size)
                 await session.recv(key, inbox, 1, 0)
             return flat
-        header, payload = await session.recv(key, inbox, 0, 0)
-        total = header.origin_count
+        frame = await session.recv(key, inbox, 0, 0)
+        total = frame.header.origin_count
         if flat is not None and total != flat.size:
             raise ProtocolError(f"The root of {key!r} sent {total} elements, not {flat.size}.")
         out = np.empty(total, dtype=dtype)
         for c, (a, b) in enumerate(chunk_bounds(0, total, elems)):
             if c:
-                _, payload = await session.recv(key, inbox, 0, c)
-            out[a:b] = _payload(payload, dtype, b - a, key)
+                frame = await session.recv(key, inbox, 0, c)
+            out[a:b] = _payload(frame.payload, dtype, b - a, key)
             if nxt != root:
-                session.send(key, inbox, step=0, chunk=c, payload=payload, dtype=code,
-                             count=b - a, origin=root, origin_count=total)
+                session.forward(frame)
         if nxt == root:
-            session.send(key, inbox, step=1, chunk=0, payload=b"", dtype=code, count=0)
+            session.send(key, inbox, slot=1, chunk=0, payload=b"", dtype=code, count=0)
         return out
 
     return await run(session, name, descriptor, timeout_s, body)
@@ -255,25 +264,24 @@ async def allgather_blocks(
         if world == 1:
             return blocks
         for c, (a, b) in enumerate(chunk_bounds(0, flat.size, elems)):
-            session.send(key, inbox, step=0, chunk=c, payload=flat[a:b], dtype=code, count=b - a,
+            session.send(key, inbox, slot=rank, chunk=c, payload=flat[a:b], dtype=code, count=b - a,
                          origin=rank, origin_count=flat.size)
         for step in range(world - 1):
             _, origin = allgather_step(rank, world, step)
-            header, payload = await session.recv(key, inbox, step, 0)
-            total = header.origin_count
-            if header.origin != origin or total % max(row, 1):
+            frame = await session.recv(key, inbox, origin, 0)
+            total = frame.header.origin_count
+            if total % max(row, 1):
                 raise ProtocolError(
-                    f"Collective {key!r} got block {header.origin} of {total} elements at step "
-                    f"{step}, where block {origin} in whole rows of {row} was expected."
+                    f"Collective {key!r} got a block of {total} elements from rank {origin}, "
+                    f"which is not a whole number of rows of {row}."
                 )
             block = np.empty(total, dtype=dtype)
             for c, (a, b) in enumerate(chunk_bounds(0, total, elems)):
                 if c:
-                    _, payload = await session.recv(key, inbox, step, c)
-                block[a:b] = _payload(payload, dtype, b - a, key)
+                    frame = await session.recv(key, inbox, origin, c)
+                block[a:b] = _payload(frame.payload, dtype, b - a, key)
                 if step < world - 2:
-                    session.send(key, inbox, step=step + 1, chunk=c, payload=payload, dtype=code,
-                                 count=b - a, origin=origin, origin_count=total)
+                    session.forward(frame)
             blocks[origin] = block
         return blocks
 

@@ -21,6 +21,7 @@ from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     NotInitializedError,
+    PeerUnavailableError,
     ProtocolError,
     RendezvousTimeoutError,
     RingChangedError,
@@ -30,7 +31,7 @@ from ringserve.ring import successor
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives
 from ringserve.worker.control import ControlClient
-from ringserve.worker.session import Counters, Place, Session
+from ringserve.worker.session import Counters, Place, Received, Session
 
 log = logging.getLogger("ringserve.worker")
 
@@ -60,7 +61,7 @@ class Worker:
         self._session: Session | None = None
         self._retired: list[Session] = []
         self._latest_view = 0
-        self._early: dict[int, list[tuple[wire.FrameHeader, memoryview]]] = {}
+        self._early: dict[int, list[tuple[wire.FrameHeader, Received]]] = {}
         self._view_changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_interval_s = 1.0
@@ -122,6 +123,15 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            # Let collectives in flight finish and tell the successor we are done, then leave:
+            # the others then see a graceful leave and their last collectives are not cut off.
+            session.retire(RingChangedError(session.view_id, session.view_id, "the worker shut down"))
+            self._retired.append(session)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.drain_timeout_s):
+                    await session.wait_closed()
         if self._control is not None and self.worker_id:
             with contextlib.suppress(RingserveError):
                 await self._control.leave(self.worker_id)
@@ -130,10 +140,8 @@ class Worker:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._session is not None:
-            self._retire(self._session, RingChangedError(self._session.view_id, self._session.view_id, "the worker shut down"))
-            self._session = None
         for session in self._retired:
+            session.close(RingChangedError(session.view_id, self._latest_view, "the worker shut down"))
             await session.wait_closed()
         self._retired.clear()
         for channel in self._channels.values():
@@ -240,24 +248,51 @@ class Worker:
 
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
         frames = 0
+        hello: wire.FrameHeader | None = None
         try:
             async for raw in request_iterator:
                 header, payload = wire.decode(raw)
                 frames += 1
-                if header.kind != wire.HELLO:
-                    self._route(header, payload)
+                if hello is None:
+                    if header.kind != wire.HELLO:
+                        raise ProtocolError("A peer stream must open with a HELLO frame.")
+                    hello = header
+                    continue
+                if header.view_id != hello.view_id:
+                    raise ProtocolError(
+                        f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
+                    )
+                self._route(hello, Received(header, payload, raw))
         except ProtocolError as exc:
             log.warning("worker %s: rejected a peer stream: %s", self.address, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            if hello is not None:
+                self._predecessor_gone(hello)
         return peer_pb2.StreamSummary(frames=frames)
 
-    def _route(self, header: wire.FrameHeader, payload: memoryview) -> None:
+    def _predecessor_gone(self, hello: wire.FrameHeader) -> None:
+        for session in [self._session, *self._retired]:
+            if session is None or session.view_id != hello.view_id:
+                continue
+            if session.retired is not None:
+                session.predecessor_gone(session.retired)
+            else:
+                session.predecessor_gone(PeerUnavailableError(
+                    f"The stream from rank {hello.sender_rank} of view {hello.view_id} ended."
+                ))
+
+    def _route(self, hello: wire.FrameHeader, frame: Received) -> None:
         session = self._session
-        if session is not None and header.view_id == session.view_id:
-            session.on_frame(header, payload)
-        elif header.view_id > self._latest_view:
+        view_id = hello.view_id
+        if session is None or view_id != session.view_id:
+            session = next((s for s in self._retired if s.view_id == view_id and s.error is None), None)
+        if session is not None:
+            session.check_sender(hello)
+            session.on_frame(frame)
+        elif view_id > self._latest_view:
             # The predecessor heard of the new view before we did: keep its frames until we do.
-            self._early.setdefault(header.view_id, []).append((header, payload))
+            self._early.setdefault(view_id, []).append((hello, frame))
         else:
             self.counters.frames_rejected += 1
 
@@ -271,18 +306,21 @@ class Worker:
 
     # -- membership ------------------------------------------------------------------------
 
-    def _retire(self, session: Session, exc: BaseException) -> None:
-        session.close(exc)
-        self._retired.append(session)
-
     def _install(self, view: cpb.View) -> None:
         if view.view_id <= self._latest_view:
             return
         old = self._session
         self._latest_view = view.view_id
-        if old is not None:
-            self._retire(old, RingChangedError(old.view_id, view.view_id))
         mine = [m for m in view.members if m.worker_id == self.worker_id]
+        if old is not None:
+            exc = RingChangedError(old.view_id, view.view_id)
+            if view.failed_worker_ids:
+                old.close(exc)
+            else:
+                # Members only joined or left gracefully: the old ring is intact, so collectives
+                # already in flight on it may finish (a leaver drains its part before it leaves).
+                old.retire(exc)
+            self._retired.append(old)
         self._session = None
         if mine:
             me = mine[0]
@@ -294,13 +332,16 @@ class Worker:
             )
             nxt = addresses[successor(me.rank, place.size)]
             channel = self._channel(nxt) if place.size > 1 else None
-            self._session = Session(place, channel, self.counters, self.config.abort_grace_s)
+            self._session = Session(
+                place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s
+            )
             log.info("worker %s: rank %d of %d in view %d", self.address, me.rank, place.size, view.view_id)
         for vid in [v for v in self._early if v <= view.view_id]:
             frames = self._early.pop(vid)
             if self._session is not None and vid == view.view_id:
-                for header, payload in frames:
-                    self._session.on_frame(header, payload)
+                for hello, frame in frames:
+                    self._session.check_sender(hello)
+                    self._session.on_frame(frame)
             else:
                 self.counters.frames_rejected += len(frames)
         self._view_changed.set()
@@ -321,7 +362,7 @@ class Worker:
             await self._drain_retired()
 
     async def _drain_retired(self) -> None:
-        done = [s for s in self._retired if s.error is not None]
+        done = [s for s in self._retired if s.drained]
         for session in done:
             await session.wait_closed()
             self._retired.remove(session)

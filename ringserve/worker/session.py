@@ -12,6 +12,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -35,6 +36,14 @@ class Counters:
     frames_rejected: int = 0
 
 
+class Received(NamedTuple):
+    """A frame as it arrived: its header, a view of its payload, and its bytes for forwarding."""
+
+    header: wire.FrameHeader
+    payload: memoryview
+    raw: bytes
+
+
 @dataclass(frozen=True)
 class Place:
     """Where this worker sits in a view."""
@@ -53,32 +62,45 @@ class Inbox:
     """The frames of one collective, by (step, chunk), and how that collective failed if it did."""
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[int, int], asyncio.Future[tuple[wire.FrameHeader, memoryview]]] = {}
+        self._slots: dict[tuple[int, int], asyncio.Future[Received]] = {}
         self.error: BaseException | None = None
         self._failed = asyncio.get_running_loop().create_future()
         self.descriptor: str | None = None
         self.known: dict[int, str] = {}
         self.abort_sent = False
         self._timer: asyncio.TimerHandle | None = None
+        self._starved: BaseException | None = None
 
-    def deliver(self, key: tuple[int, int], header: wire.FrameHeader, payload: memoryview) -> None:
+    def deliver(self, key: tuple[int, int], frame: Received) -> None:
         fut = self._slots.get(key)
         if fut is None:
             fut = self._slots[key] = asyncio.get_running_loop().create_future()
         if fut.done():
-            raise ProtocolError(f"Frame {key} of collective {header.op_key!r} arrived twice.")
-        fut.set_result((header, payload))
+            raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")
+        fut.set_result(frame)
 
-    async def take(self, key: tuple[int, int]) -> tuple[wire.FrameHeader, memoryview]:
+    async def take(self, key: tuple[int, int]) -> Received:
         if self.error is not None:
             raise self.error
         fut = self._slots.get(key)
         if fut is None:
+            if self._starved is not None:
+                raise self._starved
             fut = self._slots[key] = asyncio.get_running_loop().create_future()
         try:
             return await fut
         finally:
             self._slots.pop(key, None)
+
+    def starve(self, exc: BaseException) -> None:
+        """No more frames will come: frames already here stay takeable, waiting for others fails."""
+        if self._starved is not None:
+            return
+        self._starved = exc
+        for key, fut in list(self._slots.items()):
+            if not fut.done():
+                fut.set_exception(exc)
+                del self._slots[key]
 
     def fail(self, exc: BaseException) -> None:
         if self.error is not None:
@@ -113,13 +135,18 @@ class Session:
         channel: grpc.aio.Channel | None,
         counters: Counters,
         abort_grace_s: float,
+        drain_timeout_s: float = 10.0,
     ) -> None:
         self.place = place
         self.counters = counters
         self.abort_grace_s = abort_grace_s
+        self.drain_timeout_s = drain_timeout_s
         self._inboxes: dict[str, Inbox] = {}
         self._occurrences: defaultdict[str, int] = defaultdict(int)
         self.error: BaseException | None = None
+        self.retired: BaseException | None = None
+        self._starved: BaseException | None = None
+        self._active = 0
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
         if channel is not None and place.size > 1:
@@ -141,31 +168,45 @@ class Session:
         """Registers a collective; its key is equal on every rank that calls it in the same order."""
         if self.error is not None:
             raise self.error
+        if self.retired is not None:
+            raise self.retired
         base = name if name is not None else ""
         self._occurrences[base] += 1
         key = f"{base}#{self._occurrences[base]}"
         inbox = self._inbox(key)
         inbox.descriptor = descriptor
         inbox.known[self.place.rank] = descriptor
+        self._active += 1
         return key, inbox
 
     def release(self, key: str) -> None:
         self._inboxes.pop(key, None)
+        self._active -= 1
+        if self._active == 0 and self.retired is not None:
+            self._queue.put_nowait(None)
 
-    async def recv(self, key: str, inbox: Inbox, step: int, chunk: int) -> tuple[wire.FrameHeader, memoryview]:
-        """The frame (step, chunk) of a collective, after checking the sender ran the same call."""
-        header, payload = await inbox.take((step, chunk))
-        if header.descriptor != inbox.descriptor:
-            self._start_abort(key, inbox, {header.sender_rank: header.descriptor})
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
+        """The frame (slot, chunk) of a collective, after checking its author ran the same call.
+
+        A slot names what a frame carries (a ring step, a segment, an origin rank), chosen so that
+        a frame forwarded unchanged keeps its key from hop to hop.
+        """
+        frame = await inbox.take((slot, chunk))
+        if frame.header.descriptor != inbox.descriptor:
+            self._start_abort(key, inbox, {frame.header.sender_rank: frame.header.descriptor})
             raise await inbox.failure()
-        return header, payload
+        return frame
+
+    def forward(self, frame: Received) -> None:
+        """Sends a received frame on to the successor as it is: no copy, no new header."""
+        self._put(frame.raw)
 
     def send(
         self,
         key: str,
         inbox: Inbox,
         *,
-        step: int,
+        slot: int,
         chunk: int,
         payload: np.ndarray | memoryview | bytes,
         dtype: int,
@@ -179,7 +220,7 @@ class Session:
             sender_rank=self.place.rank,
             op_key=key,
             descriptor=inbox.descriptor,
-            step=step,
+            step=slot,
             chunk=chunk,
             origin=origin,
             origin_count=origin_count,
@@ -190,32 +231,60 @@ class Session:
 
     # -- the peer server's side ------------------------------------------------------------
 
-    def on_frame(self, header: wire.FrameHeader, payload: memoryview) -> None:
-        """Routes one frame from the predecessor to its collective."""
+    def check_sender(self, hello: wire.FrameHeader) -> None:
+        """Accepts a stream only from this view's predecessor."""
         expected = predecessor(self.place.rank, self.place.size)
-        if header.sender_rank != expected:
+        if hello.sender_rank != expected:
             raise ProtocolError(
-                f"A frame claims rank {header.sender_rank}, but rank {expected} is the only "
+                f"A stream claims rank {hello.sender_rank}, but rank {expected} is the only "
                 f"predecessor of rank {self.place.rank} in view {self.view_id}."
             )
-        self.counters.bytes_received += len(payload)
+
+    def on_frame(self, frame: Received) -> None:
+        """Routes one frame from the predecessor to its collective."""
+        header = frame.header
+        self.counters.bytes_received += len(frame.raw)
         inbox = self._inbox(header.op_key)
         if header.kind == wire.DATA:
             if inbox.error is None:
-                inbox.deliver((header.step, header.chunk), header, payload)
+                inbox.deliver((header.step, header.chunk), frame)
         elif header.kind == wire.ABORT:
             self._on_abort(header.op_key, inbox, header)
         else:
             raise ProtocolError(f"A frame of kind {header.kind} is not expected mid-stream.")
 
+    def retire(self, exc: BaseException) -> None:
+        """Ends the view softly: new collectives fail with exc, those in flight may finish.
+
+        Once none is in flight, the stream to the successor ends cleanly, which tells the
+        successor that nothing more will come (see starve); so a drain ends within one lap.
+        """
+        if self.retired is not None or self.error is not None:
+            return
+        self.retired = exc
+        if self._active == 0:
+            self._queue.put_nowait(None)
+
+    def predecessor_gone(self, exc: BaseException) -> None:
+        """The stream from the predecessor ended: collectives waiting for more frames fail with exc."""
+        if self._starved is None:
+            self._starved = exc
+        for inbox in self._inboxes.values():
+            inbox.starve(self._starved)
+
     def close(self, exc: BaseException) -> None:
-        """Fails every collective of this view with exc and stops sending."""
+        """Fails every collective of this view with exc and stops sending at once."""
         if self.error is None:
             self.error = exc
         for inbox in self._inboxes.values():
             inbox.fail(exc)
         if self._sender is not None:
             self._sender.cancel()
+
+    @property
+    def drained(self) -> bool:
+        """True once the stream to the successor has ended (or there never was one)."""
+        return self._sender is None or self._sender.done()
 
     async def wait_closed(self) -> None:
         if self._sender is not None:
@@ -232,6 +301,8 @@ class Session:
             inbox = self._inboxes[key] = Inbox()
             if self.error is not None:
                 inbox.fail(self.error)
+            elif self._starved is not None:
+                inbox.starve(self._starved)
         return inbox
 
     def _put(self, frame: bytes) -> None:
@@ -246,7 +317,18 @@ class Session:
             await call.write(wire.encode(hello))
             while True:
                 frame = await self._queue.get()
+                if frame is None:
+                    break
                 await call.write(frame)
+            # A clean end: the answer comes once the successor has routed every frame.
+            await call.done_writing()
+            async with asyncio.timeout(self.drain_timeout_s):
+                await call
+        except TimeoutError:
+            self.close(PeerUnavailableError(
+                f"The peer at {self.successor_address} did not confirm the end of view {self.view_id} "
+                f"within {self.drain_timeout_s:g} s."
+            ))
         except grpc.aio.AioRpcError as exc:
             self.close(peer_error(exc, self.successor_address))
         except asyncio.InvalidStateError:

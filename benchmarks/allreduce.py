@@ -1,0 +1,168 @@
+"""Allreduce on loopback: ringserve against torch.distributed's gloo backend, in the same run.
+
+    python benchmarks/allreduce.py                    # worlds 2 and 4; 64 KiB, 1 MiB, 16 MiB, 64 MiB
+    python benchmarks/allreduce.py --worlds 4 --sizes 1M 64M --loop asyncio
+
+For each world and size it prints seconds per op, algorithm bandwidth (S / t), bus bandwidth
+(algbw x 2(N-1)/N), the ratios to gloo, the bytes each ringserve worker sent over the ring optimum
+2(N-1)/N x S, and the peak memory of a ringserve worker over the tensor at the largest size.
+Both sides reduce float32 sums with one compute thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import PYTHON, free_port, peak_rss_bytes, read_json, rss_bytes, run_ranks, table  # noqa: E402
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
+
+
+def iterations(size: int) -> int:
+    return max(4, min(60, (256 << 20) // size))
+
+
+def time_ops(run_once, barrier, size: int) -> list[float]:
+    """Per-op times of a few timed batches, after a warm-up."""
+    n = iterations(size)
+    for _ in range(2):
+        run_once()
+    samples = []
+    batches = 3
+    per_batch = max(1, n // batches)
+    for _ in range(batches):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(per_batch):
+            run_once()
+        samples.append((time.perf_counter() - t0) / per_batch)
+    return samples
+
+
+def worker_ringserve(args: argparse.Namespace) -> None:
+    import ringserve as rs
+    from ringserve import api
+
+    rs.init(use_uvloop=args.loop == "uvloop")
+    counters = api.context().worker.counters
+    results = {}
+    for size in args.sizes:
+        before_tensor = rss_bytes()
+        a = np.ones(size // 4, dtype=np.float32)
+        sent0, ops0 = counters.bytes_sent, counters.collectives_done
+        samples = time_ops(lambda: rs.allreduce(a, op="sum", name="bench"), rs.barrier, size)
+        ops = counters.collectives_done - ops0
+        barriers = 3
+        sent = (counters.bytes_sent - sent0) / max(1, ops - barriers)
+        results[size] = {"t": statistics.median(samples), "sent": sent,
+                         "peak_over_tensor": (peak_rss_bytes() - before_tensor) / size}
+        del a
+    pathlib.Path(args.out).write_text(json.dumps(results))
+    rs.shutdown()
+
+
+def worker_gloo(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(__import__("os").environ["RINGSERVE_RANK_HINT"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world)
+    results = {}
+    for size in args.sizes:
+        t = torch.ones(size // 4, dtype=torch.float32)
+        samples = time_ops(lambda: dist.all_reduce(t), dist.barrier, size)
+        results[size] = {"t": statistics.median(samples)}
+    pathlib.Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path) -> list[dict[str, object]]:
+    from ringserve import Coordinator, CoordinatorConfig
+    from ringserve.loop import LoopThread
+
+    sizes_arg = [str(s) for s in sizes]
+    me = str(pathlib.Path(__file__).resolve())
+    thread = LoopThread(use_uvloop=True)
+    coord = Coordinator(CoordinatorConfig(min_workers=world, max_workers=world, settle_s=0.1))
+    thread.run(coord.start(), 10)
+    try:
+        run_ranks([[PYTHON, me, "--role", "ringserve", "--world", str(world), "--loop", loop,
+                    "--out", str(tmp / f"rs{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
+                  {"RINGSERVE_COORDINATOR": coord.address}, timeout_s=900)
+    finally:
+        thread.run(coord.stop(0.1), 10)
+        thread.stop()
+    port = free_port()
+    run_ranks([[PYTHON, me, "--role", "gloo", "--world", str(world), "--port", str(port),
+                "--out", str(tmp / f"gloo{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
+              {}, timeout_s=900)
+    rows = []
+    for size in sizes:
+        key = str(size)
+        rs_t = max(read_json(tmp / f"rs{world}.{i}.json")[key]["t"] for i in range(world))
+        gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world))
+        sent = max(read_json(tmp / f"rs{world}.{i}.json")[key]["sent"] for i in range(world))
+        peak = max(read_json(tmp / f"rs{world}.{i}.json")[key]["peak_over_tensor"] for i in range(world))
+        factor = 2 * (world - 1) / world
+        optimum = factor * size
+        rows.append({
+            "world": world,
+            "size": f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB",
+            "rs_ms": f"{rs_t * 1e3:.2f}",
+            "gloo_ms": f"{gl_t * 1e3:.2f}",
+            "time_ratio": f"{rs_t / gl_t:.2f}",
+            "rs_busbw": f"{size / rs_t * factor / 1e9:.2f}",
+            "gloo_busbw": f"{size / gl_t * factor / 1e9:.2f}",
+            "busbw_ratio": f"{gl_t / rs_t:.2f}",
+            "sent_over_opt": f"{sent / optimum:.4f}",
+            "peak_mem": f"{peak:.2f}x",
+        })
+    return rows
+
+
+COLUMNS = [
+    ("world", "world"), ("size", "size"), ("rs_ms", "ringserve ms/op"), ("gloo_ms", "gloo ms/op"),
+    ("time_ratio", "time / gloo"), ("rs_busbw", "ringserve busbw GB/s"), ("gloo_busbw", "gloo busbw GB/s"),
+    ("busbw_ratio", "busbw / gloo"), ("sent_over_opt", "bytes sent / optimum"), ("peak_mem", "peak mem / tensor"),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--sizes", nargs="+", default=["64K", "1M", "16M", "64M"])
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
+    p.add_argument("--world", type=int, default=0)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    args.sizes = [parse_size(s) for s in args.sizes]
+    if args.role == "ringserve":
+        return worker_ringserve(args)
+    if args.role == "gloo":
+        return worker_gloo(args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            rows += run_world(world, args.sizes, args.loop, pathlib.Path(tmp))
+    print(f"allreduce of float32 sums on loopback, {args.loop} event loop; bandwidths in GB/s")
+    print(table(rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The ``ringserve`` command: ``coordinator``, ``run`` and ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from google.protobuf import json_format
+
+from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.errors import RingserveError
+
+
+def _coordinator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=None, help="port to bind (default 0: any free port)")
+    p.add_argument("--min-workers", type=int, default=None, help="workers needed for the first view")
+    p.add_argument("--max-workers", type=int, default=None, help="most workers in one view")
+    p.add_argument("--settle-seconds", dest="settle_s", type=float, default=None,
+                   help="membership must be stable this long before a view forms")
+    p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
+    p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
+
+
+def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
+    return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
+
+
+_COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+
+
+async def _serve(config: CoordinatorConfig) -> None:
+    from ringserve.coordinator import Coordinator
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Coordinator(config) as coord:
+        print(f"ringserve coordinator listening on {coord.address}", flush=True)
+        await stop.wait()
+
+
+def _cmd_coordinator(ns: argparse.Namespace) -> int:
+    from ringserve.loop import new_event_loop
+
+    config = CoordinatorConfig.from_env(**_overrides(ns, _COORD_FIELDS))
+    loop = new_event_loop(use_uvloop=True)
+    try:
+        loop.run_until_complete(_serve(config))
+    finally:
+        loop.close()
+    return 0
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from ringserve.launch import launch
+
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    config = CoordinatorConfig(
+        host=ns.host or "127.0.0.1",
+        min_workers=ns.np,
+        max_workers=ns.np,
+        settle_s=0.2,
+    )
+    outcome = launch(ns.np, command, coordinator=config)
+    if outcome.failed_rank is not None:
+        print(
+            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}; "
+            f"the other ranks were stopped.",
+            file=sys.stderr,
+        )
+    return outcome.code
+
+
+def _format_status(status: object) -> str:
+    from ringserve._proto import coordinator_pb2 as pb
+
+    assert isinstance(status, pb.StatusResponse)
+    lines = [
+        f"view {status.view.view_id}, {len(status.view.members)} workers "
+        f"(min {status.min_workers}, max {status.max_workers}, {status.pending_workers} waiting); "
+        f"views formed {status.views_formed}; uptime {status.uptime_s:.1f} s",
+    ]
+    header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
+    lines.append(header)
+    for m in status.members:
+        lines.append(
+            f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
+            f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
+            f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
+        )
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    from ringserve.worker.control import ControlClient
+
+    async def fetch() -> object:
+        client = ControlClient(WorkerConfig(coordinator=ns.coordinator, rpc_timeout_s=ns.timeout))
+        try:
+            return await client.status()
+        finally:
+            await client.close()
+
+    status = asyncio.run(fetch())
+    if ns.json:
+        print(json.dumps(json_format.MessageToDict(status, always_print_fields_with_no_presence=True), indent=2))
+    else:
+        print(_format_status(status))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringserve", description="Collective communication over gRPC.")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("coordinator", help="run a coordinator until SIGINT or SIGTERM")
+    _coordinator_args(p)
+    p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser("run", help="run a command as N local workers of a fresh coordinator")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
+    p.add_argument("--host", default=None, help="address the coordinator binds (default 127.0.0.1)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, e.g. python train.py")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("status", help="show the current view and each worker's counters")
+    p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
+    p.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(ns.func(ns))
+    except RingserveError as exc:
+        print(f"ringserve {ns.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

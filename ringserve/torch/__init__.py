@@ -1,0 +1,139 @@
+"""ringserve.torch: a Horovod-compatible PyTorch binding.
+
+A script written for ``horovod.torch`` runs after changing only its import::
+
+    import ringserve.torch as hvd
+
+    hvd.init()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=hvd.Compression.fp16)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
+Adasum and Product (a clear error says so), process sets other than the global one, alltoall,
+and Horovod's join semantics for uneven data (``join()`` here is a barrier that names the last rank).
+"""
+
+from __future__ import annotations
+
+from ringserve.torch.basics import (
+    ProcessSet,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    ringserve_built,
+    rocm_built,
+    shutdown,
+    size,
+)
+from ringserve.torch.collectives import (
+    Handle,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from ringserve.torch.optimizer import DistributedOptimizer
+from ringserve.torch.sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "Handle",
+    "Max",
+    "Min",
+    "ProcessSet",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "SyncBatchNorm",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "init",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "ringserve_built",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "synchronize",
+]

@@ -1,0 +1,163 @@
+"""Lifecycle and topology with Horovod's names, over ringserve's default context.
+
+The binding keeps no state of its own: the one default context lives in ``ringserve.api``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from ringserve import api
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError
+from ringserve.worker.runtime import Worker
+
+T = TypeVar("T")
+
+# Slack on top of a collective's own deadline before a waiting caller gives up.
+_WAIT_SLACK_S = 10.0
+
+
+class ProcessSet:
+    """Horovod's process sets; ringserve supports only the global one (every rank)."""
+
+    def __repr__(self) -> str:
+        return "ringserve.torch.global_process_set"
+
+
+global_process_set = ProcessSet()
+
+
+def check_process_set(process_set: object) -> None:
+    """Raises InvalidArgumentError unless ``process_set`` is None or the global process set."""
+    if process_set is not None and process_set is not global_process_set:
+        raise InvalidArgumentError(
+            "ringserve supports only the global process set; pass process_set=global_process_set."
+        )
+
+
+def init(comm: object = None, process_sets: object = None, *, coordinator: str | None = None,
+         **overrides: Any) -> None:
+    """Joins the world (Horovod's ``hvd.init()``); blocks until the first view that includes us.
+
+    Args:
+        comm: Horovod's MPI communicator; must be None (ringserve does not use MPI).
+        process_sets: Horovod's process sets; must be None or empty.
+        coordinator: host:port of the coordinator; defaults to RINGSERVE_COORDINATOR.
+        **overrides: any WorkerConfig field, over the RINGSERVE_* environment.
+
+    Raises:
+        InvalidArgumentError: an MPI communicator or process sets were given.
+        CoordinatorUnreachableError, RendezvousTimeoutError: as ringserve.init().
+    """
+    if comm is not None:
+        raise InvalidArgumentError("ringserve does not use MPI: init() takes no communicator.")
+    if process_sets:
+        raise InvalidArgumentError("ringserve supports only the global process set: pass no process_sets.")
+    api.init(coordinator, **overrides)
+
+
+def shutdown() -> None:
+    """Leaves the world and stops the background thread; init() works again afterwards."""
+    api.shutdown()
+
+
+def is_initialized() -> bool:
+    return api.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the current view."""
+    return api.rank()
+
+
+def size() -> int:
+    """The number of ranks in the current view."""
+    return api.size()
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return api.local_rank()
+
+
+def local_size() -> int:
+    """The number of ranks on this process's host."""
+    return api.local_size()
+
+
+def cross_rank() -> int:
+    """The index of this process's host among the hosts."""
+    return api.cross_rank()
+
+
+def cross_size() -> int:
+    """The number of hosts."""
+    return api.cross_size()
+
+
+def submit(call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+    """Starts a worker call on the default context's loop; raises NotInitializedError before init()."""
+    return api.context().submit(call)
+
+
+def wait(future: concurrent.futures.Future[T]) -> T:
+    """The result of a submitted call, waiting at most the collective deadline plus a slack.
+
+    Raises:
+        CollectiveTimeoutError: the call did not finish in time (it is cancelled).
+        Whatever the call raised.
+    """
+    timeout_s = api.context().config.collective_timeout_s + _WAIT_SLACK_S
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise CollectiveTimeoutError(
+            f"A collective did not finish within {timeout_s:g} s of waiting."
+        ) from None
+
+
+def ringserve_built() -> bool:
+    return True
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False

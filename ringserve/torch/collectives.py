@@ -1,0 +1,371 @@
+"""Tensor collectives with Horovod's names and arguments: allreduce, allgather, broadcast,
+reducescatter, their in-place and async forms, handles, barrier and join.
+
+Async forms return a ``Handle``; ``synchronize(handle)`` waits for it and returns the result, and
+``poll(handle)`` says whether it is done. A tensor passed to an async call must not be modified
+until the call is synchronized: CPU tensors are read in place, without a copy.
+
+``allreduce``, ``allgather`` and ``broadcast`` are differentiable, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from ringserve import api
+from ringserve.torch import _tensors, basics, ops
+from ringserve.torch.compression import Compression, Compressor
+
+R = TypeVar("R")
+
+
+class Handle(Generic[R]):
+    """An in-flight collective; pass it to ``synchronize()`` or ``poll()``."""
+
+    def __init__(self, future: concurrent.futures.Future[Any], finish: Callable[[Any], R]) -> None:
+        self._future = future
+        self._finish = finish
+        self._result: R | None = None
+        self._finished = False
+
+    def poll(self) -> bool:
+        """True once the collective has finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self) -> R:
+        """Waits for the collective and returns its result; a second call returns it again."""
+        if not self._finished:
+            self._result = self._finish(basics.wait(self._future))
+            self._finished = True
+        return self._result  # type: ignore[return-value]
+
+
+def synchronize(handle: Handle[R]) -> R:
+    """Waits for an async collective and returns its result (Horovod's ``hvd.synchronize``)."""
+    return handle.wait()
+
+
+def poll(handle: Handle[Any]) -> bool:
+    """True if an async collective has finished, so synchronize() will not block."""
+    return handle.poll()
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    return tensor if factor == 1.0 else tensor * factor
+
+
+def _rescale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point():
+        return tensor.mul_(factor)
+    return (tensor * factor).to(tensor.dtype)
+
+
+# -- allreduce -------------------------------------------------------------------------------
+
+def _allreduce_start(
+    tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
+    prescale_factor: float, postscale_factor: float, out: torch.Tensor | None,
+) -> Handle[torch.Tensor]:
+    wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
+    array, layout = _tensors.reducible(wire)
+    core = ops.core_op(op)
+    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name))
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        reduced = _rescale(compression.decompress(_tensors.restore(result, layout), cctx), postscale_factor)
+        if out is None:
+            return reduced
+        with torch.no_grad():
+            return out.copy_(reduced)
+
+    return Handle(future, finish)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: ops.ReduceOp, name: str | None,
+                prescale: float, postscale: float) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale)
+        return _allreduce_start(tensor, op=op, name=name, compression=Compression.none,
+                                prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        op, prescale, postscale = ctx.args
+        reduced = _allreduce_start(grad, op=op, name=None, compression=Compression.none,
+                                   prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
+        return reduced, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] | Compressor = Compression.none, op: ops.ReduceOp | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: object = None) -> torch.Tensor:
+    """Returns the reduction of ``tensor`` over all ranks, as a new tensor (differentiable).
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+        average: deprecated; use op.
+        name: matches the call across ranks (named calls may be issued in any order).
+        compression: how the tensor travels (Compression.none, fp16, bf16).
+        op: Average (default), Sum, Min or Max.
+        prescale_factor, postscale_factor: multiply before and after the reduction.
+        process_set: only the global process set is supported.
+    """
+    basics.check_process_set(process_set)
+    reduce_op = ops.resolve(op, average)
+    wire, cctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(wire, reduce_op, name, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, cctx)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
+    """Starts allreduce() and returns its handle; synchronize(handle) returns a new tensor."""
+    basics.check_process_set(process_set)
+    return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=None)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, process_set: object = None) -> torch.Tensor:
+    """Reduces ``tensor`` in place over all ranks and returns it."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
+    """Starts allreduce_() and returns its handle; synchronize(handle) returns ``tensor``."""
+    basics.check_process_set(process_set)
+    return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=tensor)
+
+
+def _grouped_start(
+    tensors: Sequence[torch.Tensor], *, op: ops.ReduceOp, name: str | None,
+    compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
+    in_place: bool,
+) -> Handle[list[torch.Tensor]]:
+    """Fuses tensors of one wire dtype and device into one buffer, and reduces each buffer once."""
+    compressed = [compression.compress(t.detach()) for t in tensors]
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, (wire, _) in enumerate(compressed):
+        groups.setdefault((wire.dtype, wire.device), []).append(i)
+    handles: list[tuple[list[int], Handle[torch.Tensor]]] = []
+    for k, members in enumerate(groups.values()):
+        flat = torch.cat([compressed[i][0].reshape(-1) for i in members])
+        part_name = None if name is None else f"{name}.{k}"
+        handles.append((members, _allreduce_start(
+            flat, op=op, name=part_name, compression=Compression.none, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, out=None)))
+    future: concurrent.futures.Future[None] = concurrent.futures.Future()
+    future.set_result(None)
+
+    def finish(_: None) -> list[torch.Tensor]:
+        results: list[torch.Tensor] = [tensors[0]] * len(tensors)
+        for members, handle in handles:
+            flat = handle.wait()
+            offset = 0
+            for i in members:
+                wire, cctx = compressed[i]
+                part = flat[offset: offset + wire.numel()].view(wire.shape)
+                offset += wire.numel()
+                value = compression.decompress(part, cctx)
+                if in_place:
+                    with torch.no_grad():
+                        tensors[i].copy_(value)
+                    value = tensors[i]
+                results[i] = value
+        return results
+
+    return Handle(future, finish)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] | Compressor = Compression.none,
+                      op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
+    """Reduces a list of tensors as one fused collective per dtype; returns new tensors."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_set, compression=compression).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: ops.ReduceOp | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: object = None, *,
+                            compression: type[Compressor] | Compressor = Compression.none,
+                            ) -> Handle[list[torch.Tensor]]:
+    """Starts grouped_allreduce() and returns its handle."""
+    basics.check_process_set(process_set)
+    return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=compression,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=False)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
+    """Reduces a list of tensors in place; returns them."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: ops.ReduceOp | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: object = None) -> Handle[list[torch.Tensor]]:
+    """Starts grouped_allreduce_() and returns its handle."""
+    basics.check_process_set(process_set)
+    return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=Compression.none,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=True)
+
+
+# -- allgather, broadcast, reducescatter -----------------------------------------------------
+
+def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
+    array, layout = _tensors.raw(tensor)
+    future = basics.submit(lambda w: w.allgather(array, name=name))
+    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]))
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.rows = tensor.shape[0]
+        return _allgather_start(tensor, name).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
+                                   prescale_factor=1.0, postscale_factor=1.0, out=None).wait()
+        rows = api.allgather(np.array([ctx.rows], dtype=np.int64))
+        offset = int(rows[: api.rank()].sum())
+        return reduced.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object = None) -> torch.Tensor:
+    """Concatenates every rank's ``tensor`` along dimension 0 in rank order (differentiable).
+
+    Dimension 0 may differ between ranks; the other dimensions and the dtype must match.
+    """
+    basics.check_process_set(process_set)
+    return _Allgather.apply(tensor, name)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: object = None) -> Handle[torch.Tensor]:
+    """Starts allgather() and returns its handle."""
+    basics.check_process_set(process_set)
+    return _allgather_start(tensor, name)
+
+
+def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
+                     out: torch.Tensor | None) -> Handle[torch.Tensor]:
+    array, layout = _tensors.raw(tensor)
+    future = basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name))
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        value = _tensors.restore(result, layout)
+        if out is None:
+            return value
+        with torch.no_grad():
+            return out.copy_(value)
+
+    return Handle(future, finish)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+        ctx.root_rank = root_rank
+        return _broadcast_start(tensor, root_rank, name, None).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
+                                   prescale_factor=1.0, postscale_factor=1.0, out=None).wait()
+        if api.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: object = None) -> torch.Tensor:
+    """Returns root_rank's ``tensor`` on every rank, as a new tensor (differentiable)."""
+    basics.check_process_set(process_set)
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: object = None) -> Handle[torch.Tensor]:
+    basics.check_process_set(process_set)
+    return _broadcast_start(tensor, root_rank, name, None)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: object = None) -> torch.Tensor:
+    """Overwrites ``tensor`` with root_rank's, in place, and returns it."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: object = None) -> Handle[torch.Tensor]:
+    basics.check_process_set(process_set)
+    return _broadcast_start(tensor, root_rank, name, tensor)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
+                        compression: type[Compressor] | Compressor = Compression.none,
+                        op: ops.ReduceOp | None = None, process_set: object = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle[torch.Tensor]:
+    """Starts reducescatter() and returns its handle."""
+    basics.check_process_set(process_set)
+    core = ops.core_op(ops.resolve(op))
+    wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
+    array, layout = _tensors.reducible(wire)
+    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name))
+
+    def finish(result: np.ndarray) -> torch.Tensor:
+        part = _tensors.restore(result, layout, rows=result.shape[0])
+        return _rescale(compression.decompress(part, cctx), postscale_factor)
+
+    return Handle(future, finish)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] | Compressor = Compression.none,
+                  op: ops.ReduceOp | None = None, process_set: object = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduces ``tensor`` over all ranks and returns this rank's rows of the result.
+
+    Rows are split as evenly as possible, the first ranks getting one more, as in Horovod.
+    """
+    return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor,
+                               postscale_factor).wait()
+
+
+def barrier(process_set: object = None) -> None:
+    """Returns once every rank has called barrier()."""
+    basics.check_process_set(process_set)
+    api.barrier()
+
+
+def join(device: int = -1) -> int:
+    """Waits until every rank has called join(); returns the rank that called it last.
+
+    Unlike Horovod, ranks that have joined do not stand in for the allreduces of ranks still
+    training, so every rank must issue the same collectives before joining.
+    """
+    arrivals = api.allgather_object(time.time(), name="ringserve.torch.join")
+    return int(max(range(len(arrivals)), key=lambda r: arrivals[r]))  # type: ignore[arg-type, return-value]

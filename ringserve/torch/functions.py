@@ -1,0 +1,173 @@
+"""Broadcasting model and optimizer state, and picklable objects, from one rank to all.
+
+Tensors travel fused as raw bytes (bit for bit, any dtype) in a few large broadcasts rather than
+one broadcast per tensor; structure and non-tensor values travel once as a pickled skeleton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringserve import api
+from ringserve.errors import InvalidArgumentError
+from ringserve.torch import basics
+
+# Tensors are fused into broadcast buffers of at most this many bytes (one tensor may exceed it).
+_GROUP_BYTES = 64 << 20
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: list[list[torch.Tensor]] = []
+    size = _GROUP_BYTES
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > _GROUP_BYTES and (not groups or groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nbytes
+    return groups
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: str) -> None:
+    """Overwrites every tensor with root_rank's, in place; all ranks pass the same shapes and dtypes.
+
+    Args:
+        tensors: tensors of any dtype and device.
+        root_rank: the rank whose values win.
+        name: names the broadcasts, so they match across ranks in any order.
+    """
+    items = [t for t in tensors if t.numel() > 0]
+    is_root = api.rank() == root_rank
+    for k, group in enumerate(_groups(items)):
+        flat = torch.cat([_as_bytes(t) for t in group])
+        array = flat.numpy()
+        result = basics.wait(basics.submit(lambda w, a=array, n=f"{name}.{k}": w.broadcast(a, root=root_rank, name=n)))
+        if is_root:
+            continue
+        received = torch.from_numpy(result)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                nbytes = t.numel() * t.element_size()
+                t.copy_(received[offset: offset + nbytes].view(t.dtype).view(t.shape))
+                offset += nbytes
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
+                         process_set: object = None) -> None:
+    """Overwrites parameters or buffers with root_rank's values, in place.
+
+    Args:
+        params: a ``state_dict()``, ``named_parameters()``, or an iterable of tensors.
+        root_rank: the rank whose values every rank takes.
+        process_set: only the global process set is supported.
+
+    Example::
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    basics.check_process_set(process_set)
+    if isinstance(params, Mapping):
+        entries = sorted(params.items(), key=lambda kv: str(kv[0]))
+        tensors = [t for _, t in entries]
+    else:
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(
+                f"broadcast_parameters takes tensors, not {type(t).__name__} values."
+            )
+    broadcast_tensors_([t for t in tensors if t is not None], root_rank, "ringserve.torch.parameters")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Stands for a tensor in a pickled skeleton: which one, and how to allocate it."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_strip(v, tensors) for v in value)
+    return value
+
+
+def _slots(value: Any, found: list[_Slot]) -> None:
+    if isinstance(value, _Slot):
+        found.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _slots(v, found)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _slots(v, found)
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill(v, tensors) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: object = None) -> None:
+    """Makes every rank's optimizer state (moments, steps, hyperparameters) equal to root_rank's.
+
+    Works before the first step too: then root_rank's (empty) state and its hyperparameters win.
+
+    Example::
+
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    basics.check_process_set(process_set)
+    is_root = api.rank() == root_rank
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
+    skeleton = api.broadcast_object(skeleton, root=root_rank, name="ringserve.torch.optimizer_skeleton")
+    if not is_root:
+        slots: list[_Slot] = []
+        _slots(skeleton, slots)
+        tensors = [torch.empty(0)] * len(slots)
+        for slot in slots:
+            tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
+    broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state")
+    if not is_root:
+        optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def broadcast_object(obj: object = None, root_rank: int = 0, name: str | None = None,
+                     process_set: object = None) -> object:
+    """Returns root_rank's picklable ``obj`` on every rank."""
+    basics.check_process_set(process_set)
+    return api.broadcast_object(obj, root=root_rank, name=name)
+
+
+def allgather_object(obj: object, name: str | None = None, process_set: object = None) -> list[object]:
+    """Returns every rank's picklable ``obj``, in rank order."""
+    basics.check_process_set(process_set)
+    return api.allgather_object(obj, name=name)

@@ -1,0 +1,449 @@
+"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+
+How it works:
+
+- Gradients are packed into fusion buckets of about ``fusion_bytes`` (default 4 MiB, or
+  RINGSERVE_FUSION_BYTES), in reverse parameter order, which is roughly the order backward produces
+  them. Each bucket is one named allreduce.
+- A ``register_post_accumulate_grad_hook`` on every parameter counts its backward passes. When every
+  parameter of a bucket has had ``backward_passes_per_step`` of them, the bucket is packed into a
+  host buffer and its allreduce starts on the background loop, while backward computes the
+  gradients of earlier layers: communication overlaps with compute.
+- ``step()`` (or ``synchronize()``) starts the buckets that are still waiting, which holds
+  parameters that got no gradient in this step, waits for all of them and writes the averages back
+  into ``param.grad``.
+
+Unused parameters: every bucket carries one flag per parameter, 1 when the rank had a gradient for
+it, reduced together with the gradients. A parameter that no rank used keeps ``grad=None`` on every
+rank; one that some rank used gets the reduced gradient (zeros stand in for the ranks without one)
+on every rank. Every rank thus starts every bucket exactly once per step, and none hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ringserve import api
+from ringserve.errors import InvalidArgumentError, UsageError
+from ringserve.torch import _tensors, basics, ops
+from ringserve.torch.compression import Compression, Compressor
+
+DEFAULT_FUSION_BYTES = 4 << 20
+FUSION_BYTES_ENV = "RINGSERVE_FUSION_BYTES"
+
+
+def fusion_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
+    """The fusion bucket size from RINGSERVE_FUSION_BYTES, or DEFAULT_FUSION_BYTES.
+
+    Raises:
+        InvalidArgumentError: the variable is not a non-negative integer.
+    """
+    raw = (os.environ if env is None else env).get(FUSION_BYTES_ENV, "")
+    if not raw.strip():
+        return DEFAULT_FUSION_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(f"{FUSION_BYTES_ENV} ({raw!r}) must be a non-negative integer.")
+    return value
+
+
+class _Bucket:
+    """Parameters whose gradients are reduced together, and the state of their current reduction."""
+
+    def __init__(self, params: list[torch.nn.Parameter], name: str) -> None:
+        self.params = params
+        self.name = name
+        self.bounds: list[tuple[int, int]] = []
+        offset = 0
+        for p in params:
+            self.bounds.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        pinned = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
+        # Gradients, then one presence flag per parameter.
+        self.buffer = torch.empty(offset + len(params), dtype=params[0].dtype, pin_memory=pinned)
+        self.ready = 0
+        self.future: Any = None
+        self.finish: Callable[[Any], torch.Tensor] | None = None
+        self.started_at = 0.0
+        self.done_at = 0.0
+
+
+def _plan(params: list[torch.nn.Parameter], fusion_bytes: int,
+          groups: int | list[list[torch.nn.Parameter]] | None) -> list[list[torch.nn.Parameter]]:
+    """Splits parameters into buckets: explicit groups first, then the rest by size.
+
+    The rest is taken in reverse order (backward's order); a bucket closes when the next parameter
+    would take it past ``fusion_bytes`` or has another dtype or device.
+    """
+    plans: list[list[torch.nn.Parameter]] = []
+    rest = list(reversed(params))
+    if isinstance(groups, list):
+        taken: set[int] = set()
+        for group in groups:
+            members = [p for p in group if id(p) not in taken and any(p is q for q in params)]
+            taken.update(id(p) for p in members)
+            if members:
+                plans.append(members)
+        rest = [p for p in rest if id(p) not in taken]
+    elif isinstance(groups, int) and groups > 0:
+        n = min(groups, len(rest))
+        cuts = [round(i * len(rest) / n) for i in range(n + 1)] if n else []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            plans.append(rest[a:b])
+        rest = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for p in rest:
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > fusion_bytes or p.dtype != current[0].dtype
+                        or p.device != current[0].device):
+            plans.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        plans.append(current)
+    # A group given by the caller may still mix dtypes or devices: split it.
+    return [part for plan in plans for part in _split_kinds(plan)]
+
+
+def _split_kinds(plan: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in plan:
+        kinds.setdefault((p.dtype, p.device), []).append(p)
+    return list(kinds.values())
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer so that ``step()`` applies gradients averaged over every rank.
+
+    It is a static wrapper, not a run-time subclass: the wrapped optimizer keeps its state, and
+    ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and every other attribute are the
+    wrapped optimizer's. It is an ``Optimizer`` for ``isinstance``, so LR schedulers and GradScaler
+    take it.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``; checked to name every parameter once.
+        compression: Compression.none (default), fp16 or bf16 (rounded to bf16, float32 on the wire).
+        backward_passes_per_step: backward passes to accumulate locally before one allreduce.
+        op: Average (default) or Sum.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            size / factor after it.
+        num_groups, groups: Horovod's explicit fusion groups (a count, or lists of parameters).
+        sparse_as_dense: accepted for compatibility; sparse gradients are always made dense.
+        process_set: only the global process set is supported.
+        fusion_bytes: bucket size in bytes; RINGSERVE_FUSION_BYTES or 4 MiB when None.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        loss.backward()
+        opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        compression: type[Compressor] | Compressor = Compression.none,
+        backward_passes_per_step: int = 1,
+        op: ops.ReduceOp = ops.Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: int | list[list[torch.nn.Parameter]] | None = None,
+        sparse_as_dense: bool = False,
+        process_set: object = None,
+        *,
+        fusion_bytes: int | None = None,
+    ) -> None:
+        # Optimizer.__init__ is skipped on purpose: all optimizer state lives in ``optimizer``.
+        basics.check_process_set(process_set)
+        reduce_op = ops.resolve(op)
+        if reduce_op not in (ops.Average, ops.Sum):
+            raise InvalidArgumentError(f"DistributedOptimizer reduces with Average or Sum, not {reduce_op!r}.")
+        if gradient_predivide_factor != 1.0 and reduce_op is not ops.Average:
+            raise InvalidArgumentError("gradient_predivide_factor needs op=Average.")
+        if gradient_predivide_factor <= 0:
+            raise InvalidArgumentError(
+                f"gradient_predivide_factor ({gradient_predivide_factor}) must be greater than zero."
+            )
+        if backward_passes_per_step < 1:
+            raise InvalidArgumentError(
+                f"backward_passes_per_step ({backward_passes_per_step}) must be at least 1."
+            )
+        fusion = fusion_bytes_from_env() if fusion_bytes is None else fusion_bytes
+        if fusion < 0:
+            raise InvalidArgumentError(f"fusion_bytes ({fusion}) must not be negative.")
+        self._optimizer = optimizer
+        self._compression = compression
+        self._op = reduce_op
+        self._predivide = float(gradient_predivide_factor)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._fusion_bytes = fusion
+        self._groups = groups if groups is not None else (num_groups or None)
+        self._names = self._check_names(named_parameters)
+        self._hooks: list[Any] = []
+        self._buckets: list[_Bucket] = []
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._passes: dict[int, int] = {}
+        self._should_synchronize = True
+        self._synchronized = False
+        self.communication_intervals: list[tuple[float, float]] = []
+        self._rebuild()
+
+    # -- delegation ------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes this class and Optimizer lack: those of the wrapped optimizer.
+        inner = self.__dict__.get("_optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group to the wrapped optimizer; every rank must add the same groups in order."""
+        self._optimizer.add_param_group(param_group)
+        if "_buckets" in self.__dict__:
+            self._rebuild()
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r})"
+
+    # -- buckets and hooks -----------------------------------------------------------------
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        params = []
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def _check_names(self, named: Iterable[tuple[str, torch.nn.Parameter]] | None) -> dict[int, str]:
+        params = self._params()
+        if named is None:
+            return {id(p): f"param.{i}" for i, p in enumerate(params)}
+        pairs = list(named)
+        names = [n for n, _ in pairs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise InvalidArgumentError(f"Parameter names in named_parameters must be unique: {duplicates}.")
+        by_id = {id(p): n for n, p in pairs}
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            raise InvalidArgumentError(
+                f"named_parameters does not name {len(missing)} of the optimizer's parameters "
+                f"(positions {missing[:5]}); pass model.named_parameters() of the optimized model."
+            )
+        return by_id
+
+    def _rebuild(self) -> None:
+        self._check_idle("rebuild its buckets")
+        self.remove_hooks()
+        params = self._params()
+        layout = "|".join(f"{self._names.get(id(p), '?')}:{tuple(p.shape)}:{p.dtype}" for p in params)
+        prefix = "ringserve.grad." + hashlib.sha1(layout.encode()).hexdigest()[:10]
+        plans = _plan(params, self._fusion_bytes, self._groups)
+        self._buckets = [_Bucket(plan, f"{prefix}.{i}") for i, plan in enumerate(plans)]
+        self._slot = {id(p): (b, j) for b in self._buckets for j, p in enumerate(b.params)}
+        this = weakref.ref(self)
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(this)))
+
+    def remove_hooks(self) -> None:
+        """Detaches the gradient hooks; the optimizer then no longer reduces gradients by itself."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        slot = self._slot.get(id(p))
+        if slot is None:
+            return
+        self._synchronized = False
+        passes = self._passes.get(id(p), 0) + 1
+        self._passes[id(p)] = passes
+        if passes > self.backward_passes_per_step:
+            raise UsageError(
+                f"The gradient of {self._names.get(id(p))} was computed {passes} times before step(), "
+                f"more than backward_passes_per_step ({self.backward_passes_per_step}); call step() "
+                "or synchronize() after each group of backward passes, or raise backward_passes_per_step."
+            )
+        if passes == self.backward_passes_per_step:
+            bucket, _ = slot
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start(bucket)
+
+    def _scales(self) -> tuple[str, float, float]:
+        if self._op is ops.Sum:
+            return "sum", 1.0, 1.0
+        if self._predivide == 1.0:
+            return "average", 1.0, 1.0
+        return "sum", 1.0 / self._predivide, self._predivide / api.size()
+
+    def _start(self, bucket: _Bucket) -> None:
+        """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce."""
+        core, prescale, postscale = self._scales()
+        buf = bucket.buffer
+        flags = []
+        with torch.no_grad():
+            for p, (a, b) in zip(bucket.params, bucket.bounds, strict=True):
+                grad = p.grad
+                if grad is None:
+                    buf[a:b].zero_()
+                    flags.append(0.0)
+                    continue
+                if grad.is_sparse:
+                    grad = grad.to_dense()
+                buf[a:b].copy_(grad.reshape(-1))
+                flags.append(1.0)
+            buf[bucket.numel:].copy_(torch.tensor(flags, dtype=buf.dtype))
+            if prescale != 1.0:
+                buf.mul_(prescale)
+        wire, cctx = self._compression.compress(buf)
+        array, layout = _tensors.reducible(wire)
+        name = bucket.name
+
+        async def reduce(worker: Any) -> tuple[Any, float]:
+            result = await worker.allreduce(array, op=core, name=name)
+            return result, time.perf_counter()
+
+        def finish(result: Any) -> torch.Tensor:
+            reduced = self._compression.decompress(_tensors.restore(result, layout), cctx)
+            return reduced.mul_(postscale) if postscale != 1.0 else reduced
+
+        bucket.started_at = time.perf_counter()
+        bucket.future = basics.submit(reduce)
+        bucket.finish = finish
+
+    def _finish(self, bucket: _Bucket) -> None:
+        result, bucket.done_at = basics.wait(bucket.future)
+        assert bucket.finish is not None
+        out = bucket.finish(result)
+        flags = out[bucket.numel:].tolist()
+        with torch.no_grad():
+            for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
+                if flag == 0:  # no rank had a gradient: leave grad None everywhere
+                    continue
+                value = out[a:b].view(p.shape)
+                if p.grad is None:
+                    p.grad = value.to(device=p.device, copy=True)
+                else:
+                    p.grad.copy_(value)
+
+    def _check_idle(self, what: str) -> None:
+        busy = any(b.future is not None for b in self.__dict__.get("_buckets", []))
+        if busy or self.__dict__.get("_passes"):
+            raise UsageError(
+                f"DistributedOptimizer cannot {what} between loss.backward() and step() or "
+                "synchronize(): gradients are being reduced. Call step() or synchronize() first."
+            )
+
+    # -- Horovod's interface ---------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Waits until every gradient is reduced and written to ``param.grad``.
+
+        Call it before inspecting or clipping gradients, then call step() inside
+        skip_synchronize(). A second call with no backward pass in between does nothing.
+        """
+        if self._synchronized:
+            return
+        for bucket in self._buckets:
+            if bucket.future is None:
+                self._start(bucket)
+        intervals = []
+        try:
+            for bucket in self._buckets:
+                self._finish(bucket)
+                intervals.append((bucket.started_at, bucket.done_at))
+        finally:
+            for bucket in self._buckets:
+                bucket.future, bucket.finish, bucket.ready = None, None, 0
+            self._passes.clear()
+        self.communication_intervals = intervals
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this context, step() applies the gradients as they are, without synchronize()."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """Synchronizes (unless in skip_synchronize()) and runs the wrapped optimizer's step."""
+        if self._should_synchronize:
+            self.synchronize()
+        result = self._optimizer.step() if closure is None else self._optimizer.step(closure)
+        self._synchronized = False
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients, as the wrapped optimizer does.
+
+        Raises:
+            UsageError: called between backward() and step() or synchronize().
+        """
+        self._check_idle("zero the gradients")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _hook(optimizer: weakref.ref[DistributedOptimizer]) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that holds its optimizer weakly, so a dropped optimizer stops reducing."""
+
+    def on_grad(param: torch.Tensor) -> None:
+        owner = optimizer()
+        if owner is not None:
+            owner._on_grad(param)  # noqa: SLF001
+
+    return on_grad
