@@ -49,10 +49,10 @@ def peak_rss_bytes() -> int:
 
 def table(rows: list[dict[str, object]], columns: Sequence[tuple[str, str]]) -> str:
     widths = [max(len(title), *(len(str(r[key])) for r in rows)) for key, title in columns]
-    lines = ["| " + " | ".join(t.ljust(w) for (_, t), w in zip(columns, widths)) + " |",
+    lines = ["| " + " | ".join(t.ljust(w) for (_, t), w in zip(columns, widths, strict=True)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(str(r[k]).rjust(w) for (k, _), w in zip(columns, widths)) + " |")
+        lines.append("| " + " | ".join(str(r[k]).rjust(w) for (k, _), w in zip(columns, widths, strict=True)) + " |")
     return "\n".join(lines)
 
 

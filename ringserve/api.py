@@ -121,9 +121,13 @@ def cross_size() -> int:
     return _worker().cross_size
 
 
-def allreduce(a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
-    """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``."""
-    return context().call(lambda w: w.allreduce(a, op=op, name=name))
+def allreduce(a: Any, op: str = "average", name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``.
+
+    ``out=a`` reduces in place (as torch.distributed.all_reduce does); any other ``out`` of the
+    same shape and dtype receives the result.
+    """
+    return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out))
 
 
 def broadcast(a: Any, root: int = 0, name: str | None = None) -> np.ndarray:

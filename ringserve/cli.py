@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from google.protobuf import json_format
 
@@ -27,7 +28,7 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
 
 
-def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
+def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
     return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
 
 

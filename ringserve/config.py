@@ -10,6 +10,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ringserve.errors import InvalidArgumentError
 
@@ -68,7 +69,7 @@ class CoordinatorConfig:
             )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> CoordinatorConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CoordinatorConfig:
         """Builds a config from RINGSERVE_* variables; explicit overrides win."""
         return cls(**_from_env(cls, env, overrides))
 
@@ -92,6 +93,7 @@ class WorkerConfig:
         drain_timeout_s: on shutdown or a graceful view change, how long collectives in flight
             may take to finish before they are cut off.
         use_uvloop: run the background event loop on uvloop (measured faster; see README).
+        tune_malloc: keep chunk-sized buffers in glibc's heap instead of mmap (see _malloc.py).
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -107,6 +109,7 @@ class WorkerConfig:
     abort_grace_s: float = 2.0
     drain_timeout_s: float = 10.0
     use_uvloop: bool = True
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
@@ -122,12 +125,12 @@ class WorkerConfig:
         return self.chunk_bytes + 64 * 1024
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> WorkerConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
         """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win."""
         return cls(**_from_env(cls, env, overrides))
 
 
-def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, object]) -> dict:
+def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
     env = os.environ if env is None else env
     values: dict[str, object] = {}
     for f in fields(cls):

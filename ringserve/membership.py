@@ -9,7 +9,6 @@ or in the order of their rank hints for the first view.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Union
 
 INF = float("inf")
 
@@ -90,7 +89,7 @@ class Tick:
     pass
 
 
-Event = Union[Join, Leave, Heartbeat, Tick]
+Event = Join | Leave | Heartbeat | Tick
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class Removed:
     reason: str
 
 
-Action = Union[PublishView, Removed]
+Action = PublishView | Removed
 
 
 def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:

@@ -73,7 +73,7 @@ def encode(header: FrameHeader, payload: bytes | memoryview | np.ndarray = b"") 
     """Serialises a frame; the payload is copied exactly once, into the returned bytes."""
     head = header.SerializeToString()
     if isinstance(payload, np.ndarray):
-        payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+        payload = memoryview(np.ascontiguousarray(payload)).cast("B")  # type: ignore[arg-type]
     parts: list[bytes | memoryview] = [bytes((_HEADER_TAG,)), _varint(len(head)), head]
     if len(payload):
         parts += [bytes((_PAYLOAD_TAG,)), _varint(len(payload)), payload]

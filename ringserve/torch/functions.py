@@ -18,6 +18,7 @@ from ringserve.torch import basics
 
 # Tensors are fused into broadcast buffers of at most this many bytes (one tensor may exceed it).
 _GROUP_BYTES = 64 << 20
+_ALIGN = 16
 
 
 def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -37,6 +38,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
+def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets that keep every tensor aligned, so the received bytes view as its dtype."""
+    offsets, end = [], 0
+    for t in group:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + t.numel() * t.element_size()
+    return offsets, end
+
+
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: str) -> None:
     """Overwrites every tensor with root_rank's, in place; all ranks pass the same shapes and dtypes.
 
@@ -48,18 +59,21 @@ def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: st
     items = [t for t in tensors if t.numel() > 0]
     is_root = api.rank() == root_rank
     for k, group in enumerate(_groups(items)):
-        flat = torch.cat([_as_bytes(t) for t in group])
+        offsets, total = _aligned_offsets(group)
+        flat = torch.zeros(total, dtype=torch.uint8)
+        if is_root:
+            for t, start in zip(group, offsets, strict=True):
+                flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
         array = flat.numpy()
-        result = basics.wait(basics.submit(lambda w, a=array, n=f"{name}.{k}": w.broadcast(a, root=root_rank, name=n)))
+        part = f"{name}.{k}"
+        result = basics.wait(basics.submit(lambda w, a=array, n=part: w.broadcast(a, root=root_rank, name=n)))
         if is_root:
             continue
         received = torch.from_numpy(result)
-        offset = 0
         with torch.no_grad():
-            for t in group:
+            for t, start in zip(group, offsets, strict=True):
                 nbytes = t.numel() * t.element_size()
-                t.copy_(received[offset: offset + nbytes].view(t.dtype).view(t.shape))
-                offset += nbytes
+                t.copy_(received[start: start + nbytes].view(t.dtype).view(t.shape))
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,

@@ -133,11 +133,34 @@ def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // dtype.itemsize)
 
 
-async def allreduce(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:
+def _output(array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """The flat result buffer: a new array, or ``out`` (which may be the input itself)."""
+    if out is None:
+        return np.empty(array.size, dtype=array.dtype)
+    if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
+        raise InvalidArgumentError(
+            f"out must be an array of the input's shape {array.shape} and dtype {array.dtype}."
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("out must be a writeable C-contiguous array.")
+    return out.reshape(-1)
+
+
+async def allreduce(
+    session: Session,
+    a: Any,
+    *,
+    op: str,
+    name: str | None,
+    chunk_bytes: int,
+    timeout_s: float,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Ring allreduce; the result goes to a new array, or into ``out`` (``out=a`` is in place)."""
     array = _as_array(a)
     check_op(op)
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = np.empty_like(src)
+    buf = _output(array, out)
     descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}"
     bounds = segment_bounds(buf.size, session.place.size)
     elems = _chunk_elems(buf.dtype, chunk_bytes)
@@ -146,7 +169,7 @@ async def allreduce(session: Session, a: Any, *, op: str, name: str | None, chun
         await ring_reduce(session, key, inbox, src, buf, op, bounds, elems, gather=True)
 
     await run(session, name, descriptor, timeout_s, body)
-    return buf.reshape(array.shape)
+    return buf.reshape(array.shape) if out is None else out
 
 
 async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:

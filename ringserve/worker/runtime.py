@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ringserve import wire
+from ringserve import _malloc, wire
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
@@ -48,7 +48,7 @@ class Worker:
     """
 
     def __init__(self, coordinator: str | None = None, *, config: WorkerConfig | None = None) -> None:
-        config = config or WorkerConfig(**({"coordinator": coordinator} if coordinator else {}))
+        config = config or WorkerConfig()
         if coordinator and config.coordinator != coordinator:
             config = replace(config, coordinator=coordinator)
         self.config = config
@@ -78,6 +78,8 @@ class Worker:
             RendezvousTimeoutError: no view formed within rendezvous_timeout_s.
         """
         cfg = self.config
+        if cfg.tune_malloc:
+            _malloc.tune()
         server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
         handler = grpc.stream_unary_rpc_method_handler(
             self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
@@ -205,9 +207,15 @@ class Worker:
     def _opts(self) -> dict[str, Any]:
         return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}
 
-    async def allreduce(self, a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
-        """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank."""
-        return await collectives.allreduce(self._ring(), a, op=op, name=name, **self._opts())
+    async def allreduce(
+        self, a: Any, op: str = "average", name: str | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank.
+
+        With ``out`` (an array of a's shape and dtype, or ``a`` itself) the result is written
+        there instead, and no result buffer is allocated.
+        """
+        return await collectives.allreduce(self._ring(), a, op=op, name=name, out=out, **self._opts())
 
     async def broadcast(self, a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
         """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype."""

@@ -224,7 +224,7 @@ class Session:
             chunk=chunk,
             origin=origin,
             origin_count=origin_count,
-            dtype=dtype,
+            dtype=dtype,  # type: ignore[arg-type]
             count=count,
         )
         self._put(wire.encode(header, payload))
