@@ -26,13 +26,15 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="membership must be stable this long before a view forms")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
 
 def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
     return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
 
 
-_COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+_COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
+                 "heartbeat_timeout_s", "metrics_port")
 
 
 async def _serve(config: CoordinatorConfig) -> None:
@@ -44,6 +46,8 @@ async def _serve(config: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with Coordinator(config) as coord:
         print(f"ringserve coordinator listening on {coord.address}", flush=True)
+        if coord.metrics is not None:
+            print(f"ringserve coordinator metrics on {coord.metrics.url}", flush=True)
         await stop.wait()
 
 
@@ -126,6 +130,14 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_timeline_merge(ns: argparse.Namespace) -> int:
+    from ringserve.observe import merge_traces
+
+    count = merge_traces(ns.inputs, ns.output)
+    print(f"wrote {count} events from {len(ns.inputs)} files to {ns.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringserve", description="Collective communication over gRPC.")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
@@ -146,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("timeline", help="work with timeline files (RINGSERVE_TIMELINE)")
+    tsub = p.add_subparsers(dest="timeline_cmd", required=True)
+    m = tsub.add_parser("merge", help="combine the ranks' timeline files into one trace")
+    m.add_argument("output", help="the merged trace to write")
+    m.add_argument("inputs", nargs="+", help="the ranks' files")
+    m.set_defaults(func=_cmd_timeline_merge)
     return parser
 
 

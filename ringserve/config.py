@@ -40,6 +40,8 @@ class CoordinatorConfig:
         heartbeat_interval_s: how often workers send heartbeats.
         heartbeat_timeout_s: a worker silent this long is declared dead.
         tick_s: how often the coordinator checks deadlines.
+        metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
+            -1 (the default) serves none.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +53,7 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 5.0
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
+    metrics_port: int = -1
 
     def __post_init__(self) -> None:
         _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
@@ -94,6 +97,10 @@ class WorkerConfig:
             may take to finish before they are cut off.
         use_uvloop: run the background event loop on uvloop (measured faster; see README).
         tune_malloc: keep chunk-sized buffers in glibc's heap instead of mmap (see _malloc.py).
+        metrics_port: serve Prometheus metrics on bind_host at this port (0: any free port);
+            -1 (the default) serves none.
+        timeline: write this rank's collectives as Chrome trace events to this path
+            (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -110,6 +117,8 @@ class WorkerConfig:
     drain_timeout_s: float = 10.0
     use_uvloop: bool = True
     tune_malloc: bool = True
+    metrics_port: int = -1
+    timeline: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",

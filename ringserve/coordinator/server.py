@@ -8,15 +8,20 @@ import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from ringserve import membership
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator.service import CoordinatorService
 from ringserve.transport import server_options
+
+if TYPE_CHECKING:
+    from ringserve.metrics import MetricsServer
 
 log = logging.getLogger("ringserve.coordinator")
 
@@ -37,6 +42,7 @@ class Coordinator:
         self.service = CoordinatorService(self.config, clock)
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self.metrics: MetricsServer | None = None
         self.port = 0
 
     @property
@@ -48,6 +54,11 @@ class Coordinator:
         pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        # Reflection lets grpcurl and other tools explore the coordinator without the protos.
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"The coordinator could not bind {self.config.host}:{self.config.port}.")
@@ -56,6 +67,10 @@ class Coordinator:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="ringserve-coordinator-tick")
+        if self.config.metrics_port >= 0:
+            from ringserve.metrics import CoordinatorCollector, MetricsServer
+
+            self.metrics = MetricsServer(CoordinatorCollector(self.service.metrics), self.config.host, self.config.metrics_port)
         log.info("coordinator serving on %s (min_workers=%d)", self.address, self.config.min_workers)
         return self
 
@@ -73,6 +88,9 @@ class Coordinator:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     async def __aenter__(self) -> Coordinator:
         return await self.start()

@@ -63,6 +63,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._params: dict[str, bytes] = {}
         self._param_versions: dict[str, int] = {}
         self.views_formed = 0
+        self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0}
         self.view_changed = asyncio.Event()
 
     @property
@@ -85,7 +86,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.view_changed = asyncio.Event()
             elif isinstance(action, membership.Removed):
                 log.info("worker %s removed: %s", action.worker_id, action.reason)
+                self.counts["workers_left" if action.reason == "left" else "workers_removed_silent"] += 1
                 self._counters.pop(action.worker_id, None)
+
+    def metrics(self) -> dict[str, float]:
+        """The numbers the coordinator's Prometheus endpoint exposes."""
+        in_view = {m.worker_id for m in self._state.view.members}
+        return {
+            **self.counts,
+            "views_formed": self.views_formed,
+            "view": self._state.view.view_id,
+            "view_size": len(self._state.view.members),
+            "workers_waiting": len([w for w in self._state.workers if w not in in_view]),
+        }
 
     # -- RPCs --------------------------------------------------------------------------------
 
@@ -105,6 +118,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         known = membership.is_known(self._state, request.worker_id)
         if known:
+            self.counts["heartbeats"] += 1
             self.apply(membership.Heartbeat(request.worker_id))
             self._counters[request.worker_id] = request.counters
         return pb.HeartbeatResponse(view_id=self._state.view.view_id, known=known)

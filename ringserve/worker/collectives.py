@@ -19,6 +19,7 @@ import numpy as np
 
 from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, ProtocolError
+from ringserve.observe import Span
 from ringserve.ring import (
     allgather_step,
     check_op,
@@ -56,11 +57,17 @@ async def run(
     timeout_s: float,
     body: Callable[[str, Inbox], Awaitable[T]],
 ) -> T:
-    """Runs one collective under its deadline, and forgets its frames afterwards."""
+    """Runs one collective under its deadline, counts it, and forgets its frames afterwards."""
     key, inbox = session.open(name, descriptor)
+    kind = descriptor.split(" ", 1)[0]
+    span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
+        "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.place.rank,
+    })
+    ok = False
     try:
         async with asyncio.timeout(timeout_s):
             result = await body(key, inbox)
+        ok = True
     except TimeoutError:
         raise CollectiveTimeoutError(
             f"Collective {key!r} ({descriptor}) did not finish within {timeout_s:g} s on rank "
@@ -68,7 +75,8 @@ async def run(
         ) from None
     finally:
         session.release(key)
-    session.counters.collectives_done += 1
+        elapsed = span.end(ok)
+    session.counters.observe(kind, elapsed)
     return result
 
 
@@ -110,6 +118,8 @@ async def ring_reduce(
         _, recv_seg = reduce_scatter_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
             frame = await session.recv(key, inbox, step, c)
+            if step == 0 and c == 0:
+                _phase(inbox, "reduce_scatter")
             part = buf[a:b]
             combine_into(src[a:b], _payload(frame.payload, buf.dtype, b - a, key), op, out=part)
             if step < last_rs:
@@ -120,6 +130,7 @@ async def ring_reduce(
                 session.send(key, inbox, slot=gather_slot + rank, chunk=c, payload=part, dtype=code, count=b - a)
     if not gather:
         return
+    _phase(inbox, "allgather")
     for step in range(world - 1):
         _, recv_seg = allgather_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
@@ -127,6 +138,12 @@ async def ring_reduce(
             buf[a:b] = _payload(frame.payload, buf.dtype, b - a, key)
             if step < world - 2:
                 session.forward(frame)
+
+
+def _phase(inbox: Inbox, name: str) -> None:
+    """Marks the start of a phase on the timeline; the wait before the first frame is "negotiate"."""
+    if inbox.span is not None:
+        inbox.span.phase(name)
 
 
 def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
@@ -227,6 +244,7 @@ async def broadcast_bytes(
     async def body(key: str, inbox: Inbox) -> np.ndarray:
         if rank == root:
             assert flat is not None
+            _phase(inbox, "broadcast")
             if world > 1:
                 for c, (a, b) in enumerate(chunk_bounds(0, flat.size, elems)):
                     session.send(key, inbox, slot=0, chunk=c, payload=flat[a:b], dtype=code,
@@ -234,6 +252,7 @@ async def broadcast_bytes(
                 await session.recv(key, inbox, 1, 0)
             return flat
         frame = await session.recv(key, inbox, 0, 0)
+        _phase(inbox, "broadcast")
         total = frame.header.origin_count
         if flat is not None and total != flat.size:
             raise ProtocolError(f"The root of {key!r} sent {total} elements, not {flat.size}.")
@@ -292,6 +311,8 @@ async def allgather_blocks(
         for step in range(world - 1):
             _, origin = allgather_step(rank, world, step)
             frame = await session.recv(key, inbox, origin, 0)
+            if step == 0:
+                _phase(inbox, "allgather")
             total = frame.header.origin_count
             if total % max(row, 1):
                 raise ProtocolError(

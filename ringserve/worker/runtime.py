@@ -27,11 +27,12 @@ from ringserve.errors import (
     RingChangedError,
     RingserveError,
 )
+from ringserve.observe import Counters, Timeline
 from ringserve.ring import successor
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives
 from ringserve.worker.control import ControlClient
-from ringserve.worker.session import Counters, Place, Received, Session
+from ringserve.worker.session import Place, Received, Session
 
 log = logging.getLogger("ringserve.worker")
 
@@ -67,6 +68,8 @@ class Worker:
         self._heartbeat_interval_s = 1.0
         self._started = False
         self._closed = False
+        self._timeline: Timeline | None = None
+        self._metrics: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -97,6 +100,10 @@ class Worker:
             joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
             self.worker_id = joined.worker_id
             self._heartbeat_interval_s = joined.heartbeat_interval_s
+            if cfg.metrics_port >= 0:
+                from ringserve.metrics import MetricsServer, WorkerCollector
+
+                self._metrics = MetricsServer(WorkerCollector(self.counters, self._labels), cfg.bind_host, cfg.metrics_port)
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self._watch_loop(), name="ringserve-watch"),
@@ -153,6 +160,10 @@ class Worker:
             await self._control.close()
         if self._server is not None:
             await self._server.stop(0.5)
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._timeline is not None:
+            self._timeline.close()
 
     async def __aenter__(self) -> Worker:
         return await self.start()
@@ -168,6 +179,15 @@ class Worker:
         if self._session is None:
             raise RingChangedError(self._latest_view, self._latest_view, "this worker is not in the current view")
         return self._session.place
+
+    def _labels(self) -> tuple[int, int]:
+        session = self._session
+        return (session.place.rank, session.view_id) if session is not None else (-1, self._latest_view)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes this worker, when metrics_port is set."""
+        return self._metrics.url if self._metrics is not None else None
 
     @property
     def rank(self) -> int:
@@ -321,6 +341,7 @@ class Worker:
         self._latest_view = view.view_id
         mine = [m for m in view.members if m.worker_id == self.worker_id]
         if old is not None:
+            self.counters.view_changes += 1
             exc = RingChangedError(old.view_id, view.view_id)
             if view.failed_worker_ids:
                 old.close(exc)
@@ -340,8 +361,11 @@ class Worker:
             )
             nxt = addresses[successor(me.rank, place.size)]
             channel = self._channel(nxt) if place.size > 1 else None
+            if self.config.timeline and self._timeline is None:
+                self._timeline = Timeline(Timeline.path_for(self.config.timeline, me.rank), me.rank)
             self._session = Session(
-                place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s
+                place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s,
+                timeline=self._timeline,
             )
             log.info("worker %s: rank %d of %d in view %d", self.address, me.rank, place.size, view.view_id)
         for vid in [v for v in self._early if v <= view.view_id]:
@@ -387,6 +411,7 @@ class Worker:
             try:
                 answer = await self._control.heartbeat(self.worker_id, view_id, counters)
             except RingserveError as exc:
+                self.counters.heartbeats_missed += 1
                 log.warning("worker %s: heartbeat failed: %s", self.address, exc)
                 continue
             if not answer.known:

@@ -20,20 +20,13 @@ import numpy as np
 from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.errors import MismatchError, PeerUnavailableError, ProtocolError, RingserveError
+from ringserve.observe import Counters, Span, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.transport import peer_error
 
 log = logging.getLogger("ringserve.worker")
 
 STREAM_METHOD = "/ringserve.v1.Peer/Stream"
-
-
-@dataclass
-class Counters:
-    collectives_done: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    frames_rejected: int = 0
 
 
 class Received(NamedTuple):
@@ -70,6 +63,7 @@ class Inbox:
         self.abort_sent = False
         self._timer: asyncio.TimerHandle | None = None
         self._starved: BaseException | None = None
+        self.span: Span | None = None
 
     def deliver(self, key: tuple[int, int], frame: Received) -> None:
         fut = self._slots.get(key)
@@ -136,11 +130,13 @@ class Session:
         counters: Counters,
         abort_grace_s: float,
         drain_timeout_s: float = 10.0,
+        timeline: Timeline | None = None,
     ) -> None:
         self.place = place
         self.counters = counters
         self.abort_grace_s = abort_grace_s
         self.drain_timeout_s = drain_timeout_s
+        self.timeline = timeline
         self._inboxes: dict[str, Inbox] = {}
         self._occurrences: defaultdict[str, int] = defaultdict(int)
         self.error: BaseException | None = None
