@@ -7,6 +7,7 @@ need. Code that wants several workers in a process uses ``Context`` or ``Worker`
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -72,6 +73,9 @@ def init(coordinator: str | None = None, **overrides: Any) -> None:
         return
     config = WorkerConfig.from_env(coordinator=coordinator, **overrides)
     _default = Context(config).start()
+    # A script that ends without shutdown() (an uncaught error) still leaves cleanly: gRPC's
+    # threads must not be torn down under a running loop at interpreter exit.
+    atexit.register(shutdown)
 
 
 def shutdown() -> None:
@@ -79,6 +83,7 @@ def shutdown() -> None:
     global _default
     ctx, _default = _default, None
     if ctx is not None:
+        atexit.unregister(shutdown)
         ctx.close()
 
 

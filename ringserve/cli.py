@@ -67,13 +67,18 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from ringserve.launch import launch
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    min_np = ns.min_np if ns.min_np is not None else ns.np
+    max_np = ns.max_np if ns.max_np is not None else ns.np
     config = CoordinatorConfig(
         host=ns.host or "127.0.0.1",
-        min_workers=ns.np,
-        max_workers=ns.np,
+        min_workers=min_np,
+        max_workers=max(max_np, ns.np),
         settle_s=0.2,
+        heartbeat_timeout_s=ns.heartbeat_timeout,
     )
-    outcome = launch(ns.np, command, coordinator=config)
+    elastic = min_np < ns.np or ns.restart_failed
+    outcome = launch(ns.np, command, coordinator=config, elastic=elastic,
+                     restart_failed=ns.restart_failed, max_restarts=ns.max_restarts)
     if outcome.failed_rank is not None:
         print(
             f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}; "
@@ -150,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a command as N local workers of a fresh coordinator")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
     p.add_argument("--host", default=None, help="address the coordinator binds (default 127.0.0.1)")
+    p.add_argument("--min-np", type=int, default=None,
+                   help="elastic: the world goes on while at least this many workers live (default -np)")
+    p.add_argument("--max-np", type=int, default=None, help="elastic: at most this many workers in a view")
+    p.add_argument("--restart-failed", action="store_true",
+                   help="start a failed worker again; it rejoins at the next commit (elastic)")
+    p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds of silence before a worker is declared dead")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, e.g. python train.py")
     p.set_defaults(func=_cmd_run)
 

@@ -16,6 +16,9 @@ from ringserve.errors import InvalidArgumentError
 
 MiB = 1 << 20
 
+# WorkerConfig.advertise_host value meaning "my address on the route to the coordinator".
+ADVERTISE_AUTO = "auto"
+
 
 def _positive(owner: object, *names: str) -> None:
     for name in names:
@@ -85,6 +88,7 @@ class WorkerConfig:
         coordinator: host:port of the coordinator.
         bind_host: address the peer server binds.
         advertise_host: address other workers use to reach this one; defaults to bind_host.
+            ``auto`` is resolved when the worker starts (see ``advertised_host``).
         hostname: groups workers into local ranks; defaults to the machine's name.
         rank_hint: preferred rank in the first view (the launcher's process index), or -1.
         chunk_bytes: the ring pipelines chunks of at most this size.
@@ -99,6 +103,8 @@ class WorkerConfig:
         tune_malloc: keep chunk-sized buffers in glibc's heap instead of mmap (see _malloc.py).
         metrics_port: serve Prometheus metrics on bind_host at this port (0: any free port);
             -1 (the default) serves none.
+        elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
+            instance while below min_workers) before they give up with a clear error.
         timeline: write this rank's collectives as Chrome trace events to this path
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none.
     """
@@ -119,6 +125,7 @@ class WorkerConfig:
     tune_malloc: bool = True
     metrics_port: int = -1
     timeline: str = ""
+    elastic_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
@@ -132,6 +139,28 @@ class WorkerConfig:
     def max_message_bytes(self) -> int:
         """Largest frame accepted on the data plane: a chunk plus room for its header."""
         return self.chunk_bytes + 64 * 1024
+
+    def advertised_host(self) -> str:
+        """The host other workers dial to reach this one.
+
+        ``advertise_host`` if set, else ``bind_host``. ``auto`` means the address of this
+        machine's interface that routes to the coordinator, so a worker in a container advertises
+        its own address on the network it shares with the coordinator (``docker compose
+        --scale``), whatever it is named. It is found by connecting a UDP socket, which sends
+        nothing; if the coordinator's name does not resolve, the machine's name is used instead.
+        """
+        if self.advertise_host != ADVERTISE_AUTO:
+            return self.advertise_host or self.bind_host
+        host, _, port = self.coordinator.rpartition(":")
+        host = host.strip("[]")
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(address)
+                found = str(probe.getsockname()[0])
+        except (OSError, ValueError):
+            found = socket.gethostbyname(socket.gethostname())
+        return f"[{found}]" if ":" in found else found
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:

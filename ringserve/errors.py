@@ -7,6 +7,7 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
     │   ├── PeerUnavailableError  a ring neighbour stopped answering
     │   ├── RingChangedError      the view changed under a collective (old and new view named)
     │   └── CollectiveTimeoutError  a collective passed its deadline
+    ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
     ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
     └── UsageError                a bug in the calling program; retrying will not help
@@ -47,6 +48,15 @@ class RingChangedError(RecoverableError):
 
 class CollectiveTimeoutError(RecoverableError):
     """A collective did not finish within its deadline."""
+
+
+class HostsUpdatedInterrupt(RingserveError):
+    """Workers join or leave at this commit: the state is already committed, so no rollback."""
+
+    def __init__(self, joining: int, leaving: int) -> None:
+        self.joining = joining
+        self.leaving = leaving
+        super().__init__(f"The world changes at this commit: {joining} joining, {leaving} leaving.")
 
 
 class CoordinatorUnreachableError(RingserveError):

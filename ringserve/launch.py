@@ -78,6 +78,49 @@ class _suppress_lookup:
         return exc[0] is ProcessLookupError
 
 
+FINISH_GRACE_S = 30.0
+
+
+class _Group:
+    """The worker processes, each with an output pump; a slot can be started again."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], address: str, sink: IO[bytes]) -> None:
+        self._command = list(command)
+        self._env = dict(env)
+        self._address = address
+        self._sink = sink
+        self._lock = threading.Lock()
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.pumps: list[threading.Thread] = []
+
+    def start(self, slot: int) -> None:
+        child_env = {
+            **self._env,
+            "RINGSERVE_COORDINATOR": self._address,
+            "RINGSERVE_RANK_HINT": str(slot),
+            "PYTHONUNBUFFERED": "1",
+        }
+        proc = subprocess.Popen(
+            self._command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.procs[slot] = proc
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{slot}] ".encode(), self._sink, self._lock), daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            self._sink.write(f"ringserve run: {text}\n".encode())
+            self._sink.flush()
+
+    def stop(self) -> None:
+        _stop_all(list(self.procs.values()))
+        for pump in self.pumps:
+            pump.join(5.0)
+
+
 def launch(
     num_proc: int,
     command: Sequence[str],
@@ -85,75 +128,97 @@ def launch(
     coordinator: CoordinatorConfig | None = None,
     env: Mapping[str, str] | None = None,
     out: IO[bytes] | None = None,
+    elastic: bool = False,
+    restart_failed: bool = False,
+    max_restarts: int = 10,
 ) -> Outcome:
     """Runs ``command`` as ``num_proc`` workers of a fresh coordinator, and waits for them.
 
     Args:
-        num_proc: number of worker processes (the world size).
+        num_proc: number of worker processes started.
         command: the program and its arguments.
         coordinator: coordinator settings; min and max workers default to num_proc.
         env: environment for the workers; defaults to this process's.
         out: where the prefixed output goes; defaults to this process's stdout.
+        elastic: a failed worker does not stop the others (they go on in a smaller world).
+        restart_failed: start a failed worker again, up to max_restarts times in all; it rejoins.
+            Implies elastic.
 
     Returns:
-        The Outcome: code 0 when every worker exited 0, else the first failing worker's code.
+        The Outcome. Not elastic: 0 when every worker exited 0, else the first failing worker's
+        code and slot. Elastic: 0 when some worker finished with 0 (the stragglers are stopped
+        after a grace), else the last failure.
     """
     if num_proc < 1:
         raise InvalidArgumentError(f"The number of processes ({num_proc}) must be at least 1.")
     if not command:
         raise InvalidArgumentError("ringserve run needs a command to start, e.g. python train.py.")
     config = coordinator or CoordinatorConfig(min_workers=num_proc, max_workers=num_proc, settle_s=0.2)
-    sink = out or sys.stdout.buffer
     thread = LoopThread(use_uvloop=True, name="ringserve-launcher")
     coord = Coordinator(config)
-    procs: list[subprocess.Popen[bytes]] = []
-    pumps: list[threading.Thread] = []
-    lock = threading.Lock()
+    group: _Group | None = None
     try:
         thread.run(coord.start(), 30.0)
-        base = dict(os.environ if env is None else env)
-        for i in range(num_proc):
-            child_env = {
-                **base,
-                "RINGSERVE_COORDINATOR": coord.address,
-                "RINGSERVE_RANK_HINT": str(i),
-                "PYTHONUNBUFFERED": "1",
-            }
-            proc = subprocess.Popen(
-                list(command), env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] ".encode(), sink, lock), daemon=True)
-            pump.start()
-            pumps.append(pump)
-        outcome = _wait(procs)
-        if outcome.failed_rank is not None:
-            _stop_all(procs)
-        return outcome
+        group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer)
+        for slot in range(num_proc):
+            group.start(slot)
+        if elastic or restart_failed:
+            return _supervise_elastic(group, max_restarts if restart_failed else 0)
+        return _wait(group.procs)
     except KeyboardInterrupt:
-        _stop_all(procs)
         return Outcome(130)
     finally:
-        _stop_all(procs)
-        for pump in pumps:
-            pump.join(5.0)
+        if group is not None:
+            group.stop()
         try:
             thread.run(coord.stop(0.2), 10.0)
         finally:
             thread.stop()
 
 
-def _wait(procs: Sequence[subprocess.Popen[bytes]]) -> Outcome:
-    remaining = set(range(len(procs)))
+def _exit_code(code: int) -> int:
+    return code if code > 0 else 128 - code
+
+
+def _wait(procs: Mapping[int, subprocess.Popen[bytes]]) -> Outcome:
+    remaining = set(procs)
     while remaining:
-        for i in sorted(remaining):
-            code = procs[i].poll()
+        for slot in sorted(remaining):
+            code = procs[slot].poll()
             if code is None:
                 continue
-            remaining.discard(i)
+            remaining.discard(slot)
             if code != 0:
-                return Outcome(code if code > 0 else 128 - code, failed_rank=i)
+                return Outcome(_exit_code(code), failed_rank=slot)
         time.sleep(0.05)
     return Outcome(0)
+
+
+def _supervise_elastic(group: _Group, restarts_left: int) -> Outcome:
+    running = set(group.procs)
+    finished_at: float | None = None
+    last_failure: Outcome | None = None
+    while running:
+        for slot in sorted(running):
+            code = group.procs[slot].poll()
+            if code is None:
+                continue
+            running.discard(slot)
+            if code == 0:
+                finished_at = finished_at or time.monotonic()
+                continue
+            last_failure = Outcome(_exit_code(code), failed_rank=slot)
+            if finished_at is None and restarts_left > 0:
+                restarts_left -= 1
+                group.note(f"worker {slot} exited with code {code}; starting it again ({restarts_left} restarts left)")
+                group.start(slot)
+                running.add(slot)
+            else:
+                group.note(f"worker {slot} exited with code {code}; the others go on")
+        if finished_at is not None and running and time.monotonic() - finished_at > FINISH_GRACE_S:
+            group.note(f"training finished; stopping {len(running)} worker(s) still waiting to join")
+            break
+        time.sleep(0.05)
+    if finished_at is not None:
+        return Outcome(0)
+    return last_failure or Outcome(0)

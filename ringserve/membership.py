@@ -1,9 +1,26 @@
 """The membership state machine: ``step(state, event, now) -> (state, actions)``.
 
 Pure and clock-injected: the coordinator service feeds it events and carries out the actions it
-returns. Views are numbered; a view lists its members in rank order. Members of the current view
-keep their relative order (rank 0 is the longest-lived member), and newcomers follow in join order,
-or in the order of their rank hints for the first view.
+returns (publishing a view, probing a suspect). Views are numbered; a view lists its members in
+rank order. Members of the current view keep their relative order (rank 0 is the longest-lived
+member), and newcomers follow in join order, or in the order of their rank hints for the first view.
+
+Rules, in order of precedence:
+
+- **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
+  removed at once, and a view without it is published at once.
+- **Rendezvous**: the first view forms once ``min_workers`` have joined and membership has been
+  stable for ``settle_s``.
+- **Admission**: once a world runs, newcomers wait until a member asks for them to be admitted (an
+  elastic job does so at a commit, after all ranks agreed to), so that nobody's training step is
+  cut in half by a joiner. That request always yields a new view at once, with the waiting workers
+  or, if they are gone by then, with the same members: every rank already waits for a newer view.
+  An empty world admits at once.
+- **Recovery**: a restarted coordinator knows nothing; workers rejoin claiming the view they run
+  in. When every member of the newest claimed view is back, that same view (same id, same ranks)
+  is adopted, so the world goes on undisturbed; when some do not come back within the heartbeat
+  timeout, the next view is formed from those that did. A restarted coordinator never starts a
+  second world numbered from 1 beside the running one.
 """
 
 from __future__ import annotations
@@ -54,6 +71,15 @@ class Rules:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """What a rejoining worker says it runs in: a view, its rank there, and that view's size."""
+
+    view_id: int
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class State:
     rules: Rules
     workers: dict[str, MemberInfo] = field(default_factory=dict)
@@ -64,6 +90,12 @@ class State:
     # Workers removed since the last published view, by how they went.
     left: frozenset[str] = frozenset()
     failed: frozenset[str] = frozenset()
+    # A member of the running view asked for waiting workers to be admitted, and for a new view.
+    admit: bool = False
+    bump: bool = False
+    suspects: frozenset[str] = frozenset()
+    claims: dict[str, Claim] = field(default_factory=dict)
+    first_claim_at: float = INF
 
 
 @dataclass(frozen=True)
@@ -72,6 +104,7 @@ class Join:
     address: str
     hostname: str
     rank_hint: int = -1
+    claim: Claim | None = None
 
 
 @dataclass(frozen=True)
@@ -85,11 +118,32 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class Suspect:
+    """A worker reported a peer as failed on the data plane."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    worker_id: str
+    alive: bool
+
+
+@dataclass(frozen=True)
+class Admit:
+    """A member of the running view asks for the waiting workers to be admitted."""
+
+    requester_id: str
+    view_id: int = 0
+
+
+@dataclass(frozen=True)
 class Tick:
     pass
 
 
-Event = Join | Leave | Heartbeat | Tick
+Event = Join | Leave | Heartbeat | Suspect | ProbeResult | Admit | Tick
 
 
 @dataclass(frozen=True)
@@ -103,7 +157,15 @@ class Removed:
     reason: str
 
 
-Action = PublishView | Removed
+@dataclass(frozen=True)
+class Probe:
+    """Check at once whether a suspect still answers; report back with ProbeResult."""
+
+    worker_id: str
+    address: str
+
+
+Action = PublishView | Removed | Probe
 
 
 def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
@@ -113,17 +175,29 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         state = _join(state, event, now)
     elif isinstance(event, Leave):
         if event.worker_id in state.workers:
-            state = _remove(state, event.worker_id, now)
-            state = replace(state, left=state.left | {event.worker_id})
+            state = _remove(state, event.worker_id, now, failed=False)
             actions.append(Removed(event.worker_id, "left"))
     elif isinstance(event, Heartbeat):
         if event.worker_id in state.workers:
             state = replace(state, last_seen={**state.last_seen, event.worker_id: now})
+    elif isinstance(event, Suspect):
+        member = state.workers.get(event.worker_id)
+        if member is not None and event.worker_id not in state.suspects:
+            state = replace(state, suspects=state.suspects | {event.worker_id})
+            actions.append(Probe(event.worker_id, member.address))
+    elif isinstance(event, ProbeResult):
+        state = replace(state, suspects=state.suspects - {event.worker_id})
+        if not event.alive and event.worker_id in state.workers:
+            state = _remove(state, event.worker_id, now, failed=True)
+            actions.append(Removed(event.worker_id, "reported by a peer and did not answer a probe"))
+    elif isinstance(event, Admit):
+        current = event.view_id in (0, state.view.view_id)
+        if current and state.view.rank_of(event.requester_id) is not None:
+            state = replace(state, admit=True, bump=True)
     deadline = state.rules.heartbeat_timeout_s
     for wid, seen in list(state.last_seen.items()):
         if now - seen > deadline:
-            state = _remove(state, wid, now)
-            state = replace(state, failed=state.failed | {wid})
+            state = _remove(state, wid, now, failed=True)
             actions.append(Removed(wid, f"silent for more than {deadline:g} s"))
     state, published = _maybe_publish(state, now)
     actions.extend(published)
@@ -132,6 +206,18 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
 
 def is_known(state: State, worker_id: str) -> bool:
     return worker_id in state.workers
+
+
+def waiting(state: State) -> int:
+    """Workers that joined but are not in the current view."""
+    in_view = {m.worker_id for m in state.view.members}
+    return len([w for w in state.workers if w not in in_view])
+
+
+def admissible(state: State) -> int:
+    """Waiting workers that the next view would take, within max_workers."""
+    room = state.rules.max_workers - len(state.view.members)
+    return max(0, min(waiting(state), room))
 
 
 def _join(state: State, event: Join, now: float) -> State:
@@ -143,6 +229,11 @@ def _join(state: State, event: Join, now: float) -> State:
         rank_hint=event.rank_hint,
         join_seq=old.join_seq if old else state.join_seq,
     )
+    claims = state.claims
+    first_claim_at = state.first_claim_at
+    if event.claim is not None and event.claim.view_id > state.view.view_id:
+        claims = {**claims, event.worker_id: event.claim}
+        first_claim_at = min(first_claim_at, now)
     changed = old != info
     return replace(
         state,
@@ -150,17 +241,30 @@ def _join(state: State, event: Join, now: float) -> State:
         last_seen={**state.last_seen, event.worker_id: now},
         changed_at=now if changed else state.changed_at,
         join_seq=state.join_seq + (0 if old else 1),
+        claims=claims,
+        first_claim_at=first_claim_at,
     )
 
 
-def _remove(state: State, worker_id: str, now: float) -> State:
+def _remove(state: State, worker_id: str, now: float, *, failed: bool) -> State:
     workers = {k: v for k, v in state.workers.items() if k != worker_id}
     seen = {k: v for k, v in state.last_seen.items() if k != worker_id}
-    return replace(state, workers=workers, last_seen=seen, changed_at=now)
+    claims = {k: v for k, v in state.claims.items() if k != worker_id}
+    return replace(
+        state,
+        workers=workers,
+        last_seen=seen,
+        claims=claims,
+        changed_at=now,
+        suspects=state.suspects - {worker_id},
+        left=state.left if failed else state.left | {worker_id},
+        failed=state.failed | {worker_id} if failed else state.failed,
+    )
 
 
 def _desired(state: State) -> tuple[MemberInfo, ...]:
     current = {m.worker_id: r for r, m in enumerate(state.view.members)}
+    admitting = state.admit or not state.view.members
 
     def key(m: MemberInfo) -> tuple[float, float, int]:
         if m.worker_id in current:
@@ -168,16 +272,49 @@ def _desired(state: State) -> tuple[MemberInfo, ...]:
         hint = m.rank_hint if m.rank_hint >= 0 and not state.view.members else INF
         return (1, hint, m.join_seq)
 
-    ordered = sorted(state.workers.values(), key=key)
-    return tuple(ordered[: state.rules.max_workers])
+    members = [m for m in state.workers.values() if admitting or m.worker_id in current]
+    return tuple(sorted(members, key=key)[: state.rules.max_workers])
+
+
+def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:
+    """Rebuilds the running view from the claims of rejoining workers, after a restart."""
+    newest = max(c.view_id for c in state.claims.values())
+    claimants = sorted(
+        (c.rank, state.workers[w]) for w, c in state.claims.items() if c.view_id == newest and w in state.workers
+    )
+    size = max(c.size for c in state.claims.values() if c.view_id == newest)
+    ranks = [r for r, _ in claimants]
+    members = tuple(m for _, m in claimants)
+    if ranks == list(range(size)):
+        # Everyone is back: adopt the same view, so the workers see nothing change.
+        view = ViewInfo(newest, members)
+        state = replace(state, view=view, claims={}, first_claim_at=INF, changed_at=now, admit=False)
+        return state, [PublishView(view)]
+    if now - state.first_claim_at < state.rules.heartbeat_timeout_s:
+        return state, []
+    # Some never came back within a heartbeat timeout: they count as failed, and the next view is
+    # formed from those that did, in their old rank order (waiting newcomers still wait).
+    failed = tuple(f"rank {r} of view {newest}" for r in range(size) if r not in ranks)
+    if len(members) < state.rules.min_workers:
+        members = ()
+    view = ViewInfo(newest + 1, members, failed=failed)
+    state = replace(state, view=view, claims={}, first_claim_at=INF, changed_at=now, admit=False)
+    return state, [PublishView(view)]
 
 
 def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
+    if state.claims:
+        recovered = _recover(state, now)
+        if recovered is not None:
+            return recovered
     desired = _desired(state)
     current_ids = [m.worker_id for m in state.view.members]
     desired_ids = [m.worker_id for m in desired]
     if desired_ids == current_ids and desired == state.view.members:
-        return state, []
+        if state.bump:
+            return _publish(state, desired)
+        # An admit request that finds nobody to let in lapses: a later joiner waits for the next.
+        return (replace(state, admit=False) if state.admit else state), []
     lost = set(current_ids) - set(desired_ids)
     enough = len(desired) >= state.rules.min_workers
     if lost and not enough:
@@ -188,7 +325,7 @@ def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
     if not enough:
         return state, []
     settled = now - state.changed_at >= state.rules.settle_s
-    if not lost and not settled:
+    if not lost and not settled and not state.bump:
         return state, []
     return _publish(state, desired)
 
@@ -201,4 +338,5 @@ def _publish(state: State, members: tuple[MemberInfo, ...]) -> tuple[State, list
         left=tuple(sorted(state.left & previous)),
         failed=tuple(sorted(state.failed & previous)),
     )
-    return replace(state, view=view, left=frozenset(), failed=frozenset()), [PublishView(view)]
+    state = replace(state, view=view, left=frozenset(), failed=frozenset(), admit=False, bump=False)
+    return state, [PublishView(view)]

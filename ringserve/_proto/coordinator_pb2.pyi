@@ -40,16 +40,22 @@ class View(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., left_worker_ids: _Optional[_Iterable[str]] = ..., failed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("address", "hostname", "rank_hint", "worker_id")
+    __slots__ = ("address", "hostname", "rank_hint", "worker_id", "view_id", "rank", "view_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     RANK_HINT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     rank_hint: int
     worker_id: str
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    view_id: int
+    rank: int
+    view_size: int
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., view_size: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "heartbeat_timeout_s")
@@ -92,12 +98,28 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("view_id", "known")
+    __slots__ = ("view_id", "known", "pending_workers")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     view_id: int
     known: bool
-    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    pending_workers: int
+    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("worker_id", "view_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    view_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("admitted",)
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    admitted: int
+    def __init__(self, admitted: _Optional[int] = ...) -> None: ...
 
 class WatchViewRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -60,6 +60,11 @@ class CoordinatorStub:
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
                 response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/ringserve.v1.Coordinator/Admit',
+                request_serializer=ringserve_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
+                _registered_method=True)
         self.PutParams = channel.stream_unary(
                 '/ringserve.v1.Coordinator/PutParams',
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.ParamChunk.SerializeToString,
@@ -115,6 +120,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """A member of the running view asks for the waiting workers to be admitted (at a commit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutParams(self, request_iterator, context):
         """Stores a named blob (initial parameters) in chunks; the last chunk commits it.
         """
@@ -163,6 +175,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.ReportFailureRequest.FromString,
                     response_serializer=ringserve_dot_v1_dot_coordinator__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.AdmitRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_coordinator__pb2.AdmitResponse.SerializeToString,
             ),
             'PutParams': grpc.stream_unary_rpc_method_handler(
                     servicer.PutParams,
@@ -315,6 +332,33 @@ class Coordinator:
             '/ringserve.v1.Coordinator/ReportFailure',
             ringserve_dot_v1_dot_coordinator__pb2.ReportFailureRequest.SerializeToString,
             ringserve_dot_v1_dot_coordinator__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringserve.v1.Coordinator/Admit',
+            ringserve_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+            ringserve_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,7 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
             self._ticker = None
+        await self.service.close()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

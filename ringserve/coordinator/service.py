@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import membership
 from ringserve._proto import coordinator_pb2 as pb
@@ -63,6 +65,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._params: dict[str, bytes] = {}
         self._param_versions: dict[str, int] = {}
         self.views_formed = 0
+        self._probes: set[asyncio.Task[None]] = set()
+        self.probe_timeout_s = min(1.0, config.heartbeat_timeout_s / 2)
         self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0}
         self.view_changed = asyncio.Event()
 
@@ -84,27 +88,55 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     queue.put_nowait(action.view)
                 self.view_changed.set()
                 self.view_changed = asyncio.Event()
+            elif isinstance(action, membership.Probe):
+                task = asyncio.get_running_loop().create_task(self._probe(action), name="ringserve-probe")
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
             elif isinstance(action, membership.Removed):
                 log.info("worker %s removed: %s", action.worker_id, action.reason)
                 self.counts["workers_left" if action.reason == "left" else "workers_removed_silent"] += 1
                 self._counters.pop(action.worker_id, None)
 
+    async def _probe(self, probe: membership.Probe) -> None:
+        """Asks a suspect's health service whether it still answers, within probe_timeout_s."""
+        alive = False
+        try:
+            async with grpc.aio.insecure_channel(probe.address) as channel:
+                answer = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s
+                )
+                alive = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            alive = False
+        log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
+        self.apply(membership.ProbeResult(probe.worker_id, alive))
+
+    async def close(self) -> None:
+        """Cancels the probes in flight."""
+        for task in list(self._probes):
+            task.cancel()
+        for task in list(self._probes):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     def metrics(self) -> dict[str, float]:
         """The numbers the coordinator's Prometheus endpoint exposes."""
-        in_view = {m.worker_id for m in self._state.view.members}
         return {
             **self.counts,
             "views_formed": self.views_formed,
             "view": self._state.view.view_id,
             "view_size": len(self._state.view.members),
-            "workers_waiting": len([w for w in self._state.workers if w not in in_view]),
+            "workers_waiting": membership.waiting(self._state),
         }
 
     # -- RPCs --------------------------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
         worker_id = request.worker_id or uuid.uuid4().hex
-        self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint))
+        claim = None
+        if request.view_id and request.view_size:
+            claim = membership.Claim(request.view_id, request.rank, request.view_size)
+        self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim))
         return pb.JoinResponse(
             worker_id=worker_id,
             heartbeat_interval_s=self._config.heartbeat_interval_s,
@@ -121,7 +153,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.counts["heartbeats"] += 1
             self.apply(membership.Heartbeat(request.worker_id))
             self._counters[request.worker_id] = request.counters
-        return pb.HeartbeatResponse(view_id=self._state.view.view_id, known=known)
+        return pb.HeartbeatResponse(
+            view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state)
+        )
 
     async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.View]:
         queue: asyncio.Queue[membership.ViewInfo] = asyncio.Queue()
@@ -139,7 +173,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "worker %s reports rank %d of view %d: %s",
             request.reporter_id, request.suspect_rank, request.view_id, request.reason,
         )
+        view = self._state.view
+        reporter_known = membership.is_known(self._state, request.reporter_id)
+        if reporter_known and request.view_id == view.view_id and request.suspect_rank < len(view.members):
+            self.apply(membership.Suspect(view.members[request.suspect_rank].worker_id))
         return pb.ReportFailureResponse()
+
+    async def Admit(self, request: pb.AdmitRequest, context: grpc.aio.ServicerContext) -> pb.AdmitResponse:
+        view = self._state.view
+        admitted = membership.admissible(self._state)
+        if request.view_id != view.view_id or view.rank_of(request.worker_id) is None:
+            admitted = 0
+        self.apply(membership.Admit(request.worker_id, request.view_id))
+        return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
         blobs: dict[str, _Blob] = {}
@@ -190,13 +236,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     counters=self._counters.get(m.worker_id, pb.WorkerCounters()),
                 )
             )
-        in_view = {m.worker_id for m in view.members}
         return pb.StatusResponse(
             view=view_to_proto(view),
             members=members,
             uptime_s=now - self._started,
             views_formed=self.views_formed,
-            pending_workers=len([w for w in self._state.workers if w not in in_view]),
+            pending_workers=membership.waiting(self._state),
             min_workers=self._config.min_workers,
             max_workers=self._config.max_workers,
         )

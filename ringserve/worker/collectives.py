@@ -234,7 +234,9 @@ async def broadcast_bytes(
 
     The chain runs root -> root+1 -> ... -> root-1, and the last rank sends an empty frame back to
     the root, which closes the ring: the root learns that every rank got the data and whether the
-    last rank's arguments matched its own.
+    last rank's arguments matched its own. The root then sends an empty commit frame down the
+    chain, and a non-root returns only once it has it: a rank whose arguments differ is caught
+    downstream of the ranks before it, and they must fail too, not return the data.
     """
     world, rank = session.place.size, session.place.rank
     code = wire.dtype_code(dtype)
@@ -250,6 +252,7 @@ async def broadcast_bytes(
                     session.send(key, inbox, slot=0, chunk=c, payload=flat[a:b], dtype=code,
                                  count=b - a, origin=root, origin_count=flat.size)
                 await session.recv(key, inbox, 1, 0)
+                session.send(key, inbox, slot=2, chunk=0, payload=b"", dtype=code, count=0)
             return flat
         frame = await session.recv(key, inbox, 0, 0)
         _phase(inbox, "broadcast")
@@ -265,6 +268,9 @@ async def broadcast_bytes(
                 session.forward(frame)
         if nxt == root:
             session.send(key, inbox, slot=1, chunk=0, payload=b"", dtype=code, count=0)
+        commit = await session.recv(key, inbox, 2, 0)
+        if nxt != root:
+            session.forward(commit)
         return out
 
     return await run(session, name, descriptor, timeout_s, body)

@@ -29,8 +29,14 @@ class ControlClient:
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, timeout_s) from None
 
-    async def join(self, *, address: str, hostname: str, rank_hint: int, worker_id: str = "") -> pb.JoinResponse:
-        request = pb.JoinRequest(address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id)
+    async def join(
+        self, *, address: str, hostname: str, rank_hint: int, worker_id: str = "",
+        view_id: int = 0, rank: int = 0, view_size: int = 0,
+    ) -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id,
+            view_id=view_id, rank=rank, view_size=view_size,
+        )
         # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline.
         return await self._call("Join", request, self._config.connect_timeout_s, wait_for_ready=True)  # type: ignore[return-value]
 
@@ -44,6 +50,10 @@ class ControlClient:
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:
         request = pb.ReportFailureRequest(reporter_id=worker_id, view_id=view_id, suspect_rank=suspect_rank, reason=reason)
         await self._call("ReportFailure", request, self._config.rpc_timeout_s)
+
+    async def admit(self, worker_id: str, view_id: int) -> int:
+        answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
+        return int(answer.admitted)  # type: ignore[attr-defined]
 
     async def status(self) -> pb.StatusResponse:
         return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]

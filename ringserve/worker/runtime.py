@@ -70,6 +70,8 @@ class Worker:
         self._closed = False
         self._timeline: Timeline | None = None
         self._metrics: Any = None
+        self._reports: set[asyncio.Task[None]] = set()
+        self.pending_workers = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class Worker:
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
-        self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"
+        self.address = f"{cfg.advertised_host()}:{port}"
         self._control = ControlClient(cfg)
         try:
             joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
@@ -144,9 +146,9 @@ class Worker:
         if self._control is not None and self.worker_id:
             with contextlib.suppress(RingserveError):
                 await self._control.leave(self.worker_id)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._reports]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._reports]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for session in self._retired:
@@ -277,6 +279,7 @@ class Worker:
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
         frames = 0
         hello: wire.FrameHeader | None = None
+        clean = False
         try:
             async for raw in request_iterator:
                 header, payload = wire.decode(raw)
@@ -291,24 +294,42 @@ class Worker:
                         f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
                     )
                 self._route(hello, Received(header, payload, raw))
+            clean = True
         except ProtocolError as exc:
             log.warning("worker %s: rejected a peer stream: %s", self.address, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             if hello is not None:
-                self._predecessor_gone(hello)
+                self._predecessor_gone(hello, clean)
         return peer_pb2.StreamSummary(frames=frames)
 
-    def _predecessor_gone(self, hello: wire.FrameHeader) -> None:
+    def _predecessor_gone(self, hello: wire.FrameHeader, clean: bool) -> None:
         for session in [self._session, *self._retired]:
             if session is None or session.view_id != hello.view_id:
                 continue
             if session.retired is not None:
                 session.predecessor_gone(session.retired)
-            else:
-                session.predecessor_gone(PeerUnavailableError(
-                    f"The stream from rank {hello.sender_rank} of view {hello.view_id} ended."
-                ))
+                continue
+            how = "ended" if clean else "broke"
+            session.predecessor_gone(PeerUnavailableError(
+                f"The stream from rank {hello.sender_rank} of view {hello.view_id} {how}."
+            ))
+            if not clean:
+                self._report(session.view_id, hello.sender_rank, f"its stream to rank {session.place.rank} broke")
+
+    def _report(self, view_id: int, suspect_rank: int, reason: str) -> None:
+        """Tells the coordinator a peer looks dead, so it can confirm that fast (a probe)."""
+        if self._control is None or self._closed:
+            return
+        control = self._control
+
+        async def report() -> None:
+            with contextlib.suppress(RingserveError):
+                await control.report_failure(self.worker_id, view_id, suspect_rank, reason)
+
+        task = asyncio.get_running_loop().create_task(report(), name="ringserve-report")
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def _route(self, hello: wire.FrameHeader, frame: Received) -> None:
         session = self._session
@@ -340,6 +361,7 @@ class Worker:
         old = self._session
         self._latest_view = view.view_id
         mine = [m for m in view.members if m.worker_id == self.worker_id]
+        self.pending_workers = 0
         if old is not None:
             self.counters.view_changes += 1
             exc = RingChangedError(old.view_id, view.view_id)
@@ -365,7 +387,7 @@ class Worker:
                 self._timeline = Timeline(Timeline.path_for(self.config.timeline, me.rank), me.rank)
             self._session = Session(
                 place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s,
-                timeline=self._timeline,
+                timeline=self._timeline, on_peer_failure=self._report,
             )
             log.info("worker %s: rank %d of %d in view %d", self.address, me.rank, place.size, view.view_id)
         for vid in [v for v in self._early if v <= view.view_id]:
@@ -414,6 +436,59 @@ class Worker:
                 self.counters.heartbeats_missed += 1
                 log.warning("worker %s: heartbeat failed: %s", self.address, exc)
                 continue
+            # Counted against the view the answer is about: stale news of joiners already admitted
+            # must not make a commit wait for a view that never comes.
+            current = self._session.view_id if self._session is not None else 0
+            self.pending_workers = answer.pending_workers if answer.view_id == current else 0
             if not answer.known:
-                log.warning("worker %s: the coordinator no longer knows this worker", self.address)
+                await self._rejoin()
             await self._drain_retired()
+
+    async def _rejoin(self) -> None:
+        """Registers again under the same id, claiming the view we run in (after a coordinator
+        restart, or after being declared dead while stopped)."""
+        assert self._control is not None
+        session = self._session
+        claim = {}
+        if session is not None:
+            claim = {"view_id": session.view_id, "rank": session.place.rank, "view_size": session.place.size}
+        log.warning("worker %s: the coordinator does not know this worker; rejoining with %s", self.address, claim or "no view")
+        try:
+            await self._control.join(
+                address=self.address, hostname=self.config.hostname, rank_hint=self.config.rank_hint,
+                worker_id=self.worker_id, **claim,
+            )
+        except RingserveError as exc:
+            log.warning("worker %s: rejoin failed: %s", self.address, exc)
+
+    # -- elastic support -------------------------------------------------------------------
+
+    async def wait_for_view(self, newer_than: int, timeout_s: float) -> int:
+        """Waits until this worker is in a view numbered above ``newer_than``; returns its id.
+
+        Raises:
+            RendezvousTimeoutError: no such view within timeout_s.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._session is None or self._session.view_id <= newer_than:
+                    await self._view_changed.wait()
+        except TimeoutError:
+            raise RendezvousTimeoutError(
+                f"The worker at {self.address} was in no view newer than {newer_than} within {timeout_s:g} s."
+            ) from None
+        return self._session.view_id
+
+    @property
+    def latest_view(self) -> int:
+        """The newest view this worker has heard of (it may not be a member)."""
+        return self._latest_view
+
+    async def admit_waiting(self) -> int:
+        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
+
+        Returns:
+            How many the next view adds; 0 means no new view is coming.
+        """
+        assert self._control is not None
+        return await self._control.admit(self.worker_id, self.view_id)

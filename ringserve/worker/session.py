@@ -73,6 +73,11 @@ class Inbox:
             raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")
         fut.set_result(frame)
 
+    def foreign(self, descriptor: str) -> dict[int, str]:
+        """The authors of frames already here whose descriptor differs from ``descriptor``."""
+        frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
+        return {f.header.sender_rank: f.header.descriptor for f in frames if f.header.descriptor != descriptor}
+
     async def take(self, key: tuple[int, int]) -> Received:
         if self.error is not None:
             raise self.error
@@ -131,12 +136,14 @@ class Session:
         abort_grace_s: float,
         drain_timeout_s: float = 10.0,
         timeline: Timeline | None = None,
+        on_peer_failure: Callable[[int, int, str], None] | None = None,
     ) -> None:
         self.place = place
         self.counters = counters
         self.abort_grace_s = abort_grace_s
         self.drain_timeout_s = drain_timeout_s
         self.timeline = timeline
+        self._on_peer_failure = on_peer_failure
         self._inboxes: dict[str, Inbox] = {}
         self._occurrences: defaultdict[str, int] = defaultdict(int)
         self.error: BaseException | None = None
@@ -172,6 +179,9 @@ class Session:
         inbox = self._inbox(key)
         inbox.descriptor = descriptor
         inbox.known[self.place.rank] = descriptor
+        foreign = inbox.foreign(descriptor)
+        if foreign:
+            self._start_abort(key, inbox, foreign)
         self._active += 1
         return key, inbox
 
@@ -244,6 +254,10 @@ class Session:
         if header.kind == wire.DATA:
             if inbox.error is None:
                 inbox.deliver((header.step, header.chunk), frame)
+                # Checked on arrival too, not only when taken: a rank that disagrees on the root
+                # waits for frames that never come, and never takes the ones that did.
+                if inbox.descriptor is not None and header.descriptor != inbox.descriptor:
+                    self._start_abort(header.op_key, inbox, {header.sender_rank: header.descriptor})
         elif header.kind == wire.ABORT:
             self._on_abort(header.op_key, inbox, header)
         else:
@@ -327,6 +341,9 @@ class Session:
             ))
         except grpc.aio.AioRpcError as exc:
             self.close(peer_error(exc, self.successor_address))
+            if self._on_peer_failure is not None and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                nxt = successor(self.place.rank, self.place.size)
+                self._on_peer_failure(self.view_id, nxt, f"the stream to it failed: {exc.code().name}")
         except asyncio.InvalidStateError:
             self.close(PeerUnavailableError(f"The stream to {self.successor_address} closed."))
         finally:

@@ -1,0 +1,67 @@
+"""An elastic numpy training loop for the chaos tests.
+
+Usage: elastic_worker.py LOG STEPS PAUSE_S [FAULT]
+
+Every commit appends ``{"pid", "time", "view", "step", "sha"}`` to LOG, the sha256 of the weights.
+FAULT ``raise@K`` makes the first process that reaches step K raise inside a collective's loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import ringserve as rs
+from ringserve import api, elastic
+
+DIM = 1 << 14
+
+
+def main() -> None:
+    log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    fault = sys.argv[4] if len(sys.argv) > 4 else ""
+    rs.init()
+    log = open(log_path, "a", encoding="utf-8")
+
+    class Logged(elastic.ObjectState):
+        def save(self) -> None:
+            super().save()
+            weights: Any = self.w
+            record = {
+                "pid": os.getpid(), "time": time.time(), "view": api.context().worker.latest_view,
+                "step": self.step, "sha": hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest(),
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    state = Logged(step=0, w=np.zeros(DIM))
+
+    @elastic.run
+    def train(state: Logged) -> None:
+        while state.step < steps:
+            rng = np.random.default_rng(state.step * 7919 + rs.rank())
+            grad = rng.standard_normal(DIM) + 0.01 * state.w
+            if fault == f"raise@{state.step}" and not os.environ.get("FAULT_DONE"):
+                marker = f"{log_path}.fault"
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    raise RuntimeError(f"injected fault at step {state.step}")
+            avg = rs.allreduce(grad, op="average", name="grad")
+            state.w = state.w - 0.05 * avg
+            state.step += 1
+            time.sleep(pause)
+            state.commit()
+
+    train(state)
+    print(f"finished at step {state.step}", flush=True)
+    rs.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The chaos harness: an elastic job under `ringserve run`, faults injected, invariants checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKER = str(Path(__file__).with_name("elastic_worker.py"))
+
+
+@dataclass
+class Run:
+    log: Path
+    launcher: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.time)
+    faults: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, pid)
+
+    def records(self) -> list[dict]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def workers(self) -> list[int]:
+        """Live worker pids: the launcher's children."""
+        path = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children")
+        try:
+            return [int(p) for p in path.read_text().split()]
+        except OSError:
+            return []
+
+    def wait_for_step(self, step: int, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if any(r["step"] >= step for r in self.records()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no commit reached step {step} within {timeout_s} s")
+
+    def signal(self, kind: str, sig: int, pid: int | None = None) -> int:
+        pid = pid or random.choice(self.workers())
+        self.faults.append((time.time(), kind, pid))
+        os.kill(pid, sig)
+        return pid
+
+    def finish(self, timeout_s: float) -> tuple[int, str]:
+        try:
+            out, _ = self.launcher.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.launcher.kill()
+            out, _ = self.launcher.communicate()
+            raise AssertionError(f"the run hung past {timeout_s} s:\n{out.decode()[-4000:]}") from None
+        return self.launcher.returncode, out.decode()
+
+
+def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: int = 2,
+          restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0) -> Run:
+    log = tmp / "commits.jsonl"
+    cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(workers), "--min-np", str(min_np),
+           "--heartbeat-timeout", str(heartbeat_timeout_s)]
+    if restart:
+        cmd.append("--restart-failed")
+    cmd += [sys.executable, WORKER, str(log), str(steps), str(pause_s)]
+    if fault:
+        cmd.append(fault)
+    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60"}
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return Run(log=log, launcher=launcher)
+
+
+def check_invariants(records: list[dict], steps: int) -> dict[str, float]:
+    """Asserts the chaos invariants; returns figures (commits, rollbacks, views)."""
+    by_view_step: dict[tuple[int, int], set[str]] = defaultdict(set)
+    by_pid: dict[int, list[int]] = defaultdict(list)
+    for r in records:
+        by_view_step[(r["view"], r["step"])].add(r["sha"])
+        by_pid[r["pid"]].append(r["step"])
+    divergent = {k: v for k, v in by_view_step.items() if len(v) > 1}
+    assert not divergent, f"replicas diverged at (view, step): {sorted(divergent)}"
+    for pid, seq in by_pid.items():
+        # Step 0 is logged once when the state is made, then each commit moves one step on (or
+        # jumps forward when a worker takes a further commit from rank 0 at a sync).
+        assert all(b > a for a, b in zip(seq[1:], seq[2:])), f"worker {pid} committed steps {seq}: a step went back or repeated"
+    assert max(r["step"] for r in records) == steps, "training did not reach its last step"
+    # The same step committed in two views must be the same state, or a step was lost and redone.
+    # Only workers that finished count here: one killed right after its commit may have been the
+    # only rank to finish that step, and the survivors rightly redo it in their new world.
+    finished = {pid for pid, seq in by_pid.items() if seq[-1] == steps}
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for r in records:
+        if r["step"] and r["pid"] in finished:
+            by_step[r["step"]].add(r["sha"])
+    redone = {s: v for s, v in by_step.items() if len(v) > 1}
+    assert not redone, f"steps committed with different states in different views: {sorted(redone)}"
+    return {"commits": len(records), "views": len({r["view"] for r in records})}
+
+
+def recovery_times(run: Run, records: list[dict]) -> list[float]:
+    """For each fault: seconds from it to the first commit of a newer view."""
+    times = []
+    for at, _kind, _pid in run.faults:
+        before = [r["view"] for r in records if r["time"] <= at]
+        view = max(before) if before else 0
+        after = [r["time"] for r in records if r["time"] > at and r["view"] > view]
+        if after:
+            times.append(min(after) - at)
+    return times

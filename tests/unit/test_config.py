@@ -1,0 +1,125 @@
+"""Configs are frozen, keyword-only, validated on construction, and read the environment only in from_env."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.errors import InvalidArgumentError
+
+
+def test_the_defaults_are_valid() -> None:
+    assert CoordinatorConfig().port == 0
+    assert WorkerConfig().coordinator == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_workers": 0}, r"CoordinatorConfig.min_workers \(0\) must be greater than zero."),
+        ({"max_workers": -1}, r"CoordinatorConfig.max_workers \(-1\) must be greater than zero."),
+        ({"tick_s": 0.0}, r"CoordinatorConfig.tick_s \(0.0\) must be greater than zero."),
+        ({"heartbeat_interval_s": 0}, r"CoordinatorConfig.heartbeat_interval_s \(0\) must be greater than zero."),
+        ({"max_message_bytes": 0}, r"CoordinatorConfig.max_message_bytes \(0\) must be greater than zero."),
+        ({"settle_s": -0.5}, r"The settle window \(-0.5\) must not be negative."),
+        (
+            {"min_workers": 4, "max_workers": 3},
+            r"The maximum number of workers \(3\) must be at least the minimum \(4\).",
+        ),
+        (
+            {"heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 2.0},
+            r"The heartbeat timeout \(2.0 s\) must be longer than the heartbeat interval \(2.0 s\).",
+        ),
+    ],
+)
+def test_an_invalid_coordinator_config_is_rejected_with_a_sentence_naming_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        CoordinatorConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chunk_bytes": 0}, r"WorkerConfig.chunk_bytes \(0\) must be greater than zero."),
+        ({"connect_timeout_s": -1.0}, r"WorkerConfig.connect_timeout_s \(-1.0\) must be greater than zero."),
+        ({"rendezvous_timeout_s": 0}, r"WorkerConfig.rendezvous_timeout_s \(0\) must be greater than zero."),
+        ({"collective_timeout_s": 0}, r"WorkerConfig.collective_timeout_s \(0\) must be greater than zero."),
+        ({"rpc_timeout_s": 0}, r"WorkerConfig.rpc_timeout_s \(0\) must be greater than zero."),
+        ({"abort_grace_s": 0}, r"WorkerConfig.abort_grace_s \(0\) must be greater than zero."),
+        ({"coordinator": "localhost"}, r"The coordinator address \('localhost'\) must have the form host:port."),
+    ],
+)
+def test_an_invalid_worker_config_is_rejected_with_a_sentence_naming_the_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        WorkerConfig(**kwargs)
+
+
+def test_configs_are_frozen_and_keyword_only() -> None:
+    config = WorkerConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.chunk_bytes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CoordinatorConfig("0.0.0.0")  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        WorkerConfig("127.0.0.1:1")  # type: ignore[misc]
+
+
+def test_worker_from_env_reads_ringserve_variables_by_type() -> None:
+    env = {
+        "RINGSERVE_COORDINATOR": "coord:7000",
+        "RINGSERVE_CHUNK_BYTES": "4096",
+        "RINGSERVE_CONNECT_TIMEOUT_S": "2.5",
+        "RINGSERVE_USE_UVLOOP": "0",
+        "RINGSERVE_RANK_HINT": "3",
+        "RINGSERVE_HOSTNAME": "",  # empty means unset
+        "UNRELATED": "x",
+    }
+    config = WorkerConfig.from_env(env)
+    assert config.coordinator == "coord:7000"
+    assert config.chunk_bytes == 4096
+    assert config.connect_timeout_s == 2.5
+    assert config.use_uvloop is False
+    assert config.rank_hint == 3
+    assert config.hostname == WorkerConfig().hostname
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "YES", "on"])
+def test_boolean_variables_accept_the_usual_spellings_of_true(raw: str) -> None:
+    assert WorkerConfig.from_env({"RINGSERVE_USE_UVLOOP": raw}).use_uvloop is True
+
+
+def test_explicit_overrides_win_over_the_environment_and_none_overrides_are_ignored() -> None:
+    env = {"RINGSERVE_COORDINATOR": "env:1", "RINGSERVE_CHUNK_BYTES": "100"}
+    config = WorkerConfig.from_env(env, coordinator="arg:2", chunk_bytes=None)
+    assert config.coordinator == "arg:2"
+    assert config.chunk_bytes == 100
+
+
+def test_coordinator_from_env_reads_its_own_variables() -> None:
+    config = CoordinatorConfig.from_env({"RINGSERVE_MIN_WORKERS": "4", "RINGSERVE_SETTLE_S": "0.25"}, port=123)
+    assert (config.min_workers, config.settle_s, config.port) == (4, 0.25, 123)
+
+
+def test_a_malformed_variable_is_rejected_naming_the_variable_and_its_value() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"RINGSERVE_CHUNK_BYTES \('big'\) is not a valid int."):
+        WorkerConfig.from_env({"RINGSERVE_CHUNK_BYTES": "big"})
+    with pytest.raises(InvalidArgumentError, match=r"RINGSERVE_SETTLE_S \('soon'\) is not a valid float."):
+        CoordinatorConfig.from_env({"RINGSERVE_SETTLE_S": "soon"})
+
+
+def test_values_from_the_environment_are_validated_like_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="must be at least the minimum"):
+        CoordinatorConfig.from_env({"RINGSERVE_MIN_WORKERS": "5", "RINGSERVE_MAX_WORKERS": "2"})
+
+
+def test_from_env_reads_os_environ_only_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RINGSERVE_COORDINATOR", "from-os:9")
+    assert WorkerConfig.from_env().coordinator == "from-os:9"
+    assert WorkerConfig().coordinator == "127.0.0.1:50051"
+
+
+def test_the_data_plane_accepts_frames_a_little_larger_than_a_chunk() -> None:
+    config = WorkerConfig(chunk_bytes=1000)
+    assert config.max_message_bytes > 1000

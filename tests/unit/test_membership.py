@@ -1,0 +1,402 @@
+"""The membership state machine, driven with an injected clock: no coordinator, no loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ringserve.membership import (
+    Admit,
+    Claim,
+    Heartbeat,
+    Join,
+    Leave,
+    Probe,
+    ProbeResult,
+    PublishView,
+    Removed,
+    Rules,
+    State,
+    Suspect,
+    Tick,
+    ViewInfo,
+    is_known,
+    step,
+)
+
+
+class Machine:
+    """A State and the actions it produced, advanced by events at explicit times."""
+
+    def __init__(self, min_workers: int = 1, max_workers: int = 16, settle_s: float = 1.0, heartbeat_timeout_s: float = 1000.0) -> None:
+        self.state = State(rules=Rules(min_workers, max_workers, settle_s, heartbeat_timeout_s))
+        self.views: list[ViewInfo] = []
+        self.removed: list[Removed] = []
+
+    def at(self, now: float, *events: object) -> list[object]:
+        actions: list[object] = []
+        for event in events or (Tick(),):
+            self.state, new = step(self.state, event, now)  # type: ignore[arg-type]
+            actions += new
+        for action in actions:
+            if isinstance(action, PublishView):
+                self.views.append(action.view)
+            elif isinstance(action, Removed):
+                self.removed.append(action)
+        return actions
+
+    def join(self, now: float, *ids: str, hints: Iterable[int] | None = None) -> None:
+        hints = list(hints) if hints is not None else [-1] * len(ids)
+        self.at(now, *(Join(i, f"addr-{i}", "host", h) for i, h in zip(ids, hints, strict=True)))
+
+    def admit(self, now: float, by: str) -> None:
+        """A member of the running view asks for the waiting workers to be let in."""
+        self.at(now, Admit(by))
+
+    @property
+    def view(self) -> ViewInfo:
+        return self.state.view
+
+    def ids(self) -> list[str]:
+        return [m.worker_id for m in self.view.members]
+
+
+def test_no_view_forms_before_min_workers_have_joined() -> None:
+    m = Machine(min_workers=3, settle_s=0.0)
+    m.join(0.0, "a", "b")
+    m.at(100.0)
+    assert m.views == [] and m.view.view_id == 0 and m.view.members == ()
+
+
+def test_the_first_view_forms_only_after_membership_is_stable_for_the_settle_window() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a")
+    m.join(0.5, "b")
+    m.at(1.49)
+    assert m.views == []
+    m.at(1.5)
+    assert [v.view_id for v in m.views] == [1]
+    assert m.ids() == ["a", "b"]
+
+
+def test_workers_joining_within_the_settle_window_of_each_other_land_in_one_view() -> None:
+    m = Machine(min_workers=1, settle_s=1.0)
+    for t, wid in [(0.0, "a"), (0.7, "b"), (1.4, "c"), (2.1, "d")]:
+        m.at(t - 0.01)
+        m.join(t, wid)
+    for t in (2.5, 3.0, 3.2, 4.0):
+        m.at(t)
+    assert len(m.views) == 1
+    assert m.ids() == ["a", "b", "c", "d"]
+
+
+def test_at_most_max_workers_are_in_a_view_and_the_rest_wait_in_join_order() -> None:
+    m = Machine(min_workers=2, max_workers=3, settle_s=0.5)
+    m.join(0.0, "a", "b", "c", "d", "e")
+    m.at(1.0)
+    assert m.ids() == ["a", "b", "c"]
+    m.at(1.1, Leave("b"))
+    # A lost member is dropped at once (no settle wait): the ring must not wait on a dead rank.
+    assert m.ids() == ["a", "c"] and m.view.view_id == 2
+    m.admit(1.2, by="c")
+    m.at(1.7)
+    assert m.ids() == ["a", "c", "d"] and m.view.view_id == 3
+
+
+def test_rank_hints_order_the_first_view() -> None:
+    m = Machine(min_workers=3, settle_s=0.0)
+    m.join(0.0, "x", "y", "z", hints=[2, 0, 1])
+    assert m.ids() == ["y", "z", "x"]
+
+
+def test_workers_without_a_hint_follow_the_hinted_ones_in_join_order() -> None:
+    m = Machine(min_workers=4, settle_s=0.0)
+    m.join(0.0, "p", "q", "r", "s", hints=[-1, 1, -1, 0])
+    assert m.ids() == ["s", "q", "p", "r"]
+
+
+def test_rank_hints_are_ignored_once_a_view_exists() -> None:
+    m = Machine(min_workers=2, settle_s=0.0)
+    m.join(0.0, "a", "b", hints=[1, 0])
+    assert m.ids() == ["b", "a"]
+    m.join(1.0, "c", hints=[0])
+    m.admit(1.0, by="a")
+    assert m.ids() == ["b", "a", "c"]
+
+
+def test_views_are_numbered_one_by_one_including_empty_ones() -> None:
+    m = Machine(min_workers=2, settle_s=0.0)
+    m.join(0.0, "a", "b")
+    m.join(1.0, "c")
+    m.admit(1.0, by="a")
+    m.at(2.0, Leave("c"))
+    m.at(3.0, Leave("b"))
+    m.join(4.0, "d")  # an empty world admits at once
+    assert [v.view_id for v in m.views] == [1, 2, 3, 4, 5]
+    assert [len(v.members) for v in m.views] == [2, 3, 2, 0, 2]
+
+
+def test_a_joiner_waits_outside_a_running_world_until_a_member_asks_to_admit_it() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.join(5.0, "c")
+    m.at(100.0)
+    assert m.ids() == ["a", "b"] and m.view.view_id == 1
+    m.admit(100.0, by="b")
+    m.at(100.5)
+    assert m.ids() == ["a", "b", "c"] and m.view.view_id == 2
+
+
+def test_an_admit_request_publishes_a_view_at_once_with_the_joiner_at_the_end_of_the_ring() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.join(5.0, "c")
+    m.admit(5.1, by="a")
+    assert m.ids() == ["a", "b", "c"] and m.view.view_id == 2
+
+
+def test_an_admit_request_with_nobody_waiting_still_publishes_a_new_view_of_the_same_members() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.admit(2.0, by="b")
+    assert m.ids() == ["a", "b"] and m.view.view_id == 2
+    m.at(10.0)
+    assert m.view.view_id == 2
+
+
+def test_an_admit_request_from_a_worker_outside_the_view_is_ignored() -> None:
+    m = Machine(min_workers=2, settle_s=0.0)
+    m.join(0.0, "a", "b")
+    m.join(1.0, "c")
+    m.admit(2.0, by="c")  # waiting, not a member
+    m.admit(3.0, by="zz")  # unknown
+    m.at(10.0)
+    assert m.ids() == ["a", "b"] and m.view.view_id == 1
+    m.admit(11.0, by="a")
+    assert m.ids() == ["a", "b", "c"]
+
+
+def test_an_admit_request_lets_in_only_those_waiting_and_not_a_later_joiner() -> None:
+    # Admission happens at a commit, so that no training step is cut in half: a request that
+    # found nobody waiting must not let in a worker that joins later, mid-step, unasked.
+    m = Machine(min_workers=1, settle_s=0.5)
+    m.join(0.0, "a")
+    m.at(0.5)
+    m.admit(1.0, by="a")
+    assert m.ids() == ["a"] and m.view.view_id == 2
+    m.join(2.0, "b")
+    m.at(10.0)
+    assert m.ids() == ["a"] and m.view.view_id == 2
+
+
+def test_the_longest_lived_member_keeps_rank_0() -> None:
+    m = Machine(min_workers=1, settle_s=0.0)
+    m.join(0.0, "a")
+    m.join(1.0, "b")
+    m.admit(1.0, by="a")
+    m.join(2.0, "c")
+    m.admit(2.0, by="b")
+    assert m.ids() == ["a", "b", "c"]
+    m.at(3.0, Leave("a"))
+    assert m.ids() == ["b", "c"]
+    m.join(4.0, "a")  # a comes back with the same id: it is a newcomer now
+    m.admit(4.0, by="c")
+    assert m.ids() == ["b", "c", "a"]
+    m.at(5.0, Leave("c"))
+    assert m.ids() == ["b", "a"]
+
+
+def test_members_keep_their_relative_order_even_with_hints_of_newcomers() -> None:
+    m = Machine(min_workers=2, settle_s=0.0)
+    m.join(0.0, "a", "b")
+    m.join(1.0, "c", "d", hints=[1, 0])
+    m.admit(1.0, by="b")
+    assert m.ids()[:2] == ["a", "b"]
+    assert set(m.ids()[2:]) == {"c", "d"}
+
+
+def test_a_leave_removes_the_worker_at_once_and_publishes_a_view_without_it() -> None:
+    m = Machine(min_workers=1, settle_s=10.0)
+    m.join(0.0, "a", "b", "c")
+    m.at(10.0)
+    actions = m.at(10.5, Leave("b"))
+    assert Removed("b", "left") in actions
+    assert m.ids() == ["a", "c"] and m.view.view_id == 2
+    assert not is_known(m.state, "b")
+
+
+def test_a_leave_of_an_unknown_worker_changes_nothing() -> None:
+    m = Machine(min_workers=1, settle_s=0.0)
+    m.join(0.0, "a")
+    before = m.state
+    assert m.at(1.0, Leave("ghost")) == []
+    assert m.state.view == before.view and m.state.workers == before.workers
+
+
+def test_a_silent_worker_is_removed_after_the_heartbeat_timeout_and_not_before() -> None:
+    m = Machine(min_workers=1, settle_s=0.5, heartbeat_timeout_s=5.0)
+    m.join(0.0, "a", "b")
+    m.at(0.5)
+    assert m.ids() == ["a", "b"] and m.view.view_id == 1
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        m.at(t, Heartbeat("a"))
+    m.at(5.0)
+    assert m.ids() == ["a", "b"]  # exactly at the timeout: still alive
+    actions = m.at(5.01)
+    assert Removed("b", "silent for more than 5 s") in actions
+    assert m.ids() == ["a"] and m.view.view_id == 2
+    m.at(9.9, Heartbeat("a"))
+    m.at(10.5)
+    assert m.ids() == ["a"]
+
+
+def test_heartbeats_keep_a_worker_alive_indefinitely() -> None:
+    m = Machine(min_workers=1, settle_s=0.0, heartbeat_timeout_s=2.0)
+    m.join(0.0, "a")
+    for i in range(1, 100):
+        m.at(float(i), Heartbeat("a"))
+    assert m.removed == [] and m.ids() == ["a"] and len(m.views) == 1
+
+
+def test_a_heartbeat_from_an_unknown_worker_does_not_admit_it() -> None:
+    m = Machine(min_workers=1, settle_s=0.0)
+    m.at(0.0, Heartbeat("ghost"))
+    assert not is_known(m.state, "ghost") and m.views == []
+
+
+def test_falling_below_min_workers_publishes_an_empty_view_at_once() -> None:
+    m = Machine(min_workers=3, settle_s=1.0)
+    m.join(0.0, "a", "b", "c")
+    m.at(1.0)
+    assert len(m.view.members) == 3
+    actions = m.at(1.2, Leave("b"))
+    published = [a.view for a in actions if isinstance(a, PublishView)]
+    assert [(v.view_id, v.members) for v in published] == [(2, ())]
+    # Without the missing worker nothing more forms; with it, a new view forms after the settle.
+    m.at(50.0)
+    assert m.view.view_id == 2
+    m.join(51.0, "d")
+    m.at(51.5)
+    assert m.view.view_id == 2
+    m.at(52.0)
+    assert m.view.view_id == 3 and m.ids() == ["a", "c", "d"]
+
+
+def test_the_world_ending_twice_publishes_one_empty_view() -> None:
+    m = Machine(min_workers=2, settle_s=0.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0, Leave("a"))
+    m.at(2.0, Leave("b"))
+    assert [len(v.members) for v in m.views] == [2, 0]
+
+
+def test_rejoining_with_the_same_details_does_not_restart_the_settle_window() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.join(0.9, "a")
+    m.at(1.0)
+    assert m.ids() == ["a", "b"]
+
+
+def test_a_member_that_rejoins_with_a_new_address_gets_a_view_with_that_address() -> None:
+    m = Machine(min_workers=1, settle_s=0.5)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.at(2.0, Join("b", "new-address", "host", -1))
+    m.at(2.4)
+    assert m.view.view_id == 1
+    m.at(2.5)
+    assert m.view.view_id == 2
+    assert m.ids() == ["a", "b"]
+    assert m.view.members[1].address == "new-address"
+
+
+def test_step_never_mutates_the_state_it_was_given() -> None:
+    m = Machine(min_workers=1, settle_s=0.0)
+    m.join(0.0, "a")
+    before = m.state
+    workers, seen = dict(before.workers), dict(before.last_seen)
+    step(before, Join("b", "addr-b", "host"), 1.0)
+    step(before, Leave("a"), 1.0)
+    step(before, Tick(), 100.0)
+    assert before.workers == workers and before.last_seen == seen
+
+
+def test_local_ranks_group_members_by_hostname() -> None:
+    m = Machine(min_workers=4, settle_s=0.0)
+    m.at(0.0, Join("a", "1", "h1"), Join("b", "2", "h2"), Join("c", "3", "h1"), Join("d", "4", "h2"))
+    view = m.view
+    assert [view.local(r) for r in range(4)] == [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
+    assert view.rank_of("c") == 2 and view.rank_of("zz") is None
+
+
+def test_a_view_names_the_members_that_left_and_those_that_went_silent_since_the_last_view() -> None:
+    m = Machine(min_workers=1, settle_s=0.5, heartbeat_timeout_s=5.0)
+    m.join(0.0, "a", "b", "c")
+    m.at(0.5)
+    assert (m.view.left, m.view.failed) == ((), ())
+    m.at(4.0, Heartbeat("a"), Heartbeat("b"), Leave("c"))
+    assert (m.view.view_id, m.view.left, m.view.failed) == (2, ("c",), ())
+    m.at(8.0, Heartbeat("a"))
+    m.at(9.01)
+    assert (m.view.view_id, m.ids(), m.view.left, m.view.failed) == (3, ["a"], (), ("b",))
+
+
+def test_a_suspect_reported_by_a_peer_is_probed_once_and_removed_at_once_if_it_does_not_answer() -> None:
+    m = Machine(min_workers=1, settle_s=0.5)
+    m.join(0.0, "a", "b", "c")
+    m.at(0.5)
+    first = m.at(1.0, Suspect("b"))
+    again = m.at(1.1, Suspect("b"))
+    assert first == [Probe("b", "addr-b")] and again == []
+    actions = m.at(1.2, ProbeResult("b", alive=False))
+    assert Removed("b", "reported by a peer and did not answer a probe") in actions
+    assert (m.view.view_id, m.ids(), m.view.failed) == (2, ["a", "c"], ("b",))
+
+
+def test_a_suspect_that_answers_its_probe_stays_and_can_be_probed_again_later() -> None:
+    m = Machine(min_workers=1, settle_s=0.5)
+    m.join(0.0, "a", "b")
+    m.at(0.5)
+    m.at(1.0, Suspect("b"))
+    assert m.at(1.1, ProbeResult("b", alive=True)) == []
+    assert m.ids() == ["a", "b"] and m.view.view_id == 1
+    assert m.at(2.0, Suspect("b")) == [Probe("b", "addr-b")]
+    assert m.at(2.0, Suspect("ghost")) == []
+
+
+def rejoin(m: Machine, now: float, wid: str, rank: int, view_id: int = 7, size: int = 3) -> None:
+    m.at(now, Join(wid, f"addr-{wid}", "host", -1, Claim(view_id, rank, size)))
+
+
+def test_a_restarted_coordinator_adopts_the_running_view_when_all_its_members_rejoin() -> None:
+    m = Machine(min_workers=1, settle_s=0.5, heartbeat_timeout_s=5.0)
+    rejoin(m, 0.0, "z", rank=2)
+    rejoin(m, 0.1, "x", rank=0)
+    m.at(1.0)  # past the settle window: still no fresh view 1 beside the running view 7
+    assert m.views == []
+    rejoin(m, 1.5, "y", rank=1)
+    assert [(v.view_id, [mm.worker_id for mm in v.members]) for v in m.views] == [(7, ["x", "y", "z"])]
+    m.join(2.0, "new")
+    m.admit(2.0, by="x")
+    m.at(2.5, Heartbeat("x"), Heartbeat("y"), Heartbeat("z"))
+    assert m.ids() == ["x", "y", "z", "new"] and m.view.view_id == 8
+
+
+def test_a_restarted_coordinator_forms_the_next_view_from_the_members_that_came_back_in_time() -> None:
+    m = Machine(min_workers=1, settle_s=0.5, heartbeat_timeout_s=5.0)
+    rejoin(m, 0.0, "z", rank=2)
+    rejoin(m, 1.0, "x", rank=0)
+    m.at(4.9, Heartbeat("z"), Heartbeat("x"))
+    assert m.views == []
+    m.at(5.0)
+    assert (m.view.view_id, m.ids(), m.view.failed) == (8, ["x", "z"], ("rank 1 of view 7",))
+
+
+def test_a_restarted_coordinator_ends_the_world_if_too_few_members_came_back() -> None:
+    m = Machine(min_workers=2, settle_s=0.5, heartbeat_timeout_s=5.0)
+    rejoin(m, 0.0, "x", rank=0)
+    m.at(5.0)
+    assert (m.view.view_id, m.view.members) == (8, ())
