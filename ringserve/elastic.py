@@ -197,10 +197,13 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         _Leave.install()
         ctx = api.context()
+        worker = ctx.worker
         while True:
-            view = ctx.worker.latest_view
+            view = worker.latest_view
             try:
                 state.sync()
+                view = worker.view_id
+                worker.pin_view(view)
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 if exc.leaving and _Leave.requested.is_set():
@@ -209,6 +212,8 @@ def run(func: F) -> F:
             except RecoverableError as exc:
                 log.warning("view %d: %s; restoring the last commit", view, exc)
                 state.restore()
+            finally:
+                worker.pin_view(None)
             _wait_for_view_after(view)
             state.on_reset()
 

@@ -160,6 +160,7 @@ def launch(
     try:
         thread.run(coord.start(), 30.0)
         group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer)
+        group.note(f"coordinator at {coord.address}; starting {num_proc} workers")
         for slot in range(num_proc):
             group.start(slot)
         if elastic or restart_failed:

@@ -66,7 +66,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._param_versions: dict[str, int] = {}
         self.views_formed = 0
         self._probes: set[asyncio.Task[None]] = set()
-        self.probe_timeout_s = min(1.0, config.heartbeat_timeout_s / 2)
+        # A dead process refuses the probe at once; the timeout only matters for a stopped or cut
+        # off one, which heartbeats catch anyway. Too short, and a loaded machine's live worker
+        # fails its probe and is dropped for nothing.
+        self.probe_timeout_s = min(2.5, config.heartbeat_timeout_s / 2)
         self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0}
         self.view_changed = asyncio.Event()
 

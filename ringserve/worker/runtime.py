@@ -72,6 +72,7 @@ class Worker:
         self._metrics: Any = None
         self._reports: set[asyncio.Task[None]] = set()
         self.pending_workers = 0
+        self._pinned: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -224,7 +225,25 @@ class Worker:
     def _ring(self) -> Session:
         self._place()
         assert self._session is not None
+        if self._pinned is not None and self._session.view_id != self._pinned:
+            raise RingChangedError(self._pinned, self._session.view_id, "the view moved on since the elastic state was synced")
         return self._session
+
+    @property
+    def running_view(self) -> int:
+        """The view collectives run in: the pinned one, else the current one (0 if none)."""
+        if self._pinned is not None:
+            return self._pinned
+        return self._session.view_id if self._session is not None else 0
+
+    def pin_view(self, view_id: int | None) -> None:
+        """Makes collectives fail with RingChangedError once the current view is not ``view_id``.
+
+        Elastic training pins the view its state was synced in: a rank that hears of a new view
+        before its next collective must not start that collective in the new world while the
+        others are restoring and syncing there (their collectives would never meet). None unpins.
+        """
+        self._pinned = view_id
 
     def _opts(self) -> dict[str, Any]:
         return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}

@@ -34,7 +34,7 @@ def main() -> None:
             super().save()
             weights: Any = self.w
             record = {
-                "pid": os.getpid(), "time": time.time(), "view": api.context().worker.latest_view,
+                "pid": os.getpid(), "time": time.time(), "view": api.context().worker.running_view,
                 "step": self.step, "sha": hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest(),
             }
             log.write(json.dumps(record) + "\n")

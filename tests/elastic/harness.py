@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -61,11 +60,11 @@ class Run:
         return self.launcher.returncode, out.decode()
 
 
-def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: int = 2,
+def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: int = 2, max_np: int = 0,
           restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0) -> Run:
     log = tmp / "commits.jsonl"
     cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(workers), "--min-np", str(min_np),
-           "--heartbeat-timeout", str(heartbeat_timeout_s)]
+           "--max-np", str(max_np or workers), "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if restart:
         cmd.append("--restart-failed")
     cmd += [sys.executable, WORKER, str(log), str(steps), str(pause_s)]
@@ -88,18 +87,12 @@ def check_invariants(records: list[dict], steps: int) -> dict[str, float]:
     for pid, seq in by_pid.items():
         # Step 0 is logged once when the state is made, then each commit moves one step on (or
         # jumps forward when a worker takes a further commit from rank 0 at a sync).
-        assert all(b > a for a, b in zip(seq[1:], seq[2:])), f"worker {pid} committed steps {seq}: a step went back or repeated"
+        assert all(b > a for a, b in zip(seq[1:], seq[2:], strict=False)), f"worker {pid} committed steps {seq}: a step went back or repeated"
     assert max(r["step"] for r in records) == steps, "training did not reach its last step"
-    # The same step committed in two views must be the same state, or a step was lost and redone.
-    # Only workers that finished count here: one killed right after its commit may have been the
-    # only rank to finish that step, and the survivors rightly redo it in their new world.
-    finished = {pid for pid, seq in by_pid.items() if seq[-1] == steps}
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for r in records:
-        if r["step"] and r["pid"] in finished:
-            by_step[r["step"]].add(r["sha"])
-    redone = {s: v for s, v in by_step.items() if len(v) > 1}
-    assert not redone, f"steps committed with different states in different views: {sorted(redone)}"
+    # Why no check across views: a collective can finish on one rank and fail on the others (the
+    # rank got every frame before a peer died). That rank commits the step alone; if it is then
+    # dropped from the world, the survivors redo the step in their new world, rightly. What must
+    # hold is above: no worker ever goes back on a step it committed or applies one twice.
     return {"commits": len(records), "views": len({r["view"] for r in records})}
 
 
@@ -113,3 +106,20 @@ def recovery_times(run: Run, records: list[dict]) -> list[float]:
         if after:
             times.append(min(after) - at)
     return times
+
+
+def coordinator_address(run: Run, timeout_s: float = 30.0) -> str:
+    """The address the launcher's coordinator listens on, from its first line of output."""
+    assert run.launcher.stdout is not None
+    line = run.launcher.stdout.readline().decode()
+    marker = "coordinator at "
+    assert marker in line, f"unexpected first line {line!r}"
+    return line.split(marker, 1)[1].split(";", 1)[0].strip()
+
+
+def start_worker(address: str, log: Path, steps: int, pause_s: float) -> subprocess.Popen[bytes]:
+    """One more worker process for a running job, outside the launcher."""
+    env = {**os.environ, "RINGSERVE_COORDINATOR": address, "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
+           "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, WORKER, str(log), str(steps), str(pause_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,0 +1,184 @@
+"""The chaos harness: four workers train elastically under `ringserve run`, faults are injected,
+and every run is checked for the invariants: it ends within its bound (no hang), all ranks that
+commit a step in a view hold equal weights, and no worker's committed step goes back or repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import harness
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def report(name: str, run: harness.Run, records: list[dict]) -> None:
+    figures = harness.check_invariants(records, max(r["step"] for r in records))
+    times = sorted(harness.recovery_times(run, records))
+    kinds = [k for _, k, _ in run.faults]
+    print(f"\n{name}: faults {kinds}, recovery s {[round(t, 2) for t in times]}, {figures}")
+
+
+def kill_randomly(tmp_path: Path, injections: int, seed: int, steps: int) -> None:
+    rng = random.Random(seed)
+    run = harness.start(tmp_path, steps=steps, pause_s=0.03)
+    run.wait_for_step(3, 90)
+    for _ in range(injections):
+        time.sleep(rng.uniform(0.2, 1.2))
+        live = run.workers()
+        assert live, "no worker left to kill"
+        run.signal("kill -9", signal.SIGKILL, rng.choice(live))
+    code, out = run.finish(180)
+    assert code == 0, out[-3000:]
+    records = run.records()
+    harness.check_invariants(records, steps)
+    report(f"kill -9 x{injections}", run, records)
+
+
+def test_ten_random_kill_9s_never_hang_or_diverge_and_training_finishes(tmp_path: Path) -> None:
+    kill_randomly(tmp_path, injections=10, seed=2026, steps=400)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", range(5))
+def test_many_random_kill_9s_never_hang_or_diverge(tmp_path: Path, seed: int) -> None:
+    kill_randomly(tmp_path, injections=12, seed=seed, steps=500)
+
+
+def test_an_exception_inside_one_worker_mid_training_is_survived(tmp_path: Path) -> None:
+    run = harness.start(tmp_path, steps=80, pause_s=0.02, fault="raise@30")
+    code, out = run.finish(150)
+    assert code == 0, out[-3000:]
+    assert "injected fault at step 30" in out
+    assert "exited with code 1; starting it again" in out
+    harness.check_invariants(run.records(), 80)
+
+
+def test_a_stopped_worker_is_dropped_and_after_sigcont_its_stale_frames_are_rejected_and_it_rejoins(tmp_path: Path) -> None:
+    run = harness.start(tmp_path, steps=150, pause_s=0.03, heartbeat_timeout_s=1.5)
+    run.wait_for_step(10, 90)
+    pid = run.signal("SIGSTOP", signal.SIGSTOP)
+    stopped_at = max(r["view"] for r in run.records())
+    deadline = time.time() + 30
+    while not any(r["view"] > stopped_at for r in run.records()):
+        assert time.time() < deadline, "the survivors never formed a view without the stopped worker"
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGCONT)
+    code, out = run.finish(180)
+    assert code == 0, out[-3000:]
+    records = run.records()
+    harness.check_invariants(records, 150)
+    resumed = [r for r in records if r["pid"] == pid and r["view"] > stopped_at]
+    assert resumed, "the resumed worker never committed in a later view"
+    report("SIGSTOP/SIGCONT", run, records)
+
+
+def test_a_new_worker_joins_mid_training_and_starts_from_the_current_state(tmp_path: Path) -> None:
+    run = harness.start(tmp_path, workers=3, max_np=4, steps=300, pause_s=0.03, restart=False)
+    address = harness.coordinator_address(run)
+    run.wait_for_step(20, 90)
+    joiner = harness.start_worker(address, run.log, 300, 0.03)
+    try:
+        code, out = run.finish(180)
+        joiner_out, _ = joiner.communicate(timeout=60)
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+    assert code == 0, out[-3000:]
+    assert joiner.returncode == 0, joiner_out.decode()[-3000:]
+    records = run.records()
+    harness.check_invariants(records, 300)
+    joined = [r for r in records if r["pid"] == joiner.pid]
+    # Its first line is its own fresh state; its first commit is already past step 20.
+    assert joined[1]["step"] > 20
+    first_view = joined[1]["view"]
+    assert len({r["pid"] for r in records if r["view"] == first_view}) == 4, "the joiner did not train with all three"
+
+
+def test_sigterm_makes_a_worker_leave_gracefully_and_the_others_go_on_without_rollback(tmp_path: Path) -> None:
+    run = harness.start(tmp_path, steps=120, pause_s=0.03, restart=False)
+    run.wait_for_step(20, 90)
+    pid = run.signal("SIGTERM", signal.SIGTERM)
+    code, out = run.finish(180)
+    assert code == 0, out[-3000:]
+    assert "restoring the last commit" not in out, out[-3000:]
+    records = run.records()
+    harness.check_invariants(records, 120)
+    assert max(r["step"] for r in records if r["pid"] == pid) < 120
+
+
+def test_survivors_below_min_workers_wait_for_the_elastic_timeout_then_exit_with_a_clear_error(tmp_path: Path) -> None:
+    log = tmp_path / "commits.jsonl"
+    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "4"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ringserve.cli", "run", "-np", "3", "--min-np", "3", "--heartbeat-timeout", "1.5",
+         sys.executable, harness.WORKER, str(log), "100000", "0.02"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    )
+    run = harness.Run(log=log, launcher=launcher)
+    run.wait_for_step(5, 90)
+    started = time.time()
+    run.signal("kill -9", signal.SIGKILL)
+    code, out = run.finish(60)
+    assert code != 0
+    assert "was in no view newer than" in out and "within 4 s" in out, out[-3000:]
+    assert time.time() - started < 30
+    harness.check_invariants(run.records(), max(r["step"] for r in run.records()))
+
+
+def start_coordinator(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(port), "--min-workers", "4",
+         "--settle-seconds", "0.2", "--heartbeat-timeout", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    assert "listening on" in line, line
+    return proc
+
+
+def test_a_killed_and_restarted_coordinator_adopts_the_running_world_and_training_goes_on(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    log = tmp_path / "commits.jsonl"
+    coordinator = start_coordinator(port)
+    workers = [harness.start_worker(address, log, 200, 0.03) for _ in range(4)]
+    run = harness.Run(log=log, launcher=workers[0])
+    try:
+        run.wait_for_step(20, 90)
+        coordinator.kill()
+        coordinator.wait()
+        killed_at_step = max(r["step"] for r in run.records())
+        time.sleep(1.0)
+        coordinator = start_coordinator(port)
+        outs = []
+        for w in workers:
+            out, _ = w.communicate(timeout=120)
+            outs.append(out.decode())
+            assert w.returncode == 0, out.decode()[-3000:]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+        coordinator.kill()
+        coordinator.wait()
+    records = run.records()
+    harness.check_invariants(records, 200)
+    assert max(r["step"] for r in records) > killed_at_step
+    # Every worker rejoined with its view, and the coordinator adopted that same view: nobody
+    # rolled back, and all commits stayed in one world.
+    assert not any("restoring the last commit" in out for out in outs), outs
+    assert len({r["view"] for r in records if r["step"] > 0}) == 1
