@@ -103,6 +103,9 @@ class WorkerConfig:
         tune_malloc: keep chunk-sized buffers in glibc's heap instead of mmap (see _malloc.py).
         metrics_port: serve Prometheus metrics on bind_host at this port (0: any free port);
             -1 (the default) serves none.
+        stall_warning_s: a collective waiting longer than this is reported with the heartbeat;
+            the coordinator then logs which ranks have not submitted it (Horovod's stall
+            inspector). collective_timeout_s is the later bound at which it fails.
         elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
             instance while below min_workers) before they give up with a clear error.
         timeline: write this rank's collectives as Chrome trace events to this path
@@ -126,6 +129,7 @@ class WorkerConfig:
     metrics_port: int = -1
     timeline: str = ""
     elastic_timeout_s: float = 600.0
+    stall_warning_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",

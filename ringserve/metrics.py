@@ -52,6 +52,7 @@ class WorkerCollector(Collector):
         yield counter("frames_rejected", "Frames of another view, dropped and never summed.", c.frames_rejected)
         yield counter("view_changes", "New views installed after the first.", c.view_changes)
         yield counter("heartbeats_missed", "Heartbeats that did not reach the coordinator.", c.heartbeats_missed)
+        yield counter("stall_warnings", "Stall warnings about collectives this worker waited on.", c.stall_warnings)
         gauge = GaugeMetricFamily("ringserve_view", "The view this worker runs in.", labels=labels)
         gauge.add_metric(values, view)
         yield gauge
@@ -70,6 +71,7 @@ class CoordinatorCollector(Collector):
             "workers_removed_silent": ("counter", "Workers removed after missing heartbeats."),
             "workers_left": ("counter", "Workers that left gracefully."),
             "heartbeats": ("counter", "Heartbeats received."),
+            "stall_warnings": ("counter", "Collectives found stalled: some ranks waited, others had not submitted."),
             "view": ("gauge", "The current view id."),
             "view_size": ("gauge", "Workers in the current view."),
             "workers_waiting": ("gauge", "Workers joined but not yet in a view."),

@@ -44,6 +44,7 @@ class Counters:
     frames_rejected: int = 0
     view_changes: int = 0
     heartbeats_missed: int = 0
+    stall_warnings: int = 0
     latency: dict[str, Latency] = field(default_factory=dict)
 
     def observe(self, kind: str, seconds: float) -> None:

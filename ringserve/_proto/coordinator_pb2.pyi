@@ -88,24 +88,28 @@ class WorkerCounters(_message.Message):
     def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id", "counters")
+    __slots__ = ("worker_id", "view_id", "counters", "stalled")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
     counters: WorkerCounters
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+    stalled: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("view_id", "known", "pending_workers")
+    __slots__ = ("view_id", "known", "pending_workers", "stall_warnings")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALL_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     view_id: int
     known: bool
     pending_workers: int
-    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ...) -> None: ...
+    stall_warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("worker_id", "view_id")

@@ -70,7 +70,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # off one, which heartbeats catch anyway. Too short, and a loaded machine's live worker
         # fails its probe and is dropped for nothing.
         self.probe_timeout_s = min(2.5, config.heartbeat_timeout_s / 2)
-        self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0}
+        self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0, "stall_warnings": 0}
+        self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
+        self._warned: set[tuple[int, str]] = set()
         self.view_changed = asyncio.Event()
 
     @property
@@ -152,13 +154,42 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         known = membership.is_known(self._state, request.worker_id)
+        warnings: list[str] = []
         if known:
             self.counts["heartbeats"] += 1
             self.apply(membership.Heartbeat(request.worker_id))
             self._counters[request.worker_id] = request.counters
+            self._stalled[request.worker_id] = (request.view_id, frozenset(request.stalled))
+            warnings = self._stall_warnings(request.view_id, set(request.stalled))
         return pb.HeartbeatResponse(
-            view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state)
+            view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state),
+            stall_warnings=warnings,
         )
+
+    def _stall_warnings(self, view_id: int, keys: set[str]) -> list[str]:
+        """Horovod's stall inspector: for each collective some ranks have waited on too long, the
+        ranks of the current view that have not submitted it. Logged once per collective."""
+        view = self._state.view
+        if view_id != view.view_id or not keys:
+            return []
+        warnings = []
+        for key in sorted(keys):
+            waiting = sorted(
+                rank for rank, m in enumerate(view.members)
+                if self._stalled.get(m.worker_id, (0, frozenset()))[0] == view_id
+                and key in self._stalled[m.worker_id][1]
+            )
+            missing = [r for r in range(len(view.members)) if r not in waiting]
+            text = (
+                f"{key!r}: ranks {', '.join(map(str, missing)) or 'none'} have not submitted it; "
+                f"ranks {', '.join(map(str, waiting))} wait"
+            )
+            warnings.append(text)
+            if (view_id, key) not in self._warned:
+                self._warned.add((view_id, key))
+                self.counts["stall_warnings"] += 1
+                log.warning("view %d: stalled collective %s", view_id, text)
+        return warnings
 
     async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.View]:
         queue: asyncio.Queue[membership.ViewInfo] = asyncio.Queue()

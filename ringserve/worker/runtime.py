@@ -448,9 +448,11 @@ class Worker:
             counters = cpb.WorkerCounters(
                 collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
             )
-            view_id = self._session.view_id if self._session is not None else 0
+            session = self._session
+            view_id = session.view_id if session is not None else 0
+            stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
             try:
-                answer = await self._control.heartbeat(self.worker_id, view_id, counters)
+                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled)
             except RingserveError as exc:
                 self.counters.heartbeats_missed += 1
                 log.warning("worker %s: heartbeat failed: %s", self.address, exc)
@@ -459,6 +461,9 @@ class Worker:
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
             self.pending_workers = answer.pending_workers if answer.view_id == current else 0
+            for warning in answer.stall_warnings:
+                self.counters.stall_warnings += 1
+                log.warning("rank %s view %d: stalled collective %s", session.place.rank if session else "-", view_id, warning)
             if not answer.known:
                 await self._rejoin()
             await self._drain_retired()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ class Session:
         self.retired: BaseException | None = None
         self._starved: BaseException | None = None
         self._active = 0
+        self._opened: dict[str, float] = {}
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
         if channel is not None and place.size > 1:
@@ -183,10 +185,17 @@ class Session:
         if foreign:
             self._start_abort(key, inbox, foreign)
         self._active += 1
+        self._opened[key] = time.monotonic()
         return key, inbox
+
+    def stalled(self, older_than_s: float) -> list[str]:
+        """Keys of the collectives in flight for longer than older_than_s."""
+        now = time.monotonic()
+        return sorted(k for k, t in self._opened.items() if now - t > older_than_s)
 
     def release(self, key: str) -> None:
         self._inboxes.pop(key, None)
+        self._opened.pop(key, None)
         self._active -= 1
         if self._active == 0 and self.retired is not None:
             self._queue.put_nowait(None)
