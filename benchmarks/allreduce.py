@@ -2,12 +2,17 @@
 
     python benchmarks/allreduce.py                    # worlds 2 and 4; 64 KiB, 1 MiB, 16 MiB, 64 MiB
     python benchmarks/allreduce.py --worlds 4 --sizes 1M 64M --loop asyncio
+    python benchmarks/allreduce.py --worlds 2 --sizes 1M 64M --tls --no-gloo   # TLS overhead only
 
 For each world and size it prints seconds per op, algorithm bandwidth (S / t), bus bandwidth
 (algbw x 2(N-1)/N), the ratios to gloo, the bytes each ringserve worker sent over the ring optimum
 2(N-1)/N x S, and the peak memory of a ringserve worker over the tensor at the largest size (the
 growth of its resident set from just before the tensor was made, tensor included). Both sides
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
+
+With ``--tls`` ringserve also runs under mTLS with a job token, from a throwaway CA and
+certificate made in a temporary directory, and the table adds its time and its ratio to the
+plaintext run.
 """
 
 from __future__ import annotations
@@ -92,31 +97,53 @@ def worker_gloo(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path) -> list[dict[str, object]]:
+def tls_settings(tmp: pathlib.Path) -> dict[str, object]:
+    """mTLS and a token from a throwaway CA, as config fields (the workers get them as env)."""
+    from ringserve._pki import CertificateAuthority
+
+    files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node")
+    return {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca, "tls_require_client_auth": True,
+            "token": "benchmark-token"}
+
+
+def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path, tag: str,
+                  security: dict[str, object]) -> None:
     from ringserve import Coordinator, CoordinatorConfig
     from ringserve.loop import LoopThread
 
-    sizes_arg = [str(s) for s in sizes]
     me = str(pathlib.Path(__file__).resolve())
     thread = LoopThread(use_uvloop=True)
-    coord = Coordinator(CoordinatorConfig(min_workers=world, max_workers=world, settle_s=0.1))
+    coord = Coordinator(CoordinatorConfig(min_workers=world, max_workers=world, settle_s=0.1, **security))  # type: ignore[arg-type]
     thread.run(coord.start(), 10)
+    env = {"RINGSERVE_COORDINATOR": coord.address, **{f"RINGSERVE_{k.upper()}": str(int(v) if isinstance(v, bool) else v)
+                                                       for k, v in security.items()}}
     try:
         run_ranks([[PYTHON, me, "--role", "ringserve", "--world", str(world), "--loop", loop,
-                    "--out", str(tmp / f"rs{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
-                  {"RINGSERVE_COORDINATOR": coord.address}, timeout_s=900)
+                    "--out", str(tmp / f"{tag}{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
+                  env, timeout_s=900)
     finally:
         thread.run(coord.stop(0.1), 10)
         thread.stop()
-    port = free_port()
-    run_ranks([[PYTHON, me, "--role", "gloo", "--world", str(world), "--port", str(port),
-                "--out", str(tmp / f"gloo{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
-              {}, timeout_s=900)
+
+
+def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls: bool = False,
+              gloo: bool = True) -> list[dict[str, object]]:
+    sizes_arg = [str(s) for s in sizes]
+    me = str(pathlib.Path(__file__).resolve())
+    run_ringserve(world, sizes_arg, loop, tmp, "rs", {})
+    if tls:
+        run_ringserve(world, sizes_arg, loop, tmp, "tls", tls_settings(tmp))
+    if gloo:
+        port = free_port()
+        run_ranks([[PYTHON, me, "--role", "gloo", "--world", str(world), "--port", str(port),
+                    "--out", str(tmp / f"gloo{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
+                  {}, timeout_s=900)
     rows = []
     for size in sizes:
         key = str(size)
         rs_t = max(read_json(tmp / f"rs{world}.{i}.json")[key]["t"] for i in range(world))
-        gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world))
+        gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world)) if gloo else float("nan")
+        tls_t = max(read_json(tmp / f"tls{world}.{i}.json")[key]["t"] for i in range(world)) if tls else float("nan")
         sent = max(read_json(tmp / f"rs{world}.{i}.json")[key]["sent"] for i in range(world))
         peak = max(read_json(tmp / f"rs{world}.{i}.json")[key]["peak_over_tensor"] for i in range(world))
         factor = 2 * (world - 1) / world
@@ -132,6 +159,8 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path) -> lis
             "busbw_ratio": f"{gl_t / rs_t:.2f}",
             "sent_over_opt": f"{sent / optimum:.4f}",
             "peak_mem": f"{peak:.2f}x" if size == max(sizes) else "-",
+            "tls_ms": f"{tls_t * 1e3:.2f}" if tls else "-",
+            "tls_ratio": f"{tls_t / rs_t:.2f}" if tls else "-",
         })
     return rows
 
@@ -141,6 +170,7 @@ COLUMNS = [
     ("time_ratio", "time / gloo"), ("rs_busbw", "ringserve busbw GB/s"), ("gloo_busbw", "gloo busbw GB/s"),
     ("busbw_ratio", "busbw / gloo"), ("sent_over_opt", "bytes sent / optimum"), ("peak_mem", "peak mem / tensor"),
 ]
+TLS_COLUMNS = [("tls_ms", "mTLS+token ms/op"), ("tls_ratio", "mTLS / plaintext")]
 
 
 def main() -> None:
@@ -148,6 +178,8 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", nargs="+", default=["64K", "1M", "16M", "64M"])
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    p.add_argument("--tls", action="store_true", help="also run ringserve under mTLS with a token; report the ratio")
+    p.add_argument("--no-gloo", action="store_true", help="skip the gloo runs")
     p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
@@ -161,9 +193,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
-            rows += run_world(world, args.sizes, args.loop, pathlib.Path(tmp))
+            rows += run_world(world, args.sizes, args.loop, pathlib.Path(tmp), tls=args.tls, gloo=not args.no_gloo)
     print(f"allreduce of float32 sums on loopback, {args.loop} event loop; bandwidths in GB/s")
-    print(table(rows, COLUMNS))
+    columns = [c for c in COLUMNS if not (args.no_gloo and "gloo" in c[1])]
+    print(table(rows, columns + (TLS_COLUMNS if args.tls else [])))
 
 
 if __name__ == "__main__":

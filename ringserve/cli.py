@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,6 +28,26 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=None,
+                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 4096)")
+    _security_args(p, server=True)
+
+
+def _security_args(p: argparse.ArgumentParser, *, server: bool) -> None:
+    """TLS and token flags; each falls back on its RINGSERVE_* variable (RINGSERVE_TLS_CERT, ...)."""
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain of this process (TLS on)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle that signs the job's certificates")
+    if server:
+        p.add_argument("--tls-require-client-auth", action="store_true", default=None,
+                       help="refuse clients without a certificate signed by --tls-ca (mTLS)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to check servers' certificates against instead of the host dialled")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the job token (or set RINGSERVE_TOKEN); never logged")
+
+
+_SECURITY_FIELDS = ("tls_cert", "tls_key", "tls_ca", "tls_require_client_auth", "tls_server_name", "token_file")
 
 
 def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -34,7 +55,7 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "metrics_port")
+                 "heartbeat_timeout_s", "metrics_port", "max_concurrent_rpcs", *_SECURITY_FIELDS)
 
 
 async def _serve(config: CoordinatorConfig) -> None:
@@ -45,7 +66,11 @@ async def _serve(config: CoordinatorConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Coordinator(config) as coord:
-        print(f"ringserve coordinator listening on {coord.address}", flush=True)
+        mode = "plaintext"
+        if coord.security.tls:
+            mode = "mTLS" if coord.security.require_client_auth else "TLS"
+        token = ", token required" if coord.security.token else ""
+        print(f"ringserve coordinator listening on {coord.address} ({mode}{token})", flush=True)
         if coord.metrics is not None:
             print(f"ringserve coordinator metrics on {coord.metrics.url}", flush=True)
         await stop.wait()
@@ -63,18 +88,27 @@ def _cmd_coordinator(ns: argparse.Namespace) -> int:
     return 0
 
 
+_SECURITY_ENV = {f"RINGSERVE_{f.upper()}" for f in (*_SECURITY_FIELDS, "token")}
+
+
 def _cmd_run(ns: argparse.Namespace) -> int:
     from ringserve.launch import launch
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     min_np = ns.min_np if ns.min_np is not None else ns.np
     max_np = ns.max_np if ns.max_np is not None else ns.np
+    # The embedded coordinator takes the job's TLS and token from the environment, as the
+    # workers it starts do.
+    security = CoordinatorConfig.from_env(
+        {k: v for k, v in os.environ.items() if k in _SECURITY_ENV}
+    )
     config = CoordinatorConfig(
         host=ns.host or "127.0.0.1",
         min_workers=min_np,
         max_workers=max(max_np, ns.np),
         settle_s=0.2,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
     )
     elastic = min_np < ns.np or ns.restart_failed
     outcome = launch(ns.np, command, coordinator=config, elastic=elastic,
@@ -121,7 +155,10 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     from ringserve.worker.control import ControlClient
 
     async def fetch() -> object:
-        client = ControlClient(WorkerConfig(coordinator=ns.coordinator, rpc_timeout_s=ns.timeout))
+        env = {k: v for k, v in os.environ.items() if k in _SECURITY_ENV}
+        config = WorkerConfig.from_env(env, coordinator=ns.coordinator, rpc_timeout_s=ns.timeout,
+                                       **_overrides(ns, _SECURITY_FIELDS))
+        client = ControlClient(config)
         try:
             return await client.status()
         finally:
@@ -170,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
+    _security_args(p, server=False)
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("timeline", help="work with timeline files (RINGSERVE_TIMELINE)")

@@ -20,6 +20,22 @@ MiB = 1 << 20
 ADVERTISE_AUTO = "auto"
 
 
+def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
+    """Validates the TLS and token settings shared by both configs (files are read at start)."""
+    name = type(owner).__name__
+    cert, key = owner.tls_cert, owner.tls_key
+    if bool(cert) != bool(key):
+        raise InvalidArgumentError(
+            f"{name}.tls_cert ({cert!r}) and tls_key ({key!r}) must be given together."
+        )
+    if owner.tls_require_client_auth and not (owner.tls_ca and cert):
+        raise InvalidArgumentError(
+            f"{name}.tls_require_client_auth needs tls_ca (to verify clients) and tls_cert/tls_key."
+        )
+    if owner.token and owner.token_file:
+        raise InvalidArgumentError(f"{name}: give the token or the token file, not both.")
+
+
 def _positive(owner: object, *names: str) -> None:
     for name in names:
         value = getattr(owner, name)
@@ -45,6 +61,20 @@ class CoordinatorConfig:
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
+        tls_cert, tls_key: PEM certificate chain and private key of this process. Set, every
+            server it runs speaks TLS, and it presents them as its client certificate (mTLS).
+        tls_ca: PEM bundle of the CA(s) that sign the job's certificates. Clients verify servers
+            against it (the system roots when empty); with tls_require_client_auth, servers verify
+            clients against it. Set, every channel this process opens speaks TLS.
+        tls_require_client_auth: servers refuse clients without a certificate signed by tls_ca.
+        tls_server_name: the name checked against a server's certificate instead of the host
+            dialled (``grpc.ssl_target_name_override``); for certificates that do not list
+            every advertised address.
+        token: the shared job token, sent as ``authorization: Bearer <token>`` on every RPC and
+            required by every server (health excepted); empty: no token. Never logged.
+        token_file: a file holding the token (its whitespace stripped), instead of ``token``.
+        max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
+            once (a flood of streams); long-lived streams count too.
     """
 
     host: str = "127.0.0.1"
@@ -57,10 +87,20 @@ class CoordinatorConfig:
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_require_client_auth: bool = False
+    tls_server_name: str = ""
+    token: str = field(default="", repr=False)
+    token_file: str = ""
+    # Each worker holds one WatchView stream and a unary call or two at a time.
+    max_concurrent_rpcs: int = 4096
 
     def __post_init__(self) -> None:
         _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
-                  "heartbeat_timeout_s", "tick_s", "max_message_bytes")
+                  "heartbeat_timeout_s", "tick_s", "max_message_bytes", "max_concurrent_rpcs")
+        _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
         if self.max_workers < self.min_workers:
@@ -110,6 +150,21 @@ class WorkerConfig:
             instance while below min_workers) before they give up with a clear error.
         timeline: write this rank's collectives as Chrome trace events to this path
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none.
+        tls_cert, tls_key: PEM certificate chain and private key of this process. Set, every
+            server it runs speaks TLS, and it presents them as its client certificate (mTLS).
+        tls_ca: PEM bundle of the CA(s) that sign the job's certificates. Clients verify servers
+            against it (the system roots when empty); with tls_require_client_auth, servers verify
+            clients against it. Set, every channel this process opens speaks TLS.
+        tls_require_client_auth: servers refuse clients without a certificate signed by tls_ca.
+        tls_server_name: the name checked against a server's certificate instead of the host
+            dialled (``grpc.ssl_target_name_override``); for certificates that do not list
+            every advertised address.
+        token: the shared job token, sent as ``authorization: Bearer <token>`` on every RPC and
+            required by every server (health excepted); empty: no token. Never logged.
+        token_file: a file holding the token (its whitespace stripped), instead of ``token``.
+        max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
+            once (a flood of streams); a peer server needs one stream per view
+            from its predecessor, and a probe now and then.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -117,7 +172,7 @@ class WorkerConfig:
     advertise_host: str = ""
     hostname: str = field(default_factory=socket.gethostname)
     rank_hint: int = -1
-    chunk_bytes: int = 1 * MiB
+    chunk_bytes: int = 2 * MiB
     connect_timeout_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
     collective_timeout_s: float = 300.0
@@ -130,10 +185,20 @@ class WorkerConfig:
     timeline: str = ""
     elastic_timeout_s: float = 600.0
     stall_warning_s: float = 60.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_require_client_auth: bool = False
+    tls_server_name: str = ""
+    token: str = field(default="", repr=False)
+    token_file: str = ""
+    max_concurrent_rpcs: int = 64
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
-                  "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s")
+                  "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
+                  "max_concurrent_rpcs")
+        _check_security(self)
         if ":" not in self.coordinator:
             raise InvalidArgumentError(
                 f"The coordinator address ({self.coordinator!r}) must have the form host:port."

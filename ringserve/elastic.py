@@ -208,9 +208,9 @@ def run(func: F) -> F:
             except HostsUpdatedInterrupt as exc:
                 if exc.leaving and _Leave.requested.is_set():
                     _leave_now()
-                log.info("the world changes at a commit (%s); waiting for view > %d", exc, view)
+                log.info("%s: the world changes at a commit (%s); waiting for a newer view", worker.tag, exc)
             except RecoverableError as exc:
-                log.warning("view %d: %s; restoring the last commit", view, exc)
+                log.warning("%s: %s; restoring the last commit", worker.tag, exc)
                 state.restore()
             finally:
                 worker.pin_view(None)

@@ -279,9 +279,15 @@ def _desired(state: State) -> tuple[MemberInfo, ...]:
 def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:
     """Rebuilds the running view from the claims of rejoining workers, after a restart."""
     newest = max(c.view_id for c in state.claims.values())
+    # Keyed by rank, then by join order: two workers claiming one rank (a stale or a false claim)
+    # must not make the sort compare members.
     claimants = sorted(
-        (c.rank, state.workers[w]) for w, c in state.claims.items() if c.view_id == newest and w in state.workers
+        ((c.rank, state.workers[w]) for w, c in state.claims.items() if c.view_id == newest and w in state.workers),
+        key=lambda claim: (claim[0], claim[1].join_seq),
     )
+    # One claimant per rank (the earliest): the rest wait like newcomers, and the view stays
+    # within the claimed size, so within max_workers.
+    claimants = [c for i, c in enumerate(claimants) if i == 0 or c[0] != claimants[i - 1][0]]
     size = max(c.size for c in state.claims.values() if c.view_id == newest)
     ranks = [r for r, _ in claimants]
     members = tuple(m for _, m in claimants)

@@ -15,31 +15,35 @@ from ringserve.errors import (
 # link) is noticed by the transport too, not only by heartbeats.
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
+# HTTP/2 streams one connection may hold open at once; further ones wait on the client's side.
+# Servers also cap RPCs across all connections (max_concurrent_rpcs in the configs), answering
+# RESOURCE_EXHAUSTED beyond it, so a flood of streams cannot exhaust a server's memory.
+MAX_STREAMS_PER_CONNECTION = 256
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _common_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        # Loopback and LAN links: a large window keeps 1 MiB chunks flowing without stalls.
+        # Loopback and LAN links: a large window keeps chunks flowing without stalls.
         ("grpc.http2.lookahead_bytes", 4 * max_message_bytes),
     ]
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [*_common_options(max_message_bytes), ("grpc.http2.max_pings_without_data", 0)]
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *_common_options(max_message_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ]
 
 

@@ -18,6 +18,7 @@ from ringserve import membership
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator.service import CoordinatorService
+from ringserve.security import Security
 from ringserve.transport import server_options
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or CoordinatorConfig()
-        self.service = CoordinatorService(self.config, clock)
+        self.security = Security.load(self.config)
+        self.service = CoordinatorService(self.config, clock, security=self.security)
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.metrics: MetricsServer | None = None
@@ -50,7 +52,11 @@ class Coordinator:
         return f"{self.config.host}:{self.port}"
 
     async def start(self) -> Coordinator:
-        server = grpc.aio.server(options=server_options(self.config.max_message_bytes))
+        server = grpc.aio.server(
+            options=server_options(self.config.max_message_bytes),
+            interceptors=self.security.server_interceptors(),
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
+        )
         pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -59,7 +65,7 @@ class Coordinator:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = self.security.add_port(server, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"The coordinator could not bind {self.config.host}:{self.config.port}.")
         await server.start()
@@ -71,7 +77,11 @@ class Coordinator:
             from ringserve.metrics import CoordinatorCollector, MetricsServer
 
             self.metrics = MetricsServer(CoordinatorCollector(self.service.metrics), self.config.host, self.config.metrics_port)
-        log.info("coordinator serving on %s (min_workers=%d)", self.address, self.config.min_workers)
+        log.info(
+            "coordinator serving on %s (min_workers=%d, %s, %s)", self.address, self.config.min_workers,
+            ("mTLS" if self.security.require_client_auth else "TLS") if self.security.tls else "plaintext",
+            "token required" if self.security.token else "no token",
+        )
         return self
 
     async def _tick(self) -> None:

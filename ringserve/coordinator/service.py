@@ -17,6 +17,7 @@ from ringserve import membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
 
@@ -49,8 +50,12 @@ class _Blob:
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """Owns the membership state; every change goes through ``membership.step``."""
 
-    def __init__(self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic, *, security: Security | None = None
+    ) -> None:
         self._config = config
+        # The probe of a suspect worker dials its peer server, with the job's TLS and token.
+        self._security = security or Security.load(config)
         self._clock = clock
         self._started = clock()
         rules = membership.Rules(
@@ -106,12 +111,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Asks a suspect's health service whether it still answers, within probe_timeout_s."""
         alive = False
         try:
-            async with grpc.aio.insecure_channel(probe.address) as channel:
+            async with self._security.channel(probe.address) as channel:
                 answer = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s
                 )
                 alive = answer.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
+            alive = False
+        except Exception as exc:  # noqa: BLE001 - a worker whose address cannot even be dialled is not answering
+            log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
             alive = False
         log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
         self.apply(membership.ProbeResult(probe.worker_id, alive))
@@ -140,6 +148,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         worker_id = request.worker_id or uuid.uuid4().hex
         claim = None
         if request.view_id and request.view_size:
+            if not request.rank < request.view_size <= self._config.max_workers:
+                # Checked here, not trusted: recovery walks every rank of a claimed view.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"A rejoin claims rank {request.rank} of a view of {request.view_size} workers; the rank "
+                    f"must be below the size, and the size at most max_workers ({self._config.max_workers}).",
+                )
             claim = membership.Claim(request.view_id, request.rank, request.view_size)
         self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim))
         return pb.JoinResponse(
@@ -204,7 +219,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
-            "worker %s reports rank %d of view %d: %s",
+            "worker %s reports rank %d of view %d: %r",
             request.reporter_id, request.suspect_rank, request.view_id, request.reason,
         )
         view = self._state.view

@@ -103,3 +103,13 @@ def restore(array: np.ndarray, layout: Layout, *, rows: int | None = None) -> to
     if out.device != layout.device:
         out = out.to(layout.device)
     return out
+
+
+def shares_memory(array: np.ndarray, tensor: torch.Tensor) -> bool:
+    """True if ``array`` may overlap the memory of the CPU ``tensor`` (so writing it changes the tensor)."""
+    if tensor.device.type != "cpu" or array.nbytes == 0:
+        return False
+    storage = tensor.untyped_storage()
+    a0 = array.__array_interface__["data"][0]
+    t0 = storage.data_ptr()
+    return a0 < t0 + storage.nbytes() and t0 < a0 + array.nbytes

@@ -6,7 +6,6 @@ The binding keeps no state of its own: the one default context lives in ``ringse
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -60,14 +59,8 @@ def init(comm: object = None, process_sets: object = None, *, coordinator: str |
 
 
 def shutdown() -> None:
-    """Leaves the world and stops the background thread; init() works again afterwards.
-
-    A closed Worker and its gRPC server reference each other (the server holds the worker's
-    stream handler), so they are freed only by the cycle collector; gRPC's poller thread lives
-    until they are. Collecting here makes shutdown() leave no thread behind.
-    """
+    """Leaves the world and stops the background thread; init() works again afterwards."""
     api.shutdown()
-    gc.collect()
 
 
 def is_initialized() -> bool:

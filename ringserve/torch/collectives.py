@@ -28,15 +28,17 @@ R = TypeVar("R")
 class Handle(Generic[R]):
     """An in-flight collective; pass it to ``synchronize()`` or ``poll()``."""
 
-    def __init__(self, future: concurrent.futures.Future[Any], finish: Callable[[Any], R]) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], finish: Callable[[Any], R],
+                 parts: Sequence[Handle[Any]] = ()) -> None:
         self._future = future
         self._finish = finish
+        self._parts = tuple(parts)  # collectives this one is made of (a grouped allreduce's)
         self._result: R | None = None
         self._finished = False
 
     def poll(self) -> bool:
         """True once the collective has finished (successfully or not)."""
-        return self._future.done()
+        return self._future.done() and all(part.poll() for part in self._parts)
 
     def wait(self) -> R:
         """Waits for the collective and returns its result; a second call returns it again."""
@@ -74,12 +76,25 @@ def _allreduce_start(
     tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
     prescale_factor: float, postscale_factor: float, out: torch.Tensor | None,
 ) -> Handle[torch.Tensor]:
-    wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
+    source = tensor.detach()
+    wire, cctx = compression.compress(_scaled(source, prescale_factor))
     array, layout = _tensors.reducible(wire)
+    # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
+    # into the caller's input of an out-of-place call.
+    aliases_input = _tensors.shares_memory(array, source)
+    into_out = (out is not None and aliases_input and out.is_contiguous()
+                and array.__array_interface__["data"][0] == out.data_ptr())
+    target = array if into_out or not aliases_input else None
     core = ops.core_op(op)
-    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name))
+    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target))
 
     def finish(result: np.ndarray) -> torch.Tensor:
+        if into_out:
+            assert out is not None
+            if postscale_factor != 1.0:
+                with torch.no_grad():
+                    out.copy_(out * postscale_factor)
+            return out
         reduced = _rescale(compression.decompress(_tensors.restore(result, layout), cctx), postscale_factor)
         if out is None:
             return reduced
@@ -189,7 +204,7 @@ def _grouped_start(
                 results[i] = value
         return results
 
-    return Handle(future, finish)
+    return Handle(future, finish, parts=[handle for _, handle in handles])
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,

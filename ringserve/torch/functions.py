@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ringserve import api
@@ -48,6 +49,10 @@ def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+    return basics.wait(basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name)))
+
+
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: str) -> None:
     """Overwrites every tensor with root_rank's, in place; all ranks pass the same shapes and dtypes.
 
@@ -64,9 +69,7 @@ def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: st
         if is_root:
             for t, start in zip(group, offsets, strict=True):
                 flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
-        array = flat.numpy()
-        part = f"{name}.{k}"
-        result = basics.wait(basics.submit(lambda w, a=array, n=part: w.broadcast(a, root=root_rank, name=n)))
+        result = _broadcast(flat.numpy(), root_rank, f"{name}.{k}")
         if is_root:
             continue
         received = torch.from_numpy(result)

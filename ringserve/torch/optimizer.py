@@ -21,12 +21,12 @@ on every rank. Every rank thus starts every bucket exactly once per step, and no
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
-import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -34,96 +34,8 @@ import torch
 from ringserve import api
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics, ops
+from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch.compression import Compression, Compressor
-
-DEFAULT_FUSION_BYTES = 4 << 20
-FUSION_BYTES_ENV = "RINGSERVE_FUSION_BYTES"
-
-
-def fusion_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
-    """The fusion bucket size from RINGSERVE_FUSION_BYTES, or DEFAULT_FUSION_BYTES.
-
-    Raises:
-        InvalidArgumentError: the variable is not a non-negative integer.
-    """
-    raw = (os.environ if env is None else env).get(FUSION_BYTES_ENV, "")
-    if not raw.strip():
-        return DEFAULT_FUSION_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidArgumentError(f"{FUSION_BYTES_ENV} ({raw!r}) must be a non-negative integer.")
-    return value
-
-
-class _Bucket:
-    """Parameters whose gradients are reduced together, and the state of their current reduction."""
-
-    def __init__(self, params: list[torch.nn.Parameter], name: str) -> None:
-        self.params = params
-        self.name = name
-        self.bounds: list[tuple[int, int]] = []
-        offset = 0
-        for p in params:
-            self.bounds.append((offset, offset + p.numel()))
-            offset += p.numel()
-        self.numel = offset
-        pinned = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        # Gradients, then one presence flag per parameter.
-        self.buffer = torch.empty(offset + len(params), dtype=params[0].dtype, pin_memory=pinned)
-        self.ready = 0
-        self.future: Any = None
-        self.finish: Callable[[Any], torch.Tensor] | None = None
-        self.started_at = 0.0
-        self.done_at = 0.0
-
-
-def _plan(params: list[torch.nn.Parameter], fusion_bytes: int,
-          groups: int | list[list[torch.nn.Parameter]] | None) -> list[list[torch.nn.Parameter]]:
-    """Splits parameters into buckets: explicit groups first, then the rest by size.
-
-    The rest is taken in reverse order (backward's order); a bucket closes when the next parameter
-    would take it past ``fusion_bytes`` or has another dtype or device.
-    """
-    plans: list[list[torch.nn.Parameter]] = []
-    rest = list(reversed(params))
-    if isinstance(groups, list):
-        taken: set[int] = set()
-        for group in groups:
-            members = [p for p in group if id(p) not in taken and any(p is q for q in params)]
-            taken.update(id(p) for p in members)
-            if members:
-                plans.append(members)
-        rest = [p for p in rest if id(p) not in taken]
-    elif isinstance(groups, int) and groups > 0:
-        n = min(groups, len(rest))
-        cuts = [round(i * len(rest) / n) for i in range(n + 1)] if n else []
-        for a, b in zip(cuts, cuts[1:], strict=False):
-            plans.append(rest[a:b])
-        rest = []
-    current: list[torch.nn.Parameter] = []
-    size = 0
-    for p in rest:
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > fusion_bytes or p.dtype != current[0].dtype
-                        or p.device != current[0].device):
-            plans.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        plans.append(current)
-    # A group given by the caller may still mix dtypes or devices: split it.
-    return [part for plan in plans for part in _split_kinds(plan)]
-
-
-def _split_kinds(plan: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-    for p in plan:
-        kinds.setdefault((p.dtype, p.device), []).append(p)
-    return list(kinds.values())
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -146,6 +58,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: accepted for compatibility; sparse gradients are always made dense.
         process_set: only the global process set is supported.
         fusion_bytes: bucket size in bytes; RINGSERVE_FUSION_BYTES or 4 MiB when None.
+
+    Attributes:
+        communication_intervals: (start, end) ``time.perf_counter()`` seconds of each bucket's
+            allreduce in the last synchronize(), to measure how communication overlapped backward.
 
     Example::
 
@@ -197,8 +113,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups if groups is not None else (num_groups or None)
         self._names = self._check_names(named_parameters)
         self._hooks: list[Any] = []
-        self._buckets: list[_Bucket] = []
-        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._buckets: list[Bucket] = []
+        self._slot: dict[int, tuple[Bucket, int]] = {}
         self._passes: dict[int, int] = {}
         self._should_synchronize = True
         self._synchronized = False
@@ -270,8 +186,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if named is None:
             return {id(p): f"param.{i}" for i, p in enumerate(params)}
         pairs = list(named)
-        names = [n for n, _ in pairs]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        counts = collections.Counter(n for n, _ in pairs)
+        duplicates = sorted(n for n, k in counts.items() if k > 1)
         if duplicates:
             raise InvalidArgumentError(f"Parameter names in named_parameters must be unique: {duplicates}.")
         by_id = {id(p): n for n, p in pairs}
@@ -287,10 +203,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_idle("rebuild its buckets")
         self.remove_hooks()
         params = self._params()
-        layout = "|".join(f"{self._names.get(id(p), '?')}:{tuple(p.shape)}:{p.dtype}" for p in params)
-        prefix = "ringserve.grad." + hashlib.sha1(layout.encode()).hexdigest()[:10]
-        plans = _plan(params, self._fusion_bytes, self._groups)
-        self._buckets = [_Bucket(plan, f"{prefix}.{i}") for i, plan in enumerate(plans)]
+        # Names tell this optimizer's buckets from another's. Shapes stay out of them on purpose: ranks
+        # whose shapes differ then meet in the same collective and fail fast with a MismatchError.
+        names = "|".join(self._names.get(id(p), "?") for p in params)
+        prefix = "ringserve.grad." + hashlib.sha1(names.encode()).hexdigest()[:10]
+        plans = plan(params, self._fusion_bytes, self._groups)
+        self._buckets = [Bucket(group, f"{prefix}.{i}") for i, group in enumerate(plans)]
         self._slot = {id(p): (b, j) for b in self._buckets for j, p in enumerate(b.params)}
         this = weakref.ref(self)
         for p in params:
@@ -302,7 +220,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._hooks = []
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def _on_grad(self, p: torch.Tensor) -> None:
         slot = self._slot.get(id(p))
         if slot is None:
             return
@@ -328,7 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return "average", 1.0, 1.0
         return "sum", 1.0 / self._predivide, self._predivide / api.size()
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: Bucket) -> None:
         """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce."""
         core, prescale, postscale = self._scales()
         buf = bucket.buffer
@@ -352,7 +270,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         name = bucket.name
 
         async def reduce(worker: Any) -> tuple[Any, float]:
-            result = await worker.allreduce(array, op=core, name=name)
+            # In place: the array is the bucket's own buffer (or its compressed copy).
+            result = await worker.allreduce(array, op=core, name=name, out=array)
             return result, time.perf_counter()
 
         def finish(result: Any) -> torch.Tensor:
@@ -363,7 +282,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.future = basics.submit(reduce)
         bucket.finish = finish
 
-    def _finish(self, bucket: _Bucket) -> None:
+    def _finish(self, bucket: Bucket) -> None:
         result, bucket.done_at = basics.wait(bucket.future)
         assert bucket.finish is not None
         out = bucket.finish(result)
@@ -410,6 +329,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._passes.clear()
         self.communication_intervals = intervals
         self._synchronized = True
+
+    def reset(self) -> None:
+        """Forgets a step cut short by a failure (elastic training calls it on restore).
+
+        Waits for the reductions still in flight to end (they fail fast once their view is gone,
+        and they write into the buckets), then clears what this step had recorded.
+        """
+        for bucket in self._buckets:
+            if bucket.future is not None:
+                with contextlib.suppress(Exception):
+                    basics.wait(bucket.future)
+            bucket.future, bucket.finish, bucket.ready = None, None, 0
+        self._passes.clear()
+        self._synchronized = False
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

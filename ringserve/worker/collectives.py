@@ -30,7 +30,7 @@ from ringserve.ring import (
     segment_bounds,
     successor,
 )
-from ringserve.worker.session import Inbox, Session
+from ringserve.worker.session import Inbox, Received, Session
 
 T = TypeVar("T")
 
@@ -41,11 +41,13 @@ def _as_array(a: Any) -> np.ndarray:
     return array
 
 
-def _payload(payload: memoryview, dtype: np.dtype, count: int, key: str) -> np.ndarray:
-    if payload.nbytes != count * dtype.itemsize:
+def _payload(frame: Received, dtype: np.dtype, count: int, key: str) -> np.ndarray:
+    """The frame's elements, after checking that its dtype, count and length are the expected ones."""
+    header, payload = frame.header, frame.payload
+    if header.dtype != wire.dtype_code(dtype) or header.count != count or payload.nbytes != count * dtype.itemsize:
         raise ProtocolError(
-            f"A frame of collective {key!r} carries {payload.nbytes} bytes where "
-            f"{count * dtype.itemsize} were expected."
+            f"A frame of collective {key!r} carries {header.count} elements of dtype code {header.dtype} "
+            f"in {payload.nbytes} bytes, where {count} elements of {dtype} were expected."
         )
     return np.frombuffer(payload, dtype=dtype)
 
@@ -121,7 +123,7 @@ async def ring_reduce(
             if step == 0 and c == 0:
                 _phase(inbox, "reduce_scatter")
             part = buf[a:b]
-            combine_into(src[a:b], _payload(frame.payload, buf.dtype, b - a, key), op, out=part)
+            combine_into(src[a:b], _payload(frame, buf.dtype, b - a, key), op, out=part)
             if step < last_rs:
                 session.send(key, inbox, slot=step + 1, chunk=c, payload=part, dtype=code, count=b - a)
                 continue
@@ -135,7 +137,7 @@ async def ring_reduce(
         _, recv_seg = allgather_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
             frame = await session.recv(key, inbox, gather_slot + recv_seg, c)
-            buf[a:b] = _payload(frame.payload, buf.dtype, b - a, key)
+            buf[a:b] = _payload(frame, buf.dtype, b - a, key)
             if step < world - 2:
                 session.forward(frame)
 
@@ -263,7 +265,7 @@ async def broadcast_bytes(
         for c, (a, b) in enumerate(chunk_bounds(0, total, elems)):
             if c:
                 frame = await session.recv(key, inbox, 0, c)
-            out[a:b] = _payload(frame.payload, dtype, b - a, key)
+            out[a:b] = _payload(frame, dtype, b - a, key)
             if nxt != root:
                 session.forward(frame)
         if nxt == root:
@@ -329,7 +331,7 @@ async def allgather_blocks(
             for c, (a, b) in enumerate(chunk_bounds(0, total, elems)):
                 if c:
                     frame = await session.recv(key, inbox, origin, c)
-                block[a:b] = _payload(frame.payload, dtype, b - a, key)
+                block[a:b] = _payload(frame, dtype, b - a, key)
                 if step < world - 2:
                     session.forward(frame)
             blocks[origin] = block

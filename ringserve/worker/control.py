@@ -9,6 +9,7 @@ import grpc
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import WorkerConfig
+from ringserve.security import Security
 from ringserve.transport import channel_options, coordinator_error
 
 PARAM_CHUNK_BYTES = 1 << 20
@@ -17,10 +18,11 @@ PARAM_CHUNK_BYTES = 1 << 20
 class ControlClient:
     """Calls the coordinator; every failure comes back as a ringserve error naming its address."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, security: Security | None = None) -> None:
         self.address = config.coordinator
         self._config = config
-        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options(64 << 20))
+        security = security or Security.load(config)
+        self._channel = security.channel(self.address, channel_options(64 << 20))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def _call(self, method: str, request: object, timeout_s: float, wait_for_ready: bool = False) -> object:

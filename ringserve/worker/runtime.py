@@ -29,6 +29,7 @@ from ringserve.errors import (
 )
 from ringserve.observe import Counters, Timeline
 from ringserve.ring import successor
+from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives
 from ringserve.worker.control import ControlClient
@@ -73,6 +74,7 @@ class Worker:
         self._reports: set[asyncio.Task[None]] = set()
         self.pending_workers = 0
         self._pinned: int | None = None
+        self._security = Security()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -86,19 +88,24 @@ class Worker:
         cfg = self.config
         if cfg.tune_malloc:
             _malloc.tune()
-        server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
+        self._security = Security.load(cfg)
+        server = grpc.aio.server(
+            options=server_options(cfg.max_message_bytes),
+            interceptors=self._security.server_interceptors(),
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        )
         handler = grpc.stream_unary_rpc_method_handler(
             self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
         )
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": handler})])
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{cfg.bind_host}:0")
+        port = self._security.add_port(server, f"{cfg.bind_host}:0")
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.address = f"{cfg.advertised_host()}:{port}"
-        self._control = ControlClient(cfg)
+        self._control = ControlClient(cfg, self._security)
         try:
             joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
             self.worker_id = joined.worker_id
@@ -163,6 +170,10 @@ class Worker:
             await self._control.close()
         if self._server is not None:
             await self._server.stop(0.5)
+        # The server holds our stream handler, and so us: drop both, so that gRPC's poller thread
+        # can go as soon as the last channel and server are gone, without waiting for the GC.
+        self._server = None
+        self._control = None
         if self._metrics is not None:
             self._metrics.close()
         if self._timeline is not None:
@@ -228,6 +239,14 @@ class Worker:
         if self._pinned is not None and self._session.view_id != self._pinned:
             raise RingChangedError(self._pinned, self._session.view_id, "the view moved on since the elastic state was synced")
         return self._session
+
+    @property
+    def tag(self) -> str:
+        """"rank R view V" (or "worker ADDRESS view V" outside any view), for log lines."""
+        session = self._session
+        if session is not None:
+            return f"rank {session.place.rank} view {session.view_id}"
+        return f"worker {self.address} view {self._latest_view}"
 
     @property
     def running_view(self) -> int:
@@ -298,6 +317,7 @@ class Worker:
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
         frames = 0
         hello: wire.FrameHeader | None = None
+        verified = False
         clean = False
         try:
             async for raw in request_iterator:
@@ -307,6 +327,12 @@ class Worker:
                     if header.kind != wire.HELLO:
                         raise ProtocolError("A peer stream must open with a HELLO frame.")
                     hello = header
+                    # Checked at once where the view is known (else when it is, as its frames are
+                    # replayed): an impostor is refused before it can pass for the predecessor.
+                    session = self._session_of(hello.view_id)
+                    if session is not None:
+                        session.check_sender(hello)
+                        verified = True
                     continue
                 if header.view_id != hello.view_id:
                     raise ProtocolError(
@@ -315,10 +341,11 @@ class Worker:
                 self._route(hello, Received(header, payload, raw))
             clean = True
         except ProtocolError as exc:
-            log.warning("worker %s: rejected a peer stream: %s", self.address, exc)
+            log.warning("%s: rejected a peer stream: %s", self.tag, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            if hello is not None:
+            # Only the real predecessor's stream ending says anything about the ring.
+            if hello is not None and (verified or self._sender_checks(hello)):
                 self._predecessor_gone(hello, clean)
         return peer_pb2.StreamSummary(frames=frames)
 
@@ -350,11 +377,25 @@ class Worker:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    def _route(self, hello: wire.FrameHeader, frame: Received) -> None:
+    def _session_of(self, view_id: int) -> Session | None:
         session = self._session
+        if session is not None and session.view_id == view_id:
+            return session
+        return next((s for s in self._retired if s.view_id == view_id and s.error is None), None)
+
+    def _sender_checks(self, hello: wire.FrameHeader) -> bool:
+        session = self._session_of(hello.view_id)
+        if session is None:
+            return False
+        try:
+            session.check_sender(hello)
+        except ProtocolError:
+            return False
+        return True
+
+    def _route(self, hello: wire.FrameHeader, frame: Received) -> None:
         view_id = hello.view_id
-        if session is None or view_id != session.view_id:
-            session = next((s for s in self._retired if s.view_id == view_id and s.error is None), None)
+        session = self._session_of(view_id)
         if session is not None:
             session.check_sender(hello)
             session.on_frame(frame)
@@ -367,8 +408,8 @@ class Worker:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=channel_options(self.config.max_message_bytes)
+            channel = self._channels[address] = self._security.channel(
+                address, channel_options(self.config.max_message_bytes)
             )
         return channel
 
@@ -408,12 +449,17 @@ class Worker:
                 place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s,
                 timeline=self._timeline, on_peer_failure=self._report,
             )
-            log.info("worker %s: rank %d of %d in view %d", self.address, me.rank, place.size, view.view_id)
+            log.info("%s: joined as rank %d of %d (peer server %s)", self.tag, me.rank, place.size, self.address)
         for vid in [v for v in self._early if v <= view.view_id]:
             frames = self._early.pop(vid)
             if self._session is not None and vid == view.view_id:
                 for hello, frame in frames:
-                    self._session.check_sender(hello)
+                    try:
+                        self._session.check_sender(hello)
+                    except ProtocolError as exc:
+                        log.warning("%s: dropped a held frame: %s", self.tag, exc)
+                        self.counters.frames_rejected += 1
+                        continue
                     self._session.on_frame(frame)
             else:
                 self.counters.frames_rejected += len(frames)
@@ -429,7 +475,7 @@ class Worker:
                     self._install(view)
                     backoff = 0.05
             except RingserveError as exc:
-                log.warning("worker %s: view watch broke: %s", self.address, exc)
+                log.warning("%s: view watch broke: %s", self.tag, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
             await self._drain_retired()
@@ -455,7 +501,7 @@ class Worker:
                 answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled)
             except RingserveError as exc:
                 self.counters.heartbeats_missed += 1
-                log.warning("worker %s: heartbeat failed: %s", self.address, exc)
+                log.warning("%s: heartbeat failed: %s", self.tag, exc)
                 continue
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
@@ -463,7 +509,7 @@ class Worker:
             self.pending_workers = answer.pending_workers if answer.view_id == current else 0
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
-                log.warning("rank %s view %d: stalled collective %s", session.place.rank if session else "-", view_id, warning)
+                log.warning("%s: stalled collective %s", self.tag, warning)
             if not answer.known:
                 await self._rejoin()
             await self._drain_retired()
@@ -476,14 +522,14 @@ class Worker:
         claim = {}
         if session is not None:
             claim = {"view_id": session.view_id, "rank": session.place.rank, "view_size": session.place.size}
-        log.warning("worker %s: the coordinator does not know this worker; rejoining with %s", self.address, claim or "no view")
+        log.warning("%s: the coordinator does not know this worker; rejoining with %s", self.tag, claim or "no view")
         try:
             await self._control.join(
                 address=self.address, hostname=self.config.hostname, rank_hint=self.config.rank_hint,
                 worker_id=self.worker_id, **claim,
             )
         except RingserveError as exc:
-            log.warning("worker %s: rejoin failed: %s", self.address, exc)
+            log.warning("%s: rejoin failed: %s", self.tag, exc)
 
     # -- elastic support -------------------------------------------------------------------
 

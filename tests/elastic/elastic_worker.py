@@ -9,16 +9,16 @@ FAULT ``raise@K`` makes the first process that reaches step K raise inside a col
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
+from commit_log import CommitLog
 
 import ringserve as rs
-from ringserve import api, elastic
+from ringserve import elastic
 
 DIM = 1 << 14
 
@@ -27,18 +27,13 @@ def main() -> None:
     log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else ""
     rs.init()
-    log = open(log_path, "a", encoding="utf-8")
 
-    class Logged(elastic.ObjectState):
-        def save(self) -> None:
-            super().save()
+    class Logged(CommitLog, elastic.ObjectState):
+        log = open(log_path, "a", encoding="utf-8")
+
+        def digest(self) -> str:
             weights: Any = self.w
-            record = {
-                "pid": os.getpid(), "time": time.time(), "view": api.context().worker.running_view,
-                "step": self.step, "sha": hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest(),
-            }
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            return hashlib.sha256(np.ascontiguousarray(weights).tobytes()).hexdigest()
 
     state = Logged(step=0, w=np.zeros(DIM))
 

@@ -97,9 +97,9 @@ def test_a_new_worker_joins_mid_training_and_starts_from_the_current_state(tmp_p
     records = run.records()
     harness.check_invariants(records, 300)
     joined = [r for r in records if r["pid"] == joiner.pid]
-    # Its first line is its own fresh state; its first commit is already past step 20.
-    assert joined[1]["step"] > 20
-    first_view = joined[1]["view"]
+    # Its first commit is already past step 20: it started from the current state.
+    assert joined[0]["step"] > 20
+    first_view = joined[0]["view"]
     assert len({r["pid"] for r in records if r["view"] == first_view}) == 4, "the joiner did not train with all three"
 
 
@@ -182,3 +182,17 @@ def test_a_killed_and_restarted_coordinator_adopts_the_running_world_and_trainin
     # rolled back, and all commits stayed in one world.
     assert not any("restoring the last commit" in out for out in outs), outs
     assert len({r["view"] for r in records if r["step"] > 0}) == 1
+
+
+def test_torch_training_with_distributed_optimizer_survives_kill_9s_and_replicas_stay_equal(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    run = harness.start(tmp_path, steps=150, pause_s=0.02, worker=harness.TORCH_WORKER)
+    run.wait_for_step(5, 120)
+    for _ in range(3):
+        time.sleep(rng.uniform(0.5, 1.5))
+        run.signal("kill -9", signal.SIGKILL, rng.choice(run.workers()))
+    code, out = run.finish(200)
+    assert code == 0, out[-3000:]
+    records = run.records()
+    harness.check_invariants(records, 150)
+    report("torch kill -9 x3", run, records)

@@ -1,0 +1,283 @@
+"""TLS, mTLS and the job token, for every server and channel of a job.
+
+One ``Security`` is loaded from a config (``CoordinatorConfig`` or ``WorkerConfig``) when a process
+starts: the certificate files and the token file are read once, there, so a missing file is an
+error at start and never mid-training.
+
+- **Servers** (the coordinator, each worker's peer server) listen with TLS when ``tls_cert`` is set,
+  and with ``tls_require_client_auth`` refuse clients without a certificate signed by ``tls_ca``.
+  With a token, a server interceptor answers UNAUTHENTICATED to any RPC whose ``authorization``
+  metadata is not ``Bearer <token>``, before the handler runs and before the request is parsed, so
+  a refused call changes no state. The token is compared in constant time.
+- **Channels** (a worker's channel to the coordinator and to its ring successor, the coordinator's
+  probe of a suspect worker, ``ringserve status``, the health probe) speak TLS when ``tls_ca`` or
+  ``tls_cert`` is set, and present ``tls_cert`` as their client certificate. The token rides as call
+  credentials on a TLS channel and through a client interceptor on a plaintext one (gRPC sends call
+  credentials only over a secure transport).
+- **The health service stays open**: ``grpc.health.v1.Health`` needs no token, because the probes
+  that call it (Docker's health check, Kubernetes' gRPC probe) cannot send one. It tells only
+  SERVING or not. Under ``tls_require_client_auth`` it needs a client certificate like every other
+  service, since TLS sits below gRPC; probe with ``python -m ringserve.healthcheck --tls-*`` then.
+"""
+
+from __future__ import annotations
+
+import hmac
+import pathlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from ringserve.errors import InvalidArgumentError
+
+AUTH_HEADER = "authorization"
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+
+
+class SecuritySettings(Protocol):
+    """The fields of CoordinatorConfig and WorkerConfig that Security reads."""
+
+    @property
+    def tls_cert(self) -> str: ...
+    @property
+    def tls_key(self) -> str: ...
+    @property
+    def tls_ca(self) -> str: ...
+    @property
+    def tls_require_client_auth(self) -> bool: ...
+    @property
+    def tls_server_name(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def token_file(self) -> str: ...
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgumentError(f"The {what} file {path!r} could not be read: {exc.strerror}.") from None
+
+
+@dataclass(frozen=True)
+class Security:
+    """The loaded TLS material and token of one process; no field is ever logged.
+
+    Example::
+
+        security = Security.load(config)
+        port = security.add_port(server, "0.0.0.0:0")
+        channel = security.channel("10.0.0.7:41234", options)
+    """
+
+    cert: bytes | None = field(default=None, repr=False)
+    key: bytes | None = field(default=None, repr=False)
+    ca: bytes | None = field(default=None, repr=False)
+    require_client_auth: bool = False
+    server_name: str = ""
+    token: str = field(default="", repr=False)
+
+    @classmethod
+    def load(cls, settings: SecuritySettings) -> Security:
+        """Reads the certificate, key, CA and token files named by a config.
+
+        Raises:
+            InvalidArgumentError: a file is missing or unreadable, or the token file is empty.
+        """
+        token = settings.token
+        if settings.token_file:
+            token = _read(settings.token_file, "token").decode().strip()
+            if not token:
+                raise InvalidArgumentError(f"The token file {settings.token_file!r} is empty.")
+        return cls(
+            cert=_read(settings.tls_cert, "TLS certificate") if settings.tls_cert else None,
+            key=_read(settings.tls_key, "TLS key") if settings.tls_key else None,
+            ca=_read(settings.tls_ca, "TLS CA") if settings.tls_ca else None,
+            require_client_auth=settings.tls_require_client_auth,
+            server_name=settings.tls_server_name,
+            token=token,
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.cert is not None or self.ca is not None
+
+    # -- servers -----------------------------------------------------------------------------
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [TokenInterceptor(self.token)] if self.token else []
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        """Binds address with TLS when this process has a certificate; returns the port (0: failed).
+
+        Raises:
+            InvalidArgumentError: TLS is on (a CA is set) but there is no certificate to serve.
+        """
+        if not self.tls:
+            return server.add_insecure_port(address)
+        if self.cert is None or self.key is None:
+            raise InvalidArgumentError(
+                f"A server on {address} with TLS needs a certificate and key (tls_cert, tls_key)."
+            )
+        credentials = grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.ca,
+            require_client_auth=self.require_client_auth,
+        )
+        return server.add_secure_port(address, credentials)
+
+    # -- channels ----------------------------------------------------------------------------
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials (with the token as call credentials, if any); needs ``tls``."""
+        ssl = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+        if not self.token:
+            return ssl
+        return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(self.token))
+
+    def channel_options(self, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        extra = [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
+        return [*options, *extra]
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to address that speaks TLS and sends the token as configured."""
+        opts = self.channel_options(options)
+        if self.tls:
+            return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts)
+        interceptors = token_client_interceptors(self.token) if self.token else None
+        return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
+
+    def sync_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A blocking channel (the health probe), with the same TLS and token."""
+        opts = self.channel_options(options)
+        if self.tls:
+            return grpc.secure_channel(address, self.channel_credentials(), options=opts)
+        channel = grpc.insecure_channel(address, options=opts)
+        if self.token:
+            channel = grpc.intercept_channel(channel, _SyncTokenInterceptor(self.token))
+        return channel
+
+
+# -- the server side of the token -------------------------------------------------------------
+
+
+def _authorized(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes) -> bool:
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            raw = value.encode() if isinstance(value, str) else value
+            return hmac.compare_digest(raw, expected)
+    return False
+
+
+async def _deny_unary(request: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "A valid job token is required (authorization: Bearer <token>).")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED to every RPC without ``authorization: Bearer <token>``.
+
+    The refusal happens before the method's handler runs, and its request is never deserialized
+    (the refusing handler takes raw bytes), so nothing from an unauthenticated caller reaches the
+    servicers or the data plane. The health service is left open (see the module docstring).
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        handler = await continuation(handler_call_details)
+        if method.startswith(OPEN_SERVICES):
+            return handler
+        if _authorized(handler_call_details.invocation_metadata, self._expected):  # type: ignore[attr-defined]
+            return handler
+        # An unknown method is refused like a known one, so that a stranger cannot list methods.
+        if handler is None or (handler.request_streaming and handler.response_streaming):
+            return grpc.stream_stream_rpc_method_handler(_deny_unary)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(_deny_unary)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(_deny_unary)
+        return grpc.unary_unary_rpc_method_handler(_deny_unary)
+
+
+# -- the client side of the token on plaintext channels -----------------------------------------
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, header: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    metadata.add(*header)
+    return grpc.aio.ClientCallDetails(
+        method=details.method, timeout=details.timeout, metadata=metadata,
+        credentials=details.credentials, wait_for_ready=details.wait_for_ready,
+    )
+
+
+class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self._header = header
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._header), request)
+
+
+class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self._header = header
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._header), request)
+
+
+class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self._header = header
+
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._header), request_iterator)
+
+
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self._header = header
+
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_token(client_call_details, self._header), request_iterator)
+
+
+def token_client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add ``authorization: Bearer <token>`` to every call of a channel."""
+    header = (AUTH_HEADER, f"Bearer {token}")
+    return [_TokenUnaryUnary(header), _TokenUnaryStream(header), _TokenStreamUnary(header), _TokenStreamStream(header)]
+
+
+class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """The health probe's blocking channel makes unary calls only."""
+
+    def __init__(self, token: str) -> None:
+        self._header = (AUTH_HEADER, f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        details = _SyncDetails(
+            client_call_details.method, client_call_details.timeout,
+            [*(client_call_details.metadata or ()), self._header],
+            client_call_details.credentials, client_call_details.wait_for_ready, client_call_details.compression,
+        )
+        return continuation(details, request)
+
+
+class _SyncDetails(grpc.ClientCallDetails):
+    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any) -> None:
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression

@@ -1,0 +1,150 @@
+"""docker-compose.yml and the Dockerfile hold what ``docker compose up --scale worker=N`` needs.
+
+No Docker engine runs here, so these tests read the files as compose and Docker would; the
+neighbouring test_compose_services.py runs the services' commands as local processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from _compose import COMPOSE_FILE, ROOT, dockerfile, environment, image_path, load, load_raw, variables
+
+from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig, WorkerConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return load({})["services"]
+
+
+def test_the_file_has_a_coordinator_service_and_a_worker_service(services: dict) -> None:
+    assert set(services) == {"coordinator", "worker"}
+
+
+@pytest.mark.parametrize("name", ["coordinator", "worker"])
+def test_no_service_pins_a_container_name_a_host_port_or_an_address(services: dict, name: str) -> None:
+    service = services[name]
+    assert "container_name" not in service, "a fixed container name allows only one replica"
+    assert "hostname" not in service, "replicas would share one hostname"
+    assert service.get("network_mode") != "host", "replicas on the host network would share ports"
+    for port in service.get("ports", []):
+        assert not _published_host_port(port), f"{name} publishes a fixed host port: {port!r}"
+    networks = service.get("networks")
+    for network in networks.values() if isinstance(networks, dict) else []:
+        assert not (network or {}).get("ipv4_address"), f"{name} pins an IP address"
+
+
+def _published_host_port(port: object) -> str:
+    """The fixed host port of a compose port entry ("8080:50051", {"published": 8080}), or ""."""
+    if isinstance(port, dict):
+        return str(port.get("published") or "")
+    parts = str(port).split(":")  # "50051", "8080:50051", "127.0.0.1:8080:50051", "127.0.0.1::50051"
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def test_workers_find_the_coordinator_by_its_service_name_and_port(services: dict) -> None:
+    coordinator = CoordinatorConfig.from_env(environment(services["coordinator"]))
+    worker = WorkerConfig.from_env(environment(services["worker"]))
+    host, _, port = worker.coordinator.rpartition(":")
+    assert host == "coordinator"
+    assert int(port) == coordinator.port != 0
+
+
+def test_the_coordinator_listens_on_every_interface_of_its_container(services: dict) -> None:
+    assert CoordinatorConfig.from_env(environment(services["coordinator"])).host == "0.0.0.0"
+
+
+def test_workers_listen_on_every_interface_and_advertise_their_own_container_address(services: dict) -> None:
+    worker = WorkerConfig.from_env(environment(services["worker"]))
+    assert worker.bind_host == "0.0.0.0"
+    # A fixed advertised address would be the same for every replica; "auto" is resolved in each
+    # container to its own address on the route to the coordinator.
+    assert worker.advertise_host == ADVERTISE_AUTO
+
+
+def test_every_ringserve_variable_is_a_setting_of_the_service_that_sets_it(services: dict) -> None:
+    roles = {"coordinator": CoordinatorConfig, "worker": WorkerConfig}
+    for name, config in roles.items():
+        known = {f"RINGSERVE_{f.name.upper()}" for f in dataclasses.fields(config)}
+        unknown = {k for k in environment(services[name]) if k.startswith("RINGSERVE_")} - known
+        assert not unknown, f"{name} sets variables that {config.__name__}.from_env never reads: {unknown}"
+
+
+@pytest.mark.parametrize("scale", [1, 2, 4, 8])
+def test_the_first_view_can_form_with_any_scale(services: dict, scale: int) -> None:
+    coordinator = CoordinatorConfig.from_env(environment(services["coordinator"]))
+    assert coordinator.min_workers <= scale <= coordinator.max_workers
+    # Replicas start a little apart: the settle window lets them land in one view.
+    assert coordinator.settle_s >= 2
+
+
+def test_the_coordinator_health_check_speaks_the_grpc_health_protocol_on_its_port(services: dict) -> None:
+    coordinator = services["coordinator"]
+    port = CoordinatorConfig.from_env(environment(coordinator)).port
+    test = coordinator["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    assert test[1:4] == ["python", "-m", "ringserve.healthcheck"]
+    assert test[4] == f"127.0.0.1:{port}"
+    assert test[test.index("--service") + 1] == "ringserve.v1.Coordinator"
+
+
+def test_workers_start_only_once_the_coordinator_is_healthy(services: dict) -> None:
+    assert services["worker"]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+
+
+def test_finished_workers_are_not_restarted(services: dict) -> None:
+    assert services["worker"].get("restart", "no") in ("no", "on-failure")
+
+
+def test_both_services_run_the_one_image_built_from_the_dockerfile(services: dict) -> None:
+    images = {services[name].get("image") for name in services}
+    builds = {services[name]["build"]["context"] for name in services}
+    assert len(images) == 1 and builds == {"."}
+    assert (ROOT / services["worker"]["build"]["dockerfile"]).is_file()
+
+
+def test_every_setting_has_a_default_and_is_documented_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name, default in variables(load_raw()):
+        assert default, f"${{{name}}} has no default in {COMPOSE_FILE.name}"
+        assert name in readme, f"{name} is not documented in README.md"
+
+
+def test_settings_come_from_the_shell_environment() -> None:
+    services = load({"RINGSERVE_PORT": "6000", "RINGSERVE_MIN_WORKERS": "8", "DEMO_EPOCHS": "3"})["services"]
+    assert environment(services["coordinator"])["RINGSERVE_PORT"] == "6000"
+    assert environment(services["coordinator"])["RINGSERVE_MIN_WORKERS"] == "8"
+    assert environment(services["worker"])["RINGSERVE_COORDINATOR"] == "coordinator:6000"
+    assert services["worker"]["command"][-2:] == ["--epochs", "3"]
+    assert services["coordinator"]["healthcheck"]["test"][4] == "127.0.0.1:6000"
+
+
+def test_the_image_holds_what_the_worker_command_runs(services: dict) -> None:
+    build = dockerfile()
+    script = next(arg for arg in services["worker"]["command"] if arg.endswith(".py"))
+    source = image_path(build, script)
+    assert source, f"no COPY puts {script} into the image's {build.workdir}"
+    assert (ROOT / source).is_file(), f"{source} does not exist"
+    assert script == "examples/train_digits.py"
+
+
+def test_the_dockerfile_builds_a_slim_python_311_image_with_cpu_torch_and_a_non_root_user() -> None:
+    build = dockerfile()
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", build.base)
+    torch_install = next(run for run in build.runs if "torch==" in run)
+    assert "torch==2.13.0" in torch_install and "/whl/cpu" in torch_install
+    assert any(re.search(r"pip install \"?\.\[torch\]", run) for run in build.runs)
+    assert build.user and build.user.split(":")[0] not in ("root", "0")
+
+
+def test_the_build_context_leaves_out_the_virtualenv_and_git() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+    for sources, _ in dockerfile().copies:
+        for source in sources:
+            assert source not in ignored, f"{source} is copied but excluded from the context"

@@ -1,0 +1,62 @@
+"""An elastic torch training loop for the chaos tests (DistributedOptimizer + TorchState).
+
+Usage: torch_elastic_worker.py LOG STEPS PAUSE_S
+
+Every commit appends ``{"pid", "time", "view", "step", "sha"}`` to LOG, the sha256 of the
+model's parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+
+import torch
+from commit_log import CommitLog
+
+import ringserve.torch as hvd
+from ringserve.torch import elastic
+
+
+def main() -> None:
+    log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(1234 + os.getpid())  # different everywhere: the sync makes them equal
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                         named_parameters=model.named_parameters())
+
+    class Logged(CommitLog, elastic.TorchState):
+        log = open(log_path, "a", encoding="utf-8")
+
+        def digest(self) -> str:
+            digest = hashlib.sha256()
+            for tensor in model.state_dict().values():
+                digest.update(tensor.detach().contiguous().numpy().tobytes())
+            return digest.hexdigest()
+
+    state = Logged(model=model, optimizer=optimizer, step=0)
+
+    @elastic.run
+    def train(state: Logged) -> None:
+        while state.step < steps:
+            g = torch.Generator().manual_seed(state.step * 7919 + hvd.rank())
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randint(0, 4, (16,), generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            state.step += 1
+            time.sleep(pause)
+            state.commit()
+
+    train(state)
+    print(f"finished at step {state.step}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
