@@ -17,6 +17,7 @@ FrameHeader = peer_pb2.FrameHeader
 DATA = peer_pb2.DATA
 ABORT = peer_pb2.ABORT
 HELLO = peer_pb2.HELLO
+BYE = peer_pb2.BYE
 
 _HEADER_TAG = 0x0A  # field 1, length-delimited
 _PAYLOAD_TAG = 0x12  # field 2, length-delimited

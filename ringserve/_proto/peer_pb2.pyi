@@ -14,6 +14,7 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA: _ClassVar[FrameKind]
     ABORT: _ClassVar[FrameKind]
     HELLO: _ClassVar[FrameKind]
+    BYE: _ClassVar[FrameKind]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ FRAME_KIND_UNSPECIFIED: FrameKind
 DATA: FrameKind
 ABORT: FrameKind
 HELLO: FrameKind
+BYE: FrameKind
 DTYPE_UNSPECIFIED: DType
 FLOAT16: DType
 FLOAT32: DType

@@ -338,8 +338,10 @@ class Worker:
                     raise ProtocolError(
                         f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
                     )
+                if header.kind == wire.BYE:
+                    clean = True
+                    continue
                 self._route(hello, Received(header, payload, raw))
-            clean = True
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self.tag, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

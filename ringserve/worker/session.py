@@ -339,7 +339,10 @@ class Session:
                 if frame is None:
                     break
                 await call.write(frame)
-            # A clean end: the answer comes once the successor has routed every frame.
+            # A clean end, said in so many words: a process killed -9 also closes its socket
+            # cleanly, so the successor takes an end without BYE as the predecessor's failure.
+            # The answer comes once the successor has routed every frame.
+            await call.write(wire.encode(wire.FrameHeader(kind=wire.BYE, view_id=self.view_id, sender_rank=self.place.rank)))
             await call.done_writing()
             async with asyncio.timeout(self.drain_timeout_s):
                 await call
@@ -355,6 +358,8 @@ class Session:
                 self._on_peer_failure(self.view_id, nxt, f"the stream to it failed: {exc.code().name}")
         except asyncio.InvalidStateError:
             self.close(PeerUnavailableError(f"The stream to {self.successor_address} closed."))
+            if self._on_peer_failure is not None:
+                self._on_peer_failure(self.view_id, successor(self.place.rank, self.place.size), "its stream closed")
         finally:
             call.cancel()
 
