@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringserve.config import WorkerConfig
-from ringserve.errors import NotInitializedError
+from ringserve.errors import CollectiveTimeoutError, NotInitializedError
 from ringserve.loop import LoopThread
 from ringserve.worker.runtime import Worker
 
@@ -45,12 +45,24 @@ class Context:
         """Starts a call on the loop and returns its future (for async handles)."""
         return self._thread.submit(call(self.worker))
 
-    def call(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> T:
-        return self.submit(call).result(self.config.collective_timeout_s + _WAIT_SLACK_S)
+    def call(self, call: Callable[[Worker], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
+        """Runs a worker call and waits for it: by default a collective's deadline plus a slack.
+
+        Raises:
+            CollectiveTimeoutError: the call did not finish in time; it is cancelled.
+        """
+        wait = self.config.collective_timeout_s + _WAIT_SLACK_S if timeout_s is None else timeout_s
+        future = self.submit(call)
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise CollectiveTimeoutError(f"A call on the ringserve worker did not finish within {wait:g} s.") from None
 
     def close(self) -> None:
+        cfg = self.config
         try:
-            self._thread.run(self.worker.close(), _WAIT_SLACK_S + self.config.rpc_timeout_s)
+            self._thread.run(self.worker.close(), cfg.drain_timeout_s + cfg.rpc_timeout_s + _WAIT_SLACK_S)
         finally:
             self._thread.stop()
 

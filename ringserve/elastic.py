@@ -174,10 +174,13 @@ def _leave_now() -> None:
 def _wait_for_view_after(view: int) -> None:
     ctx = api.context()
 
-    def wait(w: Worker) -> Coroutine[Any, Any, int]:
-        return w.wait_for_view(view, ctx.config.elastic_timeout_s)
+    timeout = ctx.config.elastic_timeout_s
 
-    ctx.call(wait)
+    def wait(w: Worker) -> Coroutine[Any, Any, int]:
+        return w.wait_for_view(view, timeout)
+
+    # The worker's own deadline (RendezvousTimeoutError) comes first; this one is a backstop.
+    ctx.call(wait, timeout_s=timeout + 10.0)
 
 
 def run(func: F) -> F:
@@ -201,9 +204,11 @@ def run(func: F) -> F:
         while True:
             view = worker.latest_view
             try:
-                state.sync()
+                # Pinned before the sync, so that the sync's collectives and the steps after it
+                # all run in the one view (RingChangedError here if we are in none).
                 view = worker.view_id
                 worker.pin_view(view)
+                state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as exc:
                 if exc.leaving and _Leave.requested.is_set():

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
@@ -157,6 +157,9 @@ def launch(
     thread = LoopThread(use_uvloop=True, name="ringserve-launcher")
     coord = Coordinator(config)
     group: _Group | None = None
+    # SIGTERM (a scheduler, `timeout`) must stop the workers too: they run in sessions of their
+    # own, so only this process can. Turning it into SystemExit runs the cleanup below.
+    previous = _exit_on_sigterm()
     try:
         thread.run(coord.start(), 30.0)
         group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer)
@@ -175,6 +178,18 @@ def launch(
             thread.run(coord.stop(0.2), 10.0)
         finally:
             thread.stop()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _exit_code(code: int) -> int:

@@ -105,6 +105,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(action, membership.Removed):
                 log.info("worker %s removed: %s", action.worker_id, action.reason)
                 self.counts["workers_left" if action.reason == "left" else "workers_removed_silent"] += 1
+                self._stalled.pop(action.worker_id, None)
                 self._counters.pop(action.worker_id, None)
 
     async def _probe(self, probe: membership.Probe) -> None:

@@ -28,7 +28,7 @@ from ringserve.errors import (
     RingserveError,
 )
 from ringserve.observe import Counters, Timeline
-from ringserve.ring import successor
+from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives
@@ -418,7 +418,7 @@ class Worker:
     # -- membership ------------------------------------------------------------------------
 
     def _install(self, view: cpb.View) -> None:
-        if view.view_id <= self._latest_view:
+        if view.view_id <= self._latest_view or self._closed:
             return
         old = self._session
         self._latest_view = view.view_id
@@ -429,10 +429,19 @@ class Worker:
             exc = RingChangedError(old.view_id, view.view_id)
             if view.failed_worker_ids:
                 old.close(exc)
+                # Older views still draining may wait on the failed worker too: end them as well.
+                for retired in self._retired:
+                    retired.close(exc)
             else:
                 # Members only joined or left gracefully: the old ring is intact, so collectives
                 # already in flight on it may finish (a leaver drains its part before it leaves).
                 old.retire(exc)
+                # A predecessor that left had sent all it ever will (it drains, then leaves), or
+                # never opened its stream in that view at all: waiting for more is waiting forever.
+                ids = old.place.worker_ids
+                remaining = {m.worker_id for m in view.members}
+                if ids and ids[predecessor(old.place.rank, old.place.size)] not in remaining:
+                    old.predecessor_gone(exc)
             self._retired.append(old)
         self._session = None
         if mine:
@@ -440,6 +449,7 @@ class Worker:
             addresses = tuple(m.address for m in view.members)
             place = Place(
                 view_id=view.view_id, rank=me.rank, size=len(addresses), addresses=addresses,
+                worker_ids=tuple(m.worker_id for m in view.members),
                 local_rank=me.local_rank, local_size=me.local_size,
                 cross_rank=me.cross_rank, cross_size=me.cross_size,
             )
@@ -458,11 +468,10 @@ class Worker:
                 for hello, frame in frames:
                     try:
                         self._session.check_sender(hello)
+                        self._session.on_frame(frame)
                     except ProtocolError as exc:
                         log.warning("%s: dropped a held frame: %s", self.tag, exc)
                         self.counters.frames_rejected += 1
-                        continue
-                    self._session.on_frame(frame)
             else:
                 self.counters.frames_rejected += len(frames)
         self._view_changed.set()
@@ -478,6 +487,8 @@ class Worker:
                     backoff = 0.05
             except RingserveError as exc:
                 log.warning("%s: view watch broke: %s", self.tag, exc)
+            except Exception:  # a bug must not end the watch silently; log it and go on
+                log.exception("%s: installing a view failed", self.tag)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
             await self._drain_retired()
@@ -560,7 +571,8 @@ class Worker:
         """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
 
         Returns:
-            How many the next view adds; 0 means no new view is coming.
+            How many the next view adds. A new view comes either way (with the same members if
+            nobody is waiting any more), so every rank that waits for a newer view gets one.
         """
         assert self._control is not None
         return await self._control.admit(self.worker_id, self.view_id)

@@ -46,6 +46,7 @@ class Place:
     rank: int
     size: int
     addresses: tuple[str, ...]
+    worker_ids: tuple[str, ...] = ()
     local_rank: int = 0
     local_size: int = 1
     cross_rank: int = 0
@@ -259,6 +260,14 @@ class Session:
         """Routes one frame from the predecessor to its collective."""
         header = frame.header
         self.counters.bytes_received += len(frame.raw)
+        if self._finished(header.op_key):
+            # A collective this rank already finished or gave up on: a late data frame is
+            # dropped; an abort is still passed on (the other ranks' laps need it) but kept nowhere.
+            if header.kind == wire.ABORT:
+                self._on_abort(header.op_key, Inbox(), header)
+            else:
+                self.counters.frames_rejected += 1
+            return
         inbox = self._inbox(header.op_key)
         if header.kind == wire.DATA:
             if inbox.error is None:
@@ -313,6 +322,13 @@ class Session:
                 pass
 
     # -- internals -------------------------------------------------------------------------
+
+    def _finished(self, key: str) -> bool:
+        """Whether ``key`` names a collective this rank opened and has since released."""
+        if key in self._inboxes:
+            return False
+        base, _, number = key.rpartition("#")
+        return number.isdigit() and int(number) <= self._occurrences.get(base, 0)
 
     def _inbox(self, key: str) -> Inbox:
         inbox = self._inboxes.get(key)

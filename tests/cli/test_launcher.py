@@ -63,3 +63,32 @@ def test_run_without_a_command_is_a_clear_error() -> None:
     result = run(["run", "-np", "2"], timeout=30)
     assert result.returncode != 0
     assert "needs a command" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_stops_its_workers_too() -> None:
+    import os
+    import signal
+
+    script = "import time, ringserve as rs\nrs.init()\nprint('up', flush=True)\ntime.sleep(120)\n"
+    launcher = subprocess.Popen(RINGSERVE + ["run", "-np", "2", sys.executable, "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        assert "coordinator at" in launcher.stdout.readline()
+        lines = [launcher.stdout.readline() for _ in range(2)]
+        assert all("up" in line for line in lines), lines
+        children = open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
+        assert len(children) == 2
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(30)
+        deadline = time.monotonic() + 10
+        alive = children
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                     open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+            time.sleep(0.1)
+        assert not alive, f"workers {alive} outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
