@@ -22,6 +22,8 @@ from ringserve.security import Security
 log = logging.getLogger("ringserve.coordinator")
 
 PARAM_CHUNK_BYTES = 1 << 20
+# Claimed view numbers above this are refused; the world can then still number 2**32 more views.
+MAX_VIEW_ID = (1 << 64) - (1 << 32)
 
 
 def view_to_proto(view: membership.ViewInfo) -> pb.View:
@@ -149,6 +151,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         worker_id = request.worker_id or uuid.uuid4().hex
         claim = None
         if request.view_id and request.view_size:
+            if request.view_id >= MAX_VIEW_ID:
+                # Views are numbered on from a claim: leave room so that numbers stay uint64.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"A rejoin claims view {request.view_id}; view numbers stop at {MAX_VIEW_ID - 1}.",
+                )
             if not request.rank < request.view_size <= self._config.max_workers:
                 # Checked here, not trusted: recovery walks every rank of a claimed view.
                 await context.abort(
