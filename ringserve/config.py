@@ -46,7 +46,35 @@ def _positive(owner: object, *names: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CoordinatorConfig:
+class SecuritySettings:
+    """TLS and token settings, the same for a coordinator and a worker.
+
+    Attributes:
+        tls_cert, tls_key: PEM certificate chain and private key of this process. Set, every
+            server it runs speaks TLS, and it presents them as its client certificate (mTLS).
+        tls_ca: PEM bundle of the CA(s) that sign the job's certificates. Clients verify servers
+            against it (the system roots when empty); with tls_require_client_auth, servers verify
+            clients against it. Set, every channel this process opens speaks TLS.
+        tls_require_client_auth: servers refuse clients without a certificate signed by tls_ca.
+        tls_server_name: the name checked against a server's certificate instead of the host
+            dialled (``grpc.ssl_target_name_override``); for certificates that do not list
+            every advertised address.
+        token: the shared job token, sent as ``authorization: Bearer <token>`` on every RPC and
+            required by every server (health excepted); empty: no token. Never logged.
+        token_file: a file holding the token (its whitespace stripped), instead of ``token``.
+    """
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_require_client_auth: bool = False
+    tls_server_name: str = ""
+    token: str = field(default="", repr=False)
+    token_file: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig(SecuritySettings):
     """Settings of a coordinator.
 
     Attributes:
@@ -61,18 +89,7 @@ class CoordinatorConfig:
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
-        tls_cert, tls_key: PEM certificate chain and private key of this process. Set, every
-            server it runs speaks TLS, and it presents them as its client certificate (mTLS).
-        tls_ca: PEM bundle of the CA(s) that sign the job's certificates. Clients verify servers
-            against it (the system roots when empty); with tls_require_client_auth, servers verify
-            clients against it. Set, every channel this process opens speaks TLS.
-        tls_require_client_auth: servers refuse clients without a certificate signed by tls_ca.
-        tls_server_name: the name checked against a server's certificate instead of the host
-            dialled (``grpc.ssl_target_name_override``); for certificates that do not list
-            every advertised address.
-        token: the shared job token, sent as ``authorization: Bearer <token>`` on every RPC and
-            required by every server (health excepted); empty: no token. Never logged.
-        token_file: a file holding the token (its whitespace stripped), instead of ``token``.
+        tls_*, token, token_file: see SecuritySettings.
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); long-lived streams count too.
     """
@@ -87,13 +104,6 @@ class CoordinatorConfig:
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_require_client_auth: bool = False
-    tls_server_name: str = ""
-    token: str = field(default="", repr=False)
-    token_file: str = ""
     # Each worker holds one WatchView stream and a unary call or two at a time.
     max_concurrent_rpcs: int = 4096
 
@@ -121,7 +131,7 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
+class WorkerConfig(SecuritySettings):
     """Settings of a worker.
 
     Attributes:
@@ -150,18 +160,7 @@ class WorkerConfig:
             instance while below min_workers) before they give up with a clear error.
         timeline: write this rank's collectives as Chrome trace events to this path
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none.
-        tls_cert, tls_key: PEM certificate chain and private key of this process. Set, every
-            server it runs speaks TLS, and it presents them as its client certificate (mTLS).
-        tls_ca: PEM bundle of the CA(s) that sign the job's certificates. Clients verify servers
-            against it (the system roots when empty); with tls_require_client_auth, servers verify
-            clients against it. Set, every channel this process opens speaks TLS.
-        tls_require_client_auth: servers refuse clients without a certificate signed by tls_ca.
-        tls_server_name: the name checked against a server's certificate instead of the host
-            dialled (``grpc.ssl_target_name_override``); for certificates that do not list
-            every advertised address.
-        token: the shared job token, sent as ``authorization: Bearer <token>`` on every RPC and
-            required by every server (health excepted); empty: no token. Never logged.
-        token_file: a file holding the token (its whitespace stripped), instead of ``token``.
+        tls_*, token, token_file: see SecuritySettings.
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); a peer server needs one stream per view
             from its predecessor, and a probe now and then.
@@ -185,13 +184,6 @@ class WorkerConfig:
     timeline: str = ""
     elastic_timeout_s: float = 600.0
     stall_warning_s: float = 60.0
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    tls_require_client_auth: bool = False
-    tls_server_name: str = ""
-    token: str = field(default="", repr=False)
-    token_file: str = ""
     max_concurrent_rpcs: int = 64
 
     def __post_init__(self) -> None:
