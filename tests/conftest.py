@@ -17,8 +17,13 @@ load must never miss one by accident.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -178,3 +183,30 @@ async def coordinator(request: pytest.FixtureRequest) -> AsyncIterator[Coordinat
     overrides = getattr(request, "param", {})
     async with Coordinator(coordinator_config(**overrides)) as coord:
         yield coord
+
+
+@contextlib.contextmanager
+def _coordinator_process(args: list[str], pattern: str = r"listening on (\S+)") -> Iterator[str]:
+    """`ringserve coordinator ARGS` as a process: yields the address from its first line
+    (``pattern``'s group 1), and stops it with SIGTERM (it must exit 0) afterwards."""
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "coordinator", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(pattern, line)
+        assert match, f"unexpected first line {line!r}"
+        yield match.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture
+def coordinator_process() -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """A factory: ``with coordinator_process([...args]) as address:`` runs `ringserve coordinator`."""
+    return _coordinator_process

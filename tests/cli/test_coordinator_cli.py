@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -26,24 +26,9 @@ rs.shutdown()
 
 
 @pytest.fixture
-def coordinator() -> Iterator[str]:
-    proc = subprocess.Popen(
-        RINGSERVE + ["coordinator", "--port", "0", "--min-workers", "3", "--settle-seconds", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+)", line)
-        assert match, f"unexpected first line {line!r}"
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+def coordinator(coordinator_process: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+    with coordinator_process(["--port", "0", "--min-workers", "3", "--settle-seconds", "0.2"]) as address:
+        yield address
 
 
 @pytest.mark.timeout(90)

@@ -5,11 +5,10 @@ token from the environment to the coordinator it starts and to its workers."""
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 from _secure import TOKEN, Pki
@@ -36,24 +35,10 @@ def token_file(tmp_path) -> str:
 
 
 @pytest.fixture
-def coordinator(pki: Pki, token_file: str) -> Iterator[str]:
-    proc = subprocess.Popen(
-        RINGSERVE + ["coordinator", "--port", "0", *tls_flags(pki), "--tls-require-client-auth", "--token-file", token_file],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+) \(mTLS, token required\)", line)
-        assert match, f"unexpected first line {line!r}"
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+def coordinator(pki: Pki, token_file: str, coordinator_process: Callable[..., AbstractContextManager[str]]) -> Iterator[str]:
+    args = ["--port", "0", *tls_flags(pki), "--tls-require-client-auth", "--token-file", token_file]
+    with coordinator_process(args, r"listening on (\S+) \(mTLS, token required\)") as address:
+        yield address
 
 
 def run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
