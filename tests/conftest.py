@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import pathlib
 import re
 import signal
 import subprocess
@@ -210,3 +211,7 @@ def _coordinator_process(args: list[str], pattern: str = r"listening on (\S+)") 
 def coordinator_process() -> Callable[..., contextlib.AbstractContextManager[str]]:
     """A factory: ``with coordinator_process([...args]) as address:`` runs `ringserve coordinator`."""
     return _coordinator_process
+
+
+# Shared test helpers (reference.py) are imported by name from every test folder.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))

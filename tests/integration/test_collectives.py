@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reference import numpy_reduce
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,20 +42,6 @@ def random_bits(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     raw = np.random.default_rng(seed).integers(0, 256, size=count * np.dtype(dtype).itemsize, dtype=np.uint8)
     return raw.view(dtype).reshape(shape)
-
-
-def numpy_reduce(xs: list[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack(xs)
-    if op == "min":
-        return stack.min(axis=0)
-    if op == "max":
-        return stack.max(axis=0)
-    total = stack.sum(axis=0, dtype=stack.dtype)
-    if op == "sum":
-        return total
-    if total.dtype.kind == "f":
-        return np.divide(total, total.dtype.type(len(xs)))
-    return np.floor_divide(total, len(xs))
 
 
 def assert_same_bytes(got: np.ndarray, expected: np.ndarray, where: str) -> None:

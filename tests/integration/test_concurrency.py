@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from reference import numpy_reduce
 
 
 def job_specs(count: int) -> list[tuple[str, tuple[int, ...], type, str]]:
@@ -17,18 +18,6 @@ def job_specs(count: int) -> list[tuple[str, tuple[int, ...], type, str]]:
     return [
         (f"grad.{i}", (lengths[i % len(lengths)],), dtypes[i % len(dtypes)], ops[i % len(ops)]) for i in range(count)
     ]
-
-
-def expected_of(xs: list[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack(xs)
-    if op == "min":
-        return stack.min(axis=0)
-    if op == "max":
-        return stack.max(axis=0)
-    total = stack.sum(axis=0, dtype=stack.dtype)
-    if op == "sum":
-        return total
-    return np.divide(total, total.dtype.type(len(xs))) if total.dtype.kind == "f" else np.floor_divide(total, len(xs))
 
 
 @pytest.mark.parametrize("world", [{"n": 2, "chunk_bytes": 4096}, {"n": 4, "chunk_bytes": 4096}], indirect=True, ids=["2", "4"])
@@ -51,7 +40,7 @@ async def test_named_allreduces_submitted_in_different_orders_on_different_ranks
 
     results = await world.each(rank_main, timeout_s=60)
     for name, shape, dtype, op in specs:
-        expected = expected_of(data[name], op)
+        expected = numpy_reduce(data[name], op)
         for r in range(world.size):
             got = results[r][name]
             assert got.dtype == np.dtype(dtype) and got.shape == shape, name
