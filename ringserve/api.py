@@ -138,13 +138,24 @@ def cross_size() -> int:
     return _worker().cross_size
 
 
-def allreduce(a: Any, op: str = "average", name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def allreduce(
+    a: Any,
+    op: str = "average",
+    name: str | None = None,
+    out: np.ndarray | None = None,
+    *,
+    compression: str | None = None,
+    residual: np.ndarray | None = None,
+    check_finite: bool = False,
+) -> np.ndarray:
     """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``.
 
     ``out=a`` reduces in place (as torch.distributed.all_reduce does); any other ``out`` of the
-    same shape and dtype receives the result.
+    same shape and dtype receives the result. ``compression``, ``residual`` (error feedback) and
+    ``check_finite``: see ``Worker.allreduce``.
     """
-    return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out))
+    return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out, compression=compression,
+                                                residual=residual, check_finite=check_finite))
 
 
 def broadcast(a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
@@ -155,8 +166,8 @@ def allgather(a: Any, name: str | None = None) -> np.ndarray:
     return context().call(lambda w: w.allgather(a, name=name))
 
 
-def reduce_scatter(a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
-    return context().call(lambda w: w.reduce_scatter(a, op=op, name=name))
+def reduce_scatter(a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None) -> np.ndarray:
+    return context().call(lambda w: w.reduce_scatter(a, op=op, name=name, compression=compression))
 
 
 def barrier() -> None:

@@ -164,6 +164,10 @@ class WorkerConfig(SecuritySettings):
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); a peer server needs one stream per view
             from its predecessor, and a probe now and then.
+        checksum: put a crc32 of each data frame (its routing fields and payload) in its header,
+            and require one on every frame received. A frame that fails it aborts its
+            collective on every rank with CorruptFrameError; it is never summed. For links
+            without TLS (TLS already authenticates every byte). Every worker must agree.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -185,6 +189,7 @@ class WorkerConfig(SecuritySettings):
     elastic_timeout_s: float = 600.0
     stall_warning_s: float = 60.0
     max_concurrent_rpcs: int = 64
+    checksum: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",

@@ -6,7 +6,9 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
     ├── RecoverableError          restore the last commit, wait for the next view, retry
     │   ├── PeerUnavailableError  a ring neighbour stopped answering
     │   ├── RingChangedError      the view changed under a collective (old and new view named)
-    │   └── CollectiveTimeoutError  a collective passed its deadline
+    │   ├── CollectiveTimeoutError  a collective passed its deadline
+    │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+    ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
     ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
     ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
@@ -48,6 +50,18 @@ class RingChangedError(RecoverableError):
 
 class CollectiveTimeoutError(RecoverableError):
     """A collective did not finish within its deadline."""
+
+
+class CorruptFrameError(RecoverableError):
+    """A frame failed its checksum; its collective was aborted on every rank and nothing was summed."""
+
+    def __init__(self, op_key: str, detail: str) -> None:
+        self.op_key = op_key
+        super().__init__(f"Collective {op_key!r} was aborted on every rank: {detail}")
+
+
+class NonFiniteError(RingserveError):
+    """A reduction's result holds NaN or Inf; every rank holds the same result, so every rank raises."""
 
 
 class HostsUpdatedInterrupt(RingserveError):

@@ -27,6 +27,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UINT8: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     INT8: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
 FRAME_KIND_UNSPECIFIED: FrameKind
 DATA: FrameKind
 ABORT: FrameKind
@@ -41,9 +48,13 @@ INT64: DType
 UINT8: DType
 BFLOAT16: DType
 INT8: DType
+CODEC_NONE: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "view_id", "sender_rank", "op_key", "descriptor", "step", "chunk", "origin", "origin_count", "dtype", "count", "reason", "rank_descriptors", "abort_origin", "abort_final")
+    __slots__ = ("kind", "view_id", "sender_rank", "op_key", "descriptor", "step", "chunk", "origin", "origin_count", "dtype", "count", "reason", "rank_descriptors", "abort_origin", "abort_final", "codec", "crc32")
     class RankDescriptorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +77,8 @@ class FrameHeader(_message.Message):
     RANK_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     ABORT_ORIGIN_FIELD_NUMBER: _ClassVar[int]
     ABORT_FINAL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     kind: FrameKind
     view_id: int
     sender_rank: int
@@ -81,7 +94,9 @@ class FrameHeader(_message.Message):
     rank_descriptors: _containers.ScalarMap[int, str]
     abort_origin: int
     abort_final: bool
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., view_id: _Optional[int] = ..., sender_rank: _Optional[int] = ..., op_key: _Optional[str] = ..., descriptor: _Optional[str] = ..., step: _Optional[int] = ..., chunk: _Optional[int] = ..., origin: _Optional[int] = ..., origin_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., rank_descriptors: _Optional[_Mapping[int, str]] = ..., abort_origin: _Optional[int] = ..., abort_final: _Optional[bool] = ...) -> None: ...
+    codec: Codec
+    crc32: int
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., view_id: _Optional[int] = ..., sender_rank: _Optional[int] = ..., op_key: _Optional[str] = ..., descriptor: _Optional[str] = ..., step: _Optional[int] = ..., chunk: _Optional[int] = ..., origin: _Optional[int] = ..., origin_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., rank_descriptors: _Optional[_Mapping[int, str]] = ..., abort_origin: _Optional[int] = ..., abort_final: _Optional[bool] = ..., codec: _Optional[_Union[Codec, str]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "payload")

@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ringserve import wire
-from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, ProtocolError
+from ringserve import codecs, wire
+from ringserve.codecs import Codec
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NonFiniteError, ProtocolError
 from ringserve.observe import Span
 from ringserve.ring import (
     allgather_step,
@@ -82,19 +83,127 @@ async def run(
     return result
 
 
+class _Raw:
+    """How ring_reduce moves values when they travel as they are: sums land straight in ``buf``."""
+
+    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, key: str) -> None:
+        self.src, self.buf, self.op, self.world, self.key = src, buf, op, world, key
+        self.dtype = wire.dtype_code(buf.dtype)
+        self.codec = 0
+
+    def alone(self, a: int, b: int) -> np.ndarray:
+        """The "partial sum" of a world of one: this rank's input."""
+        part = self.buf[a:b]
+        if self.buf is not self.src:
+            part[:] = self.src[a:b]
+        return part
+
+    def first(self, a: int, b: int) -> np.ndarray:
+        """What this rank sends of its own input at the first step."""
+        return self.src[a:b]
+
+    def reduce(self, a: int, b: int, frame: Received) -> np.ndarray:
+        """The partial sum of what arrived and this rank's input."""
+        part = self.buf[a:b]
+        combine_into(self.src[a:b], _payload(frame, self.buf.dtype, b - a, self.key), self.op, out=part)
+        return part
+
+    def pass_on(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
+        """What goes to the successor for a partial sum."""
+        return part
+
+    def own(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
+        """Finishes the segment this rank owns; returns what the allgather phase sends of it."""
+        finish_into(part, self.op, self.world)
+        return part
+
+    def take(self, a: int, b: int, frame: Received) -> None:
+        """Stores a finished segment that arrived in the allgather phase."""
+        self.buf[a:b] = _payload(frame, self.buf.dtype, b - a, self.key)
+
+
+class _Coded(_Raw):
+    """Partial sums travel encoded by ``codec`` and are added in float32 (float64 for float64).
+
+    With ``residual`` (error feedback), this rank's input is ``src + residual``, and on return
+    ``residual`` holds what this rank's encodings lost, in units of the sum: every segment is
+    encoded by this rank exactly once, so adding it to the next call's input loses nothing over
+    time. The owner of a segment keeps ``decode(encode(result))``, the very values the others
+    decode, so that every rank ends bit-identical.
+    """
+
+    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, key: str,
+                 codec: Codec, residual: np.ndarray | None) -> None:
+        super().__init__(src, buf, op, world, key)
+        self.coder = codec
+        self.codec = codec.code
+        self.residual = residual
+        self.acc = np.dtype(np.float64 if buf.dtype == np.float64 else np.float32)
+
+    def _mine(self, a: int, b: int) -> np.ndarray:
+        x = self.src[a:b].astype(self.acc)
+        if self.residual is not None:
+            x += self.residual[a:b]
+        return x
+
+    def _encode(self, a: int, b: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        data = self.coder.encode(x)
+        return data, self.coder.decode(data, b - a)
+
+    def alone(self, a: int, b: int) -> np.ndarray:
+        return self._mine(a, b)
+
+    def first(self, a: int, b: int) -> np.ndarray:
+        return self.pass_on(a, b, self._mine(a, b))
+
+    def reduce(self, a: int, b: int, frame: Received) -> np.ndarray:
+        part = self._mine(a, b)
+        combine_into(part, self._decoded(frame, b - a), self.op)
+        return part
+
+    def pass_on(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
+        data, kept = self._encode(a, b, part)
+        if self.residual is not None:
+            np.subtract(part, kept, out=self.residual[a:b])
+        return data
+
+    def own(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
+        finish_into(part, self.op, self.world)
+        data, kept = self._encode(a, b, part)
+        if self.residual is not None:
+            lost = self.residual[a:b]
+            np.subtract(part, kept, out=lost)
+            if self.op == "average":
+                lost *= self.world
+        self.buf[a:b] = kept
+        return data
+
+    def take(self, a: int, b: int, frame: Received) -> None:
+        self.buf[a:b] = self._decoded(frame, b - a)
+
+    def _decoded(self, frame: Received, count: int) -> np.ndarray:
+        header, payload = frame.header, frame.payload
+        if (header.codec != self.codec or header.dtype != self.dtype or header.count != count
+                or payload.nbytes != self.coder.encoded_bytes(count)):
+            raise ProtocolError(
+                f"A frame of collective {self.key!r} carries {header.count} elements of dtype code "
+                f"{header.dtype} in codec {header.codec} ({payload.nbytes} bytes), where {count} "
+                f"elements of {self.buf.dtype} in {self.coder.name} were expected."
+            )
+        return self.coder.decode(payload, count)
+
+
 async def ring_reduce(
     session: Session,
     key: str,
     inbox: Inbox,
-    src: np.ndarray,
-    buf: np.ndarray,
-    op: str,
+    values: _Raw,
     bounds: list[tuple[int, int]],
     chunk_elems: int,
     *,
     gather: bool,
 ) -> None:
-    """Reduces the flat ``src`` across the ring into the flat ``buf`` (which may be ``src``).
+    """Reduces the flat ``values.src`` across the ring into the flat ``values.buf`` (may be src).
 
     Each rank adds its own input once, to the partial result that arrives from its
     predecessor, so ``buf`` needs no copy of ``src`` first: every segment of ``buf`` is written
@@ -102,34 +211,34 @@ async def ring_reduce(
     full result of segment ``r``; with
     ``gather`` the allgather phase then gives every rank every segment. Reduce-scatter frames are
     keyed by ring step; allgather frames by ``world - 1 + segment``, so that they can be forwarded
-    byte for byte.
+    byte for byte. ``values`` says how values travel (as they are, or encoded).
     """
     rank, world = session.place.rank, session.place.size
-    code = wire.dtype_code(buf.dtype)
+    dtype, codec = values.dtype, values.codec
     if world == 1:
-        if buf is not src:
-            buf[:] = src
-        finish_into(buf, op, world)
+        for a, b in chunk_bounds(0, values.buf.size, chunk_elems):
+            values.own(a, b, values.alone(a, b))
         return
     last_rs = world - 2
     gather_slot = world - 1
     send_seg, _ = reduce_scatter_step(rank, world, 0)
     for c, (a, b) in enumerate(chunk_bounds(*bounds[send_seg], chunk_elems)):
-        session.send(key, inbox, slot=0, chunk=c, payload=src[a:b], dtype=code, count=b - a)
+        session.send(key, inbox, slot=0, chunk=c, payload=values.first(a, b), dtype=dtype, count=b - a, codec=codec)
     for step in range(world - 1):
         _, recv_seg = reduce_scatter_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
             frame = await session.recv(key, inbox, step, c)
             if step == 0 and c == 0:
                 _phase(inbox, "reduce_scatter")
-            part = buf[a:b]
-            combine_into(src[a:b], _payload(frame, buf.dtype, b - a, key), op, out=part)
+            part = values.reduce(a, b, frame)
             if step < last_rs:
-                session.send(key, inbox, slot=step + 1, chunk=c, payload=part, dtype=code, count=b - a)
+                session.send(key, inbox, slot=step + 1, chunk=c, payload=values.pass_on(a, b, part),
+                             dtype=dtype, count=b - a, codec=codec)
                 continue
-            finish_into(part, op, world)
+            done = values.own(a, b, part)
             if gather:
-                session.send(key, inbox, slot=gather_slot + rank, chunk=c, payload=part, dtype=code, count=b - a)
+                session.send(key, inbox, slot=gather_slot + rank, chunk=c, payload=done, dtype=dtype,
+                             count=b - a, codec=codec)
     if not gather:
         return
     _phase(inbox, "allgather")
@@ -137,7 +246,7 @@ async def ring_reduce(
         _, recv_seg = allgather_step(rank, world, step)
         for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
             frame = await session.recv(key, inbox, gather_slot + recv_seg, c)
-            buf[a:b] = _payload(frame, buf.dtype, b - a, key)
+            values.take(a, b, frame)
             if step < world - 2:
                 session.forward(frame)
 
@@ -165,6 +274,44 @@ def _output(array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     return out.reshape(-1)
 
 
+def _values(src: np.ndarray, buf: np.ndarray, op: str, world: int, key: str,
+            compression: str | None, residual: np.ndarray | None) -> _Raw:
+    """How the values of a reduction travel: as they are, or encoded by a codec."""
+    coder = codecs.codec(compression)
+    if coder is None:
+        return _Raw(src, buf, op, world, key)
+    return _Coded(src, buf, op, world, key, coder, residual)
+
+
+def _check_coding(array: np.ndarray, op: str, compression: str | None, residual: np.ndarray | None) -> str:
+    """Checks compression and residual against the input; returns the descriptor's suffix."""
+    coder = codecs.codec(compression)
+    if coder is None:
+        if residual is not None:
+            raise InvalidArgumentError("residual (error feedback) needs a lossy compression.")
+        return ""
+    if array.dtype.kind != "f":
+        raise InvalidArgumentError(f"compression={compression!r} needs a floating point array, not {array.dtype}.")
+    if residual is not None:
+        acc = np.dtype(np.float64 if array.dtype == np.float64 else np.float32)
+        if (not isinstance(residual, np.ndarray) or residual.dtype != acc or residual.size != array.size
+                or not residual.flags.c_contiguous or not residual.flags.writeable):
+            raise InvalidArgumentError(
+                f"residual must be a writeable C-contiguous {acc} array of {array.size} elements."
+            )
+        if op not in ("sum", "average"):
+            raise InvalidArgumentError(f"residual (error feedback) works with op sum or average, not {op!r}.")
+    return f" codec={coder.name}"
+
+
+def _check_finite(result: np.ndarray, key: str) -> None:
+    if result.dtype.kind == "f" and not np.isfinite(result).all():
+        raise NonFiniteError(
+            f"The result of collective {key!r} holds NaN or Inf (every rank holds the same result "
+            f"and raises this error)."
+        )
+
+
 async def allreduce(
     session: Session,
     a: Any,
@@ -174,37 +321,55 @@ async def allreduce(
     chunk_bytes: int,
     timeout_s: float,
     out: np.ndarray | None = None,
+    compression: str | None = None,
+    residual: np.ndarray | None = None,
+    check_finite: bool = False,
 ) -> np.ndarray:
-    """Ring allreduce; the result goes to a new array, or into ``out`` (``out=a`` is in place)."""
+    """Ring allreduce; the result goes to a new array, or into ``out`` (``out=a`` is in place).
+
+    ``compression`` names a wire codec (see codecs.py) for floating point arrays; ``residual``
+    turns on error feedback (see _Coded). With ``check_finite``, a result that holds NaN or Inf
+    raises NonFiniteError; as the result is bit-identical everywhere, every rank raises it.
+    """
     array = _as_array(a)
     check_op(op)
+    suffix = _check_coding(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
     buf = _output(array, out)
-    descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}"
-    bounds = segment_bounds(buf.size, session.place.size)
+    descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{suffix}"
+    world = session.place.size
+    bounds = segment_bounds(buf.size, world)
     elems = _chunk_elems(buf.dtype, chunk_bytes)
+    flat_residual = None if residual is None else residual.reshape(-1)
 
-    async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, src, buf, op, bounds, elems, gather=True)
+    async def body(key: str, inbox: Inbox) -> str:
+        values = _values(src, buf, op, world, key, compression, flat_residual)
+        await ring_reduce(session, key, inbox, values, bounds, elems, gather=True)
+        return key
 
-    await run(session, name, descriptor, timeout_s, body)
+    key = await run(session, name, descriptor, timeout_s, body)
+    if check_finite:
+        _check_finite(buf, key)
     return buf.reshape(array.shape) if out is None else out
 
 
-async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:
+async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float,
+                         compression: str | None = None) -> np.ndarray:
     array = _as_array(a)
     check_op(op)
     if array.ndim == 0:
         raise InvalidArgumentError("reduce_scatter needs an array with at least one dimension.")
+    suffix = _check_coding(array, op, compression, None)
     rest = array.shape[1:]
     src = np.ascontiguousarray(array).reshape(-1)
     buf = np.empty_like(src)
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
-    descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}"
+    descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{suffix}"
 
     async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, src, buf, op, bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
+        values = _values(src, buf, op, world, key, compression, None)
+        await ring_reduce(session, key, inbox, values, bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
 
     await run(session, name, descriptor, timeout_s, body)
     a0, b0 = bounds[rank]
@@ -216,7 +381,8 @@ async def barrier(session: Session, *, timeout_s: float) -> None:
     bounds = segment_bounds(1, session.place.size)
 
     async def body(key: str, inbox: Inbox) -> None:
-        await ring_reduce(session, key, inbox, buf, buf, "sum", bounds, 1, gather=True)
+        values = _Raw(buf, buf, "sum", session.place.size, key)
+        await ring_reduce(session, key, inbox, values, bounds, 1, gather=True)
 
     await run(session, None, "barrier", timeout_s, body)
 

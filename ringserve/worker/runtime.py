@@ -268,14 +268,28 @@ class Worker:
         return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}
 
     async def allreduce(
-        self, a: Any, op: str = "average", name: str | None = None, out: np.ndarray | None = None
+        self,
+        a: Any,
+        op: str = "average",
+        name: str | None = None,
+        out: np.ndarray | None = None,
+        *,
+        compression: str | None = None,
+        residual: np.ndarray | None = None,
+        check_finite: bool = False,
     ) -> np.ndarray:
         """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank.
 
         With ``out`` (an array of a's shape and dtype, or ``a`` itself) the result is written
-        there instead, and no result buffer is allocated.
+        there instead, and no result buffer is allocated. ``compression`` ("fp16", "bf16" or
+        "int8") packs floating point chunks on the wire and adds in float32 (see
+        ringserve.codecs for each codec's error bound). ``residual``, a float32 array of a's size
+        (float64 for float64), turns on error feedback: it is added to ``a`` and then replaced by
+        what this rank's encodings lost; keep it from call to call. ``check_finite`` raises
+        NonFiniteError on every rank when the result holds NaN or Inf.
         """
-        return await collectives.allreduce(self._ring(), a, op=op, name=name, out=out, **self._opts())
+        return await collectives.allreduce(self._ring(), a, op=op, name=name, out=out, compression=compression,
+                                           residual=residual, check_finite=check_finite, **self._opts())
 
     async def broadcast(self, a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
         """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype."""
@@ -285,9 +299,12 @@ class Worker:
         """Concatenates every rank's ``a`` along axis 0, in rank order (first dimensions may differ)."""
         return await collectives.allgather(self._ring(), a, name=name, **self._opts())
 
-    async def reduce_scatter(self, a: Any, op: str = "average", name: str | None = None) -> np.ndarray:
+    async def reduce_scatter(
+        self, a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None
+    ) -> np.ndarray:
         """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more)."""
-        return await collectives.reduce_scatter(self._ring(), a, op=op, name=name, **self._opts())
+        return await collectives.reduce_scatter(self._ring(), a, op=op, name=name, compression=compression,
+                                                **self._opts())
 
     async def barrier(self) -> None:
         """Returns once every rank has called barrier."""
@@ -459,7 +476,7 @@ class Worker:
                 self._timeline = Timeline(Timeline.path_for(self.config.timeline, me.rank), me.rank)
             self._session = Session(
                 place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s,
-                timeline=self._timeline, on_peer_failure=self._report,
+                timeline=self._timeline, on_peer_failure=self._report, checksum=self.config.checksum,
             )
             log.info("%s: joined as rank %d of %d (peer server %s)", self.tag, me.rank, place.size, self.address)
         for vid in [v for v in self._early if v <= view.view_id]:

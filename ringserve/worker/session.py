@@ -20,7 +20,7 @@ import numpy as np
 
 from ringserve import wire
 from ringserve._proto import peer_pb2
-from ringserve.errors import MismatchError, PeerUnavailableError, ProtocolError, RingserveError
+from ringserve.errors import CorruptFrameError, MismatchError, PeerUnavailableError, ProtocolError, RingserveError
 from ringserve.observe import Counters, Span, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.transport import peer_error
@@ -28,6 +28,7 @@ from ringserve.transport import peer_error
 log = logging.getLogger("ringserve.worker")
 
 STREAM_METHOD = "/ringserve.v1.Peer/Stream"
+MISMATCH = "mismatch"  # the abort reason of ranks that disagree; any other reason is a corruption
 
 
 class Received(NamedTuple):
@@ -62,6 +63,7 @@ class Inbox:
         self._failed = asyncio.get_running_loop().create_future()
         self.descriptor: str | None = None
         self.known: dict[int, str] = {}
+        self.abort_reason = MISMATCH
         self.abort_sent = False
         self._timer: asyncio.TimerHandle | None = None
         self._starved: BaseException | None = None
@@ -139,8 +141,10 @@ class Session:
         drain_timeout_s: float = 10.0,
         timeline: Timeline | None = None,
         on_peer_failure: Callable[[int, int, str], None] | None = None,
+        checksum: bool = False,
     ) -> None:
         self.place = place
+        self.checksum = checksum
         self.counters = counters
         self.abort_grace_s = abort_grace_s
         self.drain_timeout_s = drain_timeout_s
@@ -229,7 +233,9 @@ class Session:
         count: int,
         origin: int = 0,
         origin_count: int = 0,
+        codec: int = 0,
     ) -> None:
+        """Sends one DATA frame; with ``checksum`` on, its header carries the frame's crc32."""
         header = wire.FrameHeader(
             kind=wire.DATA,
             view_id=self.place.view_id,
@@ -242,7 +248,10 @@ class Session:
             origin_count=origin_count,
             dtype=dtype,  # type: ignore[arg-type]
             count=count,
+            codec=codec,  # type: ignore[arg-type]
         )
+        if self.checksum:
+            header.crc32 = wire.frame_crc(header, payload)
         self._put(wire.encode(header, payload))
 
     # -- the peer server's side ------------------------------------------------------------
@@ -270,7 +279,11 @@ class Session:
             return
         inbox = self._inbox(header.op_key)
         if header.kind == wire.DATA:
-            if inbox.error is None:
+            damage = self._damage(frame)
+            if damage:
+                self.counters.frames_rejected += 1
+                self._start_abort(header.op_key, inbox, {}, reason=damage)
+            elif inbox.error is None:
                 inbox.deliver((header.step, header.chunk), frame)
                 # Checked on arrival too, not only when taken: a rank that disagrees on the root
                 # waits for frames that never come, and never takes the ones that did.
@@ -379,16 +392,37 @@ class Session:
         finally:
             call.cancel()
 
-    def _start_abort(self, key: str, inbox: Inbox, descriptors: dict[int, str]) -> None:
+    def _damage(self, frame: Received) -> str:
+        """Why a DATA frame must not be used ("" if it may): a failed or a missing checksum."""
+        header = frame.header
+        where = (f"frame {header.step}/{header.chunk} from rank {header.sender_rank} reached rank "
+                 f"{self.place.rank} in view {self.view_id}")
+        if header.HasField("crc32"):
+            if wire.frame_crc(header, frame.payload) != header.crc32:
+                return f"{where} corrupted (crc32 mismatch); it was not used"
+        elif self.checksum:
+            return (f"{where} without a checksum, but this worker requires checksums "
+                    f"(set RINGSERVE_CHECKSUM on every worker)")
+        return ""
+
+    def _abort_error(self, key: str, inbox: Inbox) -> RingserveError:
+        if inbox.abort_reason == MISMATCH:
+            return MismatchError(key, inbox.known)
+        return CorruptFrameError(key, inbox.abort_reason)
+
+    def _start_abort(self, key: str, inbox: Inbox, descriptors: dict[int, str], reason: str = MISMATCH) -> None:
         inbox.known.update(descriptors)
+        if reason != MISMATCH:
+            inbox.abort_reason = reason
         if inbox.abort_sent:
             return
         inbox.abort_sent = True
-        inbox.fail_later(self.abort_grace_s, lambda: MismatchError(key, inbox.known))
-        log.warning(
-            "rank %d view %d: collective %r disagrees with its predecessor: %s",
-            self.place.rank, self.view_id, key, inbox.known,
-        )
+        inbox.fail_later(self.abort_grace_s, lambda: self._abort_error(key, inbox))
+        if reason == MISMATCH:
+            log.warning("rank %d view %d: collective %r disagrees with its predecessor: %s",
+                        self.place.rank, self.view_id, key, inbox.known)
+        else:
+            log.error("rank %d view %d: collective %r aborted: %s", self.place.rank, self.view_id, key, reason)
         self._send_abort(key, inbox, origin=self.place.rank, final=False)
 
     def _send_abort(self, key: str, inbox: Inbox, *, origin: int, final: bool) -> None:
@@ -397,7 +431,7 @@ class Session:
             view_id=self.view_id,
             sender_rank=self.place.rank,
             op_key=key,
-            reason="mismatch",
+            reason=inbox.abort_reason,
             abort_origin=origin,
             abort_final=final,
         )
@@ -408,13 +442,15 @@ class Session:
         # Lap 1 collects every rank's descriptor on its way round the ring; lap 2 (final) hands the
         # full list to everyone. A rank fails its collective on the final lap, or after a grace.
         inbox.known.update(header.rank_descriptors)
+        if header.reason and header.reason != MISMATCH:
+            inbox.abort_reason = header.reason
         me = self.place.rank
         if header.abort_origin != me:
             self._send_abort(key, inbox, origin=header.abort_origin, final=header.abort_final)
         elif not header.abort_final:
             self._send_abort(key, inbox, origin=me, final=True)
         if header.abort_final or header.abort_origin == me:
-            inbox.fail(MismatchError(key, inbox.known))
+            inbox.fail(self._abort_error(key, inbox))
         else:
             inbox.abort_sent = True
-            inbox.fail_later(self.abort_grace_s, lambda: MismatchError(key, inbox.known))
+            inbox.fail_later(self.abort_grace_s, lambda: self._abort_error(key, inbox))
