@@ -137,8 +137,12 @@ class WorkerConfig(SecuritySettings):
     Attributes:
         coordinator: host:port of the coordinator.
         bind_host: address the peer server binds.
+        bind_port: port the peer server binds; 0 (the default) takes any free port. Fix it where
+            a firewall or a NAT must forward a known port.
         advertise_host: address other workers use to reach this one; defaults to bind_host.
             ``auto`` is resolved when the worker starts (see ``advertised_host``).
+        advertise_port: port other workers dial, where a NAT, a container or a proxy maps the
+            bound port to another one; 0 (the default) advertises the bound port.
         hostname: groups workers into local ranks; defaults to the machine's name.
         rank_hint: preferred rank in the first view (the launcher's process index), or -1.
         chunk_bytes: the ring pipelines chunks of at most this size.
@@ -172,7 +176,9 @@ class WorkerConfig(SecuritySettings):
 
     coordinator: str = "127.0.0.1:50051"
     bind_host: str = "127.0.0.1"
+    bind_port: int = 0
     advertise_host: str = ""
+    advertise_port: int = 0
     hostname: str = field(default_factory=socket.gethostname)
     rank_hint: int = -1
     chunk_bytes: int = 2 * MiB
@@ -196,6 +202,9 @@ class WorkerConfig(SecuritySettings):
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs")
         _check_security(self)
+        for port in ("bind_port", "advertise_port"):
+            if not 0 <= getattr(self, port) <= 65535:
+                raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
         if ":" not in self.coordinator:
             raise InvalidArgumentError(
                 f"The coordinator address ({self.coordinator!r}) must have the form host:port."

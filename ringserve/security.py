@@ -111,11 +111,21 @@ class Security:
         return [TokenInterceptor(self.token)] if self.token else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        """Binds address with TLS when this process has a certificate; returns the port (0: failed).
+        """Binds address with TLS when this process has a certificate; returns the bound port.
 
         Raises:
             InvalidArgumentError: TLS is on (a CA is set) but there is no certificate to serve.
+            OSError: the address could not be bound (in use, or not this machine's).
         """
+        try:
+            port = self._add_port(server, address)
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            port = 0
+        if port == 0:
+            raise OSError(f"Could not bind {address}: the port is in use or the host is not an address of this machine.")
+        return port
+
+    def _add_port(self, server: grpc.aio.Server, address: str) -> int:
         if not self.tls:
             return server.add_insecure_port(address)
         if self.cert is None or self.key is None:

@@ -66,8 +66,6 @@ class Coordinator:
             server,
         )
         self.port = self.security.add_port(server, f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"The coordinator could not bind {self.config.host}:{self.config.port}.")
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -100,11 +100,11 @@ class Worker:
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": handler})])
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = self._security.add_port(server, f"{cfg.bind_host}:0")
+        port = self._security.add_port(server, f"{cfg.bind_host}:{cfg.bind_port}")
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._server = server
-        self.address = f"{cfg.advertised_host()}:{port}"
+        self.address = f"{cfg.advertised_host()}:{cfg.advertise_port or port}"
         self._control = ControlClient(cfg, self._security)
         try:
             joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import start_world
 from reference import numpy_reduce
+from worlds import start_world
 
 from ringserve.codecs import INT8_BLOCK
 from ringserve.errors import InvalidArgumentError, MismatchError, NonFiniteError

@@ -1,0 +1,104 @@
+"""Real worlds on loopback: a coordinator and N started workers, with test-speed configs.
+
+Kept apart from conftest.py so that test modules can import it by name (every directory's
+conftest.py is a module called "conftest").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ringserve import Coordinator, CoordinatorConfig, RingserveError, Worker, WorkerConfig
+
+FAST_COORDINATOR = dict(
+    settle_s=0.05,
+    tick_s=0.01,
+    heartbeat_interval_s=0.2,
+    heartbeat_timeout_s=5.0,
+)
+
+FAST_WORKER = dict(
+    connect_timeout_s=5.0,
+    rendezvous_timeout_s=20.0,
+    collective_timeout_s=30.0,
+    rpc_timeout_s=5.0,
+    abort_grace_s=1.0,
+    use_uvloop=False,
+)
+
+
+def coordinator_config(**overrides: Any) -> CoordinatorConfig:
+    """A coordinator config with test-speed settle and tick; overrides win."""
+    return CoordinatorConfig(**{**FAST_COORDINATOR, **overrides})
+
+
+def worker_config(coordinator: str, **overrides: Any) -> WorkerConfig:
+    """A worker config with test-speed deadlines; overrides win."""
+    return WorkerConfig(coordinator=coordinator, **{**FAST_WORKER, **overrides})
+
+
+@dataclasses.dataclass
+class World:
+    """A running coordinator and its workers, in rank order."""
+
+    coordinator: Coordinator
+    workers: list[Worker]
+
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    async def each(self, call: Callable[[Worker], Awaitable[Any]], timeout_s: float = 30.0) -> list[Any]:
+        """Runs ``call(worker)`` on every rank at once; returns the results in rank order."""
+        async with asyncio.timeout(timeout_s):
+            return list(await asyncio.gather(*(call(w) for w in self.workers)))
+
+    async def map(self, method: str, per_rank: list[Any], timeout_s: float = 30.0, **kwargs: Any) -> list[Any]:
+        """Calls ``worker.<method>(per_rank[rank], **kwargs)`` on every rank at once."""
+        return await self.each(lambda w: getattr(w, method)(per_rank[w.rank], **kwargs), timeout_s)
+
+    async def each_outcome(self, call: Callable[[Worker], Awaitable[Any]], timeout_s: float = 30.0) -> list[Any]:
+        """Like each(), but returns each rank's exception instead of raising it."""
+        async with asyncio.timeout(timeout_s):
+            return list(await asyncio.gather(*(call(w) for w in self.workers), return_exceptions=True))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.workers))
+        await self.coordinator.stop()
+
+
+async def start_world(n: int, *, coordinator: dict[str, Any] | None = None, **worker: Any) -> World:
+    """Starts a coordinator with min_workers=n and n workers, and waits for their common view."""
+    coord = await Coordinator(coordinator_config(**{"min_workers": n, **(coordinator or {})})).start()
+    workers = [Worker(config=worker_config(coord.address, **worker)) for _ in range(n)]
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+    except BaseException:
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        await coord.stop()
+        raise
+    # With min_workers below n, the first workers may start in a smaller view: wait for the full one.
+    async with asyncio.timeout(10):
+        while not _one_view_of(workers):
+            await asyncio.sleep(0.01)
+    workers.sort(key=lambda w: w.rank)
+    return World(coord, workers)
+
+
+def _one_view_of(workers: list[Worker]) -> bool:
+    try:
+        places = {(w.view_id, w.size) for w in workers}
+        ranks = sorted(w.rank for w in workers)
+    except RingserveError:  # a worker between views
+        return False
+    return len(places) == 1 and ranks == list(range(len(workers)))
+
+
+WorldFactory = Callable[..., Awaitable[World]]
+
+# Small enough that short arrays cross many chunks; odd, so chunks hold a whole number of elements
+# of every dtype only by rounding down.
+SMALL_CHUNK_BYTES = 52
