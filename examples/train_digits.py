@@ -2,6 +2,7 @@
 
     ringserve run -np 4 python examples/train_digits.py      # 4 workers under the launcher
     python examples/train_digits.py --np 4                   # the same: it launches itself
+    python examples/train_digits.py --compression int8       # int8 gradients with error feedback
 
 The data ships inside scikit-learn (``load_digits``), so nothing is downloaded. Each worker trains
 on its quarter of the training set; DistributedOptimizer averages the gradients. Rank 0 shows a
@@ -33,7 +34,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fp16", action="store_true", help="fp16 gradient compression")
+    parser.add_argument("--compression", choices=["none", "fp16", "bf16", "int8"], default="none",
+                        help="how gradients travel on the wire")
+    parser.add_argument("--fp16", action="store_const", dest="compression", const="fp16", help="--compression fp16")
+    parser.add_argument("--no-error-feedback", action="store_true",
+                        help="with a lossy compression, drop what each step's encoding lost")
     return parser.parse_args()
 
 
@@ -76,9 +81,11 @@ def train(args: argparse.Namespace) -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * size)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    lossy = args.compression != "none"
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none)
+        compression=getattr(hvd.Compression, args.compression),
+        error_feedback=lossy and not args.no_error_feedback)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = len(xs) // args.batch_size
 

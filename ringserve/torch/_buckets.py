@@ -35,7 +35,7 @@ def fusion_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
 class Bucket:
     """Parameters whose gradients are reduced together, and the state of their current reduction."""
 
-    def __init__(self, params: list[torch.nn.Parameter], name: str) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], name: str, gap: int = 0) -> None:
         self.params = params
         self.name = name
         self.bounds: list[tuple[int, int]] = []
@@ -45,8 +45,11 @@ class Bucket:
             offset += p.numel()
         self.numel = offset
         pinned = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        # Gradients, then one presence flag per parameter.
-        self.buffer = torch.empty(offset + len(params), dtype=params[0].dtype, pin_memory=pinned)
+        # Gradients, ``gap`` zeros, then one presence flag per parameter. The gap keeps the flags
+        # out of every block of a block-scaled codec that holds gradients (see ringserve.codecs).
+        self.flags_at = offset + gap
+        self.buffer = torch.zeros(self.flags_at + len(params), dtype=params[0].dtype, pin_memory=pinned)
+        self.residual: Any = None  # error feedback: what this rank's encodings lost last time
         self.ready = 0
         self.future: Any = None
         self.finish: Callable[[Any], torch.Tensor] | None = None

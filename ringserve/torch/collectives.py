@@ -20,7 +20,7 @@ import torch
 
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
-from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.compression import Compression, Compressor, split
 
 R = TypeVar("R")
 
@@ -77,6 +77,7 @@ def _allreduce_start(
     prescale_factor: float, postscale_factor: float, out: torch.Tensor | None,
 ) -> Handle[torch.Tensor]:
     source = tensor.detach()
+    compression, codec = split(compression)
     wire, cctx = compression.compress(_scaled(source, prescale_factor))
     array, layout = _tensors.reducible(wire)
     # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
@@ -86,7 +87,8 @@ def _allreduce_start(
                 and array.__array_interface__["data"][0] == out.data_ptr())
     target = array if into_out or not aliases_input else None
     core = ops.core_op(op)
-    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target))
+    codec = _codec_for(array, codec)
+    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
@@ -104,12 +106,17 @@ def _allreduce_start(
     return Handle(future, finish)
 
 
+def _codec_for(array: np.ndarray, codec: str | None) -> str | None:
+    """The wire codec for an array: codecs apply to floating point values, others travel raw."""
+    return codec if array.dtype.kind == "f" else None
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ops.ReduceOp, name: str | None,
-                prescale: float, postscale: float) -> torch.Tensor:
+                prescale: float, postscale: float, compression: type[Compressor] | Compressor) -> torch.Tensor:
         ctx.args = (op, prescale, postscale)
-        return _allreduce_start(tensor, op=op, name=name, compression=Compression.none,
+        return _allreduce_start(tensor, op=op, name=name, compression=compression,
                                 prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
 
     @staticmethod
@@ -117,7 +124,7 @@ class _Allreduce(torch.autograd.Function):
         op, prescale, postscale = ctx.args
         reduced = _allreduce_start(grad, op=op, name=None, compression=Compression.none,
                                    prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
-        return reduced, None, None, None, None
+        return reduced, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -130,16 +137,14 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         tensor: the same shape and dtype on every rank.
         average: deprecated; use op.
         name: matches the call across ranks (named calls may be issued in any order).
-        compression: how the tensor travels (Compression.none, fp16, bf16).
+        compression: how the tensor travels (Compression.none, fp16, bf16, int8).
         op: Average (default), Sum, Min or Max.
         prescale_factor, postscale_factor: multiply before and after the reduction.
         process_set: only the global process set is supported.
     """
     basics.check_process_set(process_set)
     reduce_op = ops.resolve(op, average)
-    wire, cctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(wire, reduce_op, name, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, cctx)
+    return _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -173,7 +178,10 @@ def _grouped_start(
     in_place: bool,
 ) -> Handle[list[torch.Tensor]]:
     """Fuses tensors of one wire dtype and device into one buffer, and reduces each buffer once."""
-    compressed = [compression.compress(t.detach()) for t in tensors]
+    around, codec = split(compression)
+    # The wire codec (if any) is applied by each fused reduction; a compressor without one, here.
+    on_wire = Compression.none if codec is None else compression
+    compressed = [around.compress(t.detach()) for t in tensors]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, (wire, _) in enumerate(compressed):
         groups.setdefault((wire.dtype, wire.device), []).append(i)
@@ -182,7 +190,7 @@ def _grouped_start(
         flat = torch.cat([compressed[i][0].reshape(-1) for i in members])
         part_name = None if name is None else f"{name}.{k}"
         handles.append((members, _allreduce_start(
-            flat, op=op, name=part_name, compression=Compression.none, prescale_factor=prescale_factor,
+            flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, out=None)))
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
     future.set_result(None)
@@ -196,7 +204,7 @@ def _grouped_start(
                 wire, cctx = compressed[i]
                 part = flat[offset: offset + wire.numel()].view(wire.shape)
                 offset += wire.numel()
-                value = compression.decompress(part, cctx)
+                value = around.decompress(part, cctx)
                 if in_place:
                     with torch.no_grad():
                         tensors[i].copy_(value)
@@ -347,9 +355,11 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     """Starts reducescatter() and returns its handle."""
     basics.check_process_set(process_set)
     core = ops.core_op(ops.resolve(op))
+    compression, codec = split(compression)
     wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
     array, layout = _tensors.reducible(wire)
-    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name))
+    codec = _codec_for(array, codec)
+    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])

@@ -24,18 +24,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ringserve import api
+from ringserve.codecs import INT8_BLOCK
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
-from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.compression import Compression, Compressor, split
+
+log = logging.getLogger("ringserve.torch")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -49,7 +54,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; checked to name every parameter once.
-        compression: Compression.none (default), fp16 or bf16 (rounded to bf16, float32 on the wire).
+        compression: Compression.none (default), fp16, bf16 or int8: how gradients travel on the
+            wire (sums are added in float32; see ringserve.torch.compression).
         backward_passes_per_step: backward passes to accumulate locally before one allreduce.
         op: Average (default) or Sum.
         gradient_predivide_factor: with Average, divide by this before the sum and by
@@ -58,10 +64,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: accepted for compatibility; sparse gradients are always made dense.
         process_set: only the global process set is supported.
         fusion_bytes: bucket size in bytes; RINGSERVE_FUSION_BYTES or 4 MiB when None.
+        error_feedback: with a lossy compression, add what this rank's encodings lost in one
+            step to its gradients of the next (error feedback), so that nothing is lost over
+            time and int8 training converges as uncompressed training does.
+        check_finite: when a reduced gradient holds NaN or Inf (from any rank: NaN and Inf
+            survive a sum), step() skips the wrapped optimizer's step on every rank alike, since
+            every rank holds the same reduced gradients; ``skipped_steps`` counts such steps.
 
     Attributes:
         communication_intervals: (start, end) ``time.perf_counter()`` seconds of each bucket's
             allreduce in the last synchronize(), to measure how communication overlapped backward.
+        skipped_steps: steps skipped for non-finite gradients (with ``check_finite``).
 
     Example::
 
@@ -85,6 +98,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_set: object = None,
         *,
         fusion_bytes: int | None = None,
+        error_feedback: bool = False,
+        check_finite: bool = False,
     ) -> None:
         # Optimizer.__init__ is skipped on purpose: all optimizer state lives in ``optimizer``.
         basics.check_process_set(process_set)
@@ -104,8 +119,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion = fusion_bytes_from_env() if fusion_bytes is None else fusion_bytes
         if fusion < 0:
             raise InvalidArgumentError(f"fusion_bytes ({fusion}) must not be negative.")
+        self._compression, self._codec = split(compression)
+        if error_feedback and self._codec is None:
+            raise InvalidArgumentError(
+                "error_feedback needs a wire compression (Compression.int8, fp16 or bf16)."
+            )
         self._optimizer = optimizer
-        self._compression = compression
+        self._error_feedback = error_feedback
+        self._check_finite = check_finite
+        self._finite = True
+        self.skipped_steps = 0
         self._op = reduce_op
         self._predivide = float(gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
@@ -208,7 +231,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         names = "|".join(self._names.get(id(p), "?") for p in params)
         prefix = "ringserve.grad." + hashlib.sha1(names.encode()).hexdigest()[:10]
         plans = plan(params, self._fusion_bytes, self._groups)
-        self._buckets = [Bucket(group, f"{prefix}.{i}") for i, group in enumerate(plans)]
+        gap = INT8_BLOCK if self._codec is not None else 0
+        self._buckets = [Bucket(group, f"{prefix}.{i}", gap) for i, group in enumerate(plans)]
         self._slot = {id(p): (b, j) for b in self._buckets for j, p in enumerate(b.params)}
         this = weakref.ref(self)
         for p in params:
@@ -262,16 +286,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     grad = grad.to_dense()
                 buf[a:b].copy_(grad.reshape(-1))
                 flags.append(1.0)
-            buf[bucket.numel:].copy_(torch.tensor(flags, dtype=buf.dtype))
+            buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype))
             if prescale != 1.0:
                 buf.mul_(prescale)
         wire, cctx = self._compression.compress(buf)
         array, layout = _tensors.reducible(wire)
         name = bucket.name
+        codec = self._codec if array.dtype.kind == "f" else None
+        residual = self._residual(bucket, array) if codec is not None and self._error_feedback else None
 
         async def reduce(worker: Any) -> tuple[Any, float]:
             # In place: the array is the bucket's own buffer (or its compressed copy).
-            result = await worker.allreduce(array, op=core, name=name, out=array)
+            result = await worker.allreduce(array, op=core, name=name, out=array, compression=codec,
+                                            residual=residual)
             return result, time.perf_counter()
 
         def finish(result: Any) -> torch.Tensor:
@@ -282,11 +309,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket.future = basics.submit(reduce)
         bucket.finish = finish
 
+    @staticmethod
+    def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
+        if bucket.residual is None:
+            bucket.residual = np.zeros(array.size, dtype=np.float64 if array.dtype == np.float64 else np.float32)
+        return bucket.residual
+
     def _finish(self, bucket: Bucket) -> None:
         result, bucket.done_at = basics.wait(bucket.future)
         assert bucket.finish is not None
         out = bucket.finish(result)
-        flags = out[bucket.numel:].tolist()
+        finite = bool(torch.isfinite(out[: bucket.numel]).all())
+        if bucket.residual is not None:
+            # The flags are no gradient: feed back nothing there. A NaN or Inf would feed back forever.
+            bucket.residual[bucket.numel:] = 0
+            if not finite:
+                bucket.residual[:] = 0
+        self._finite = self._finite and finite
+        flags = out[bucket.flags_at:].tolist()
         with torch.no_grad():
             for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
@@ -315,6 +355,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._synchronized:
             return
+        self._finite = True
         for bucket in self._buckets:
             if bucket.future is None:
                 self._start(bucket)
@@ -341,6 +382,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 with contextlib.suppress(Exception):
                     basics.wait(bucket.future)
             bucket.future, bucket.finish, bucket.ready = None, None, 0
+            bucket.residual = None  # half written by the step that failed
         self._passes.clear()
         self._synchronized = False
 
@@ -357,6 +399,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Synchronizes (unless in skip_synchronize()) and runs the wrapped optimizer's step."""
         if self._should_synchronize:
             self.synchronize()
+        if self._check_finite and not self._finite:
+            self.skipped_steps += 1
+            self._synchronized = False
+            log.warning("step skipped: the averaged gradients hold NaN or Inf (on every rank alike); "
+                        "%d steps skipped so far", self.skipped_steps)
+            return None
         result = self._optimizer.step() if closure is None else self._optimizer.step(closure)
         self._synchronized = False
         return result

@@ -79,6 +79,15 @@ def test_allreduce_reduces_with_every_op_and_option(ranks: list[dict[str, Any]])
         torch.testing.assert_close(got, value, msg=key)
     torch.testing.assert_close(same_on_every_rank(ranks, "fp16"), x.sum(0) / N, rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(same_on_every_rank(ranks, "bf16_compression"), x.sum(0), rtol=1e-2, atol=5e-2)
+    # int8: a 254th of the block's largest partial sum per encoding, N + 1 encodings at most.
+    int8_bound = float(x.abs().sum(0).max()) * (N + 1) / 254 / N
+    torch.testing.assert_close(same_on_every_rank(ranks, "int8"), x.sum(0) / N, rtol=0, atol=int8_bound)
+    grouped = same_on_every_rank(ranks, "int8_grouped")
+    assert [t.dtype for t in grouped] == [torch.float32, torch.float64]
+    for t in grouped:
+        torch.testing.assert_close(t.float(), x.sum(0) / N, rtol=0, atol=int8_bound)
+    # Integers travel as they are: int8 compression leaves them exact.
+    torch.testing.assert_close(same_on_every_rank(ranks, "int8_int32"), stacked(torch.int32).sum(0, dtype=torch.int32))
 
 
 def test_in_place_and_async_forms_write_into_the_given_tensor(ranks: list[dict[str, Any]]) -> None:

@@ -138,6 +138,7 @@ def test_the_distributed_optimizer_behaves_as_the_optimizer_it_wraps() -> None:
     ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "needs op=Average"),
     ({"backward_passes_per_step": 0}, "at least 1"),
     ({"process_set": object()}, "global process set"),
+    ({"error_feedback": True}, "error_feedback needs a wire compression"),
 ])
 def test_the_distributed_optimizer_refuses_bad_arguments(kwargs: dict, message: str) -> None:
     model = torch.nn.Linear(2, 2)

@@ -53,7 +53,14 @@ def _scenarios() -> dict[str, tuple[Callable[[Any], torch.optim.Optimizer], dict
         "fp16": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), {"compression": hvd.Compression.fp16}, 1),
         "bf16": (lambda ps: torch.optim.SGD(ps, lr=0.1), {"compression": hvd.Compression.bf16}, 1),
         "unused": (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1), {"fusion_bytes": 700}, 1),
+        "int8": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+                 {"compression": hvd.Compression.int8, "error_feedback": True, "fusion_bytes": 4096}, 1),
+        # The last rank's loss is NaN at step NAN_STEP: every rank must skip that step alike.
+        "nonfinite": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), {"check_finite": True}, 1),
     }
+
+
+NAN_STEP = 2
 
 
 def uses_extra(rank: int, step: int) -> bool:
@@ -92,11 +99,18 @@ def train(name: str, rank: int, size: int) -> dict[str, torch.Tensor]:
         for m in range(micro):
             part = rows(m, rank, size, PER_RANK)
             extra = name == "unused" and uses_extra(rank, step)
-            loss_fn(model(x[part], use_extra=extra), y[part]).backward()
+            loss = loss_fn(model(x[part], use_extra=extra), y[part])
+            if name == "nonfinite" and step == NAN_STEP and rank == size - 1:
+                loss = loss * float("nan")
+            loss.backward()
         opt.step()
         if sched is not None:
             sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _result(model, opt.skipped_steps)
+
+
+def _result(model: torch.nn.Module, skipped: int) -> dict[str, torch.Tensor]:
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, "skipped_steps": torch.tensor(skipped)}
 
 
 def reference(name: str, size: int) -> dict[str, torch.Tensor]:
@@ -116,6 +130,8 @@ def reference(name: str, size: int) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         x, y = global_batch(step, size, micro)
         opt.zero_grad()
+        if name == "nonfinite" and step == NAN_STEP:
+            continue
         if name == "unused":
             losses = [loss_fn(model(x[rows(0, r, size, PER_RANK)], use_extra=uses_extra(r, step)),
                               y[rows(0, r, size, PER_RANK)]) for r in range(size)]
@@ -127,7 +143,7 @@ def reference(name: str, size: int) -> dict[str, torch.Tensor]:
         opt.step()
         if sched is not None:
             sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _result(model, 1 if name == "nonfinite" else 0)
 
 
 def main(out_dir: str, names: list[str]) -> None:
