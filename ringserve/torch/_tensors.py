@@ -3,7 +3,8 @@
 CPU tensors in a dtype the wire carries go out as ``tensor.numpy()`` views: no copy here (the core
 makes its one copy when it frames the data). Other tensors take the cheapest faithful route:
 
-- reductions of bfloat16 and int16 are upcast (float32, int32), since the wire cannot reduce them;
+- reductions of bfloat16 and int16 are upcast (float32, int32), since the wire cannot add them (bfloat16
+  still travels in two bytes per value: see compression.wire_codec);
 - broadcasts and gathers of any dtype travel as their raw bytes (a ``uint8`` view), bit for bit;
 - CUDA and other device tensors are staged through host memory and come back on their device.
 """

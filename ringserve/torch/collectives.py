@@ -20,7 +20,7 @@ import torch
 
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
-from ringserve.torch.compression import Compression, Compressor, split
+from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
 R = TypeVar("R")
 
@@ -87,7 +87,7 @@ def _allreduce_start(
                 and array.__array_interface__["data"][0] == out.data_ptr())
     target = array if into_out or not aliases_input else None
     core = ops.core_op(op)
-    codec = _codec_for(array, codec)
+    codec = wire_codec(codec, wire.dtype, array.dtype.kind)
     future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:
@@ -104,11 +104,6 @@ def _allreduce_start(
             return out.copy_(reduced)
 
     return Handle(future, finish)
-
-
-def _codec_for(array: np.ndarray, codec: str | None) -> str | None:
-    """The wire codec for an array: codecs apply to floating point values, others travel raw."""
-    return codec if array.dtype.kind == "f" else None
 
 
 class _Allreduce(torch.autograd.Function):
@@ -358,7 +353,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     compression, codec = split(compression)
     wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
     array, layout = _tensors.reducible(wire)
-    codec = _codec_for(array, codec)
+    codec = wire_codec(codec, wire.dtype, array.dtype.kind)
     future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:

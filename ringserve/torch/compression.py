@@ -102,3 +102,18 @@ def split(compression: type[Compressor] | Compressor) -> tuple[type[Compressor] 
     """(the compressor to apply around the reduction, the wire codec): one of them does nothing."""
     wire = getattr(compression, "wire", None)
     return (NoneCompressor, wire) if wire else (compression, None)
+
+
+def wire_codec(codec: str | None, dtype: torch.dtype, array_kind: str) -> str | None:
+    """The codec a reduction travels in, for a tensor of ``dtype`` sent as an array of ``array_kind``.
+
+    Codecs apply to floating point values only. bfloat16 tensors travel as bf16 even when no
+    compression is asked for: the wire adds them in float32 and every partial sum is rounded to
+    bfloat16, as a bfloat16 reduction would round it, in half the bytes of the float32 they are
+    reduced in.
+    """
+    if array_kind != "f":
+        return None
+    if codec is None and dtype == torch.bfloat16:
+        return "bf16"
+    return codec

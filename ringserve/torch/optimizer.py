@@ -38,7 +38,7 @@ from ringserve.codecs import INT8_BLOCK
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
-from ringserve.torch.compression import Compression, Compressor, split
+from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
 log = logging.getLogger("ringserve.torch")
 
@@ -292,7 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wire, cctx = self._compression.compress(buf)
         array, layout = _tensors.reducible(wire)
         name = bucket.name
-        codec = self._codec if array.dtype.kind == "f" else None
+        codec = wire_codec(self._codec, wire.dtype, array.dtype.kind)
         residual = self._residual(bucket, array) if codec is not None and self._error_feedback else None
 
         async def reduce(worker: Any) -> tuple[Any, float]:

@@ -86,6 +86,9 @@ def test_allreduce_reduces_with_every_op_and_option(ranks: list[dict[str, Any]])
     assert [t.dtype for t in grouped] == [torch.float32, torch.float64]
     for t in grouped:
         torch.testing.assert_close(t.float(), x.sum(0) / N, rtol=0, atol=int8_bound)
+    # bfloat16 tensors are added in float32 but travel in two bytes per value.
+    sent = ranks[0]["wire_bytes"]
+    assert 0.49 < sent["torch.bfloat16"] / sent["torch.float32"] < 0.51, sent
     # Integers travel as they are: int8 compression leaves them exact.
     torch.testing.assert_close(same_on_every_rank(ranks, "int8_int32"), stacked(torch.int32).sum(0, dtype=torch.int32))
 

@@ -20,6 +20,15 @@ def base(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1) - 2.5).to(dtype)
 
 
+def bytes_sent(call: Any) -> int:
+    """Bytes this rank sent to its ring successor during ``call()``."""
+    from ringserve import api
+
+    before = api._worker().counters.bytes_sent
+    call()
+    return api._worker().counters.bytes_sent - before
+
+
 def gathered_rows(rank: int) -> torch.Tensor:
     return torch.full((rank + 1, 2), float(rank)) + torch.arange(2.0)
 
@@ -64,6 +73,8 @@ def collectives(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["int8"] = hvd.allreduce(base(r), name="int8", compression=hvd.Compression.int8)
     res["int8_grouped"] = hvd.grouped_allreduce([base(r), base(r, torch.float64)], compression=hvd.Compression.int8)
     res["int8_int32"] = hvd.allreduce(base(r, torch.int32), op=hvd.Sum, compression=hvd.Compression.int8)
+    res["wire_bytes"] = {str(dtype): bytes_sent(lambda d=dtype: hvd.allreduce(torch.ones(1 << 16, dtype=d)))
+                         for dtype in (torch.float32, torch.bfloat16)}
     res["bf16_tensor"] = hvd.allreduce(base(r, torch.bfloat16), op=hvd.Sum)
     res["int16"] = hvd.allreduce(base(r, torch.int16), op=hvd.Sum)
     res["float64"] = hvd.allreduce(base(r, torch.float64))
