@@ -210,6 +210,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
             warnings.append(text)
             if (view_id, key) not in self._warned:
+                # Only this view's warnings matter: forget older views' (the set would grow forever).
+                self._warned = {w for w in self._warned if w[0] == view_id}
                 self._warned.add((view_id, key))
                 self.counts["stall_warnings"] += 1
                 log.warning("view %d: stalled collective %s", view_id, text)

@@ -511,10 +511,16 @@ class Worker:
             await self._drain_retired()
 
     async def _drain_retired(self) -> None:
+        """Forgets the retired sessions whose streams have ended, and closes the channels that no
+        session streams on any more (peers that left, or that are no longer this rank's successor)."""
         done = [s for s in self._retired if s.drained]
         for session in done:
             await session.wait_closed()
             self._retired.remove(session)
+        sessions = [s for s in (self._session, *self._retired) if s is not None and s.place.size > 1]
+        in_use = {s.successor_address for s in sessions}
+        for address in [a for a in self._channels if a not in in_use]:
+            await self._channels.pop(address).close()
 
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None
