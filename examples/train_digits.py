@@ -26,7 +26,7 @@ from tqdm import tqdm
 import ringserve.torch as hvd
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=4, help="workers to launch when not run by `ringserve run`")
     parser.add_argument("--epochs", type=int, default=20)
@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fp16", action="store_const", dest="compression", const="fp16", help="--compression fp16")
     parser.add_argument("--no-error-feedback", action="store_true",
                         help="with a lossy compression, drop what each step's encoding lost")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def mlp(hidden: int) -> torch.nn.Module:

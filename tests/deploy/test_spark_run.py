@@ -77,7 +77,6 @@ def test_four_barrier_tasks_train_the_demo_to_identical_parameters(spark: Any) -
     demo = str(DEMO)
 
     def train(epochs: int) -> tuple[int, int]:
-        import argparse
         import importlib.util
 
         import ringserve.torch as hvd
@@ -86,7 +85,7 @@ def test_four_barrier_tasks_train_the_demo_to_identical_parameters(spark: Any) -
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        args = argparse.Namespace(np=4, epochs=epochs, batch_size=32, lr=2e-3, hidden=64, seed=0, fp16=False)
+        args = module.parse_args(["--epochs", str(epochs), "--hidden", "64"])
         hvd.init()  # the demo's own init() then finds this worker; its rank is read here first
         rank = hvd.rank()
         return rank, module.train(args)
