@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringserve import api
-from ringserve.errors import HostsUpdatedInterrupt, RecoverableError
+from ringserve.errors import CorruptFrameError, HostsUpdatedInterrupt, RecoverableError
 from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")
@@ -183,13 +183,18 @@ def _wait_for_view_after(view: int) -> None:
     ctx.call(wait, timeout_s=timeout + 10.0)
 
 
+CORRUPT_RETRIES = 3  # damaged frames with no commit in between (checksums on) before the error is raised
+
+
 def run(func: F) -> F:
     """Wraps a training function ``func(state, *args, **kwargs)`` for elastic training.
 
     On a RecoverableError the state goes back to its last commit; on HostsUpdatedInterrupt it is
     kept. Either way the wrapper waits (up to elastic_timeout_s) for a view that includes this
     worker and is newer than the one that ended, syncs the state from rank 0 and runs ``func``
-    again. A worker that got SIGTERM leaves at its commit and exits with code 0.
+    again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit and
+    runs again in the same view, up to CORRUPT_RETRIES times without a commit in between. A worker that got SIGTERM
+    leaves at its commit and exits with code 0.
 
     Raises:
         RendezvousTimeoutError: no new view came within elastic_timeout_s (for instance, the
@@ -201,8 +206,10 @@ def run(func: F) -> F:
         _Leave.install()
         ctx = api.context()
         worker = ctx.worker
+        corrupt, corrupt_at = 0, -1  # damaged frames since the commit numbered corrupt_at
         while True:
             view = worker.latest_view
+            same_view = False
             try:
                 # Pinned before the sync, so that the sync's collectives and the steps after it
                 # all run in the one view (RingChangedError here if we are in none).
@@ -214,12 +221,23 @@ def run(func: F) -> F:
                 if exc.leaving and _Leave.requested.is_set():
                     _leave_now()
                 log.info("%s: the world changes at a commit (%s); waiting for a newer view", worker.tag, exc)
+            except CorruptFrameError as exc:
+                # Every rank aborted the collective and the ring is intact: no new view will come.
+                corrupt = corrupt + 1 if state.commits == corrupt_at else 1
+                corrupt_at = state.commits
+                if corrupt > CORRUPT_RETRIES:
+                    raise
+                log.warning("%s: %s; restoring the last commit and retrying in the same view (%d of %d)",
+                            worker.tag, exc, corrupt, CORRUPT_RETRIES)
+                state.restore()
+                same_view = True
             except RecoverableError as exc:
                 log.warning("%s: %s; restoring the last commit", worker.tag, exc)
                 state.restore()
             finally:
                 worker.pin_view(None)
-            _wait_for_view_after(view)
+            if not same_view:
+                _wait_for_view_after(view)
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]

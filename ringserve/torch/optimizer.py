@@ -282,10 +282,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     buf[a:b].zero_()
                     flags.append(0.0)
                     continue
+                flags.append(1.0)
+                if _is_view_of(grad, buf, a):
+                    continue  # already in the bucket: backward accumulated into it
                 if grad.is_sparse:
                     grad = grad.to_dense()
                 buf[a:b].copy_(grad.reshape(-1))
-                flags.append(1.0)
+            # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
+            buf[bucket.numel:bucket.flags_at].zero_()
             buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype))
             if prescale != 1.0:
                 buf.mul_(prescale)
@@ -319,20 +323,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         result, bucket.done_at = basics.wait(bucket.future)
         assert bucket.finish is not None
         out = bucket.finish(result)
-        finite = bool(torch.isfinite(out[: bucket.numel]).all())
         if bucket.residual is not None:
-            # The flags are no gradient: feed back nothing there. A NaN or Inf would feed back forever.
-            bucket.residual[bucket.numel:] = 0
-            if not finite:
-                bucket.residual[:] = 0
-        self._finite = self._finite and finite
+            bucket.residual[bucket.numel:] = 0  # the gap and the flags are no gradient: feed back nothing
+        if self._check_finite:
+            self._finite = self._finite and bool(torch.isfinite(out[: bucket.numel]).all())
         flags = out[bucket.flags_at:].tolist()
         with torch.no_grad():
             for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
                     continue
                 value = out[a:b].view(p.shape)
-                if p.grad is None:
+                if p.device.type == "cpu" and _is_view_of(value, bucket.buffer, a):
+                    # The result is in the bucket: the gradient becomes a view of it, as DDP's
+                    # gradient_as_bucket_view does, so the next step needs no copy out, and
+                    # backward accumulates straight into the bucket unless grads are set to None.
+                    if p.grad is None or not _is_view_of(p.grad, bucket.buffer, a):
+                        p.grad = value
+                elif p.grad is None:
                     p.grad = value.to(device=p.device, copy=True)
                 else:
                     p.grad.copy_(value)
@@ -364,6 +371,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:
                 self._finish(bucket)
                 intervals.append((bucket.started_at, bucket.done_at))
+        except BaseException:
+            self.reset()  # waits for the other buckets' reductions, which write into their buffers
+            raise
         finally:
             for bucket in self._buckets:
                 bucket.future, bucket.finish, bucket.ready = None, None, 0
@@ -417,6 +427,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._check_idle("zero the gradients")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> bool:
+    """Whether ``tensor`` is the dense slice of ``buffer`` that starts at element ``offset``."""
+    return (not tensor.is_sparse and tensor.device == buffer.device and tensor.dtype == buffer.dtype
+            and tensor.is_contiguous() and tensor.data_ptr() == buffer.data_ptr() + offset * buffer.element_size())
 
 
 def _hook(optimizer: weakref.ref[DistributedOptimizer]) -> Callable[[torch.Tensor], None]:

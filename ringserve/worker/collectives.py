@@ -68,8 +68,14 @@ async def run(
     })
     ok = False
     try:
-        async with asyncio.timeout(timeout_s):
-            result = await body(key, inbox)
+        # NaN and Inf are data here (check_finite reports them): inf - inf in a sum must not warn,
+        # or, under -W error, raise on one rank in the middle of the ring. numpy keeps this
+        # setting per task (a context variable), so it covers this collective only.
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            async with asyncio.timeout(timeout_s):
+                result = await body(key, inbox)
+                if session.checksum:
+                    await _confirm(session, key, inbox)
         ok = True
     except TimeoutError:
         raise CollectiveTimeoutError(
@@ -191,6 +197,29 @@ class _Coded(_Raw):
                 f"elements of {self.buf.dtype} in {self.coder.name} were expected."
             )
         return self.coder.decode(payload, count)
+
+
+CONFIRM_SLOT = 1 << 30  # slots of the confirmation lap: far above any ring step or origin rank
+
+
+async def _confirm(session: Session, key: str, inbox: Inbox) -> None:
+    """Returns once every rank has finished the collective with every frame intact.
+
+    With checksums on, a rank that finds a damaged frame aborts the collective, but the other
+    ranks may have finished it already (a damaged frame of the last allgather step reaches one rank
+    only). So each rank sends an empty frame once it is done, and returns only when it has the
+    frames of all the others: an abort reaches every rank before then, and all ranks agree.
+    It costs world - 1 hops of latency, and only with checksums.
+    """
+    rank, world = session.place.rank, session.place.size
+    if world == 1:
+        return
+    session.send(key, inbox, slot=CONFIRM_SLOT + rank, chunk=0, payload=b"", dtype=wire.dtype_code(np.dtype(np.uint8)), count=0)
+    for step in range(world - 1):
+        _, origin = allgather_step(rank, world, step)
+        frame = await session.recv(key, inbox, CONFIRM_SLOT + origin, 0)
+        if step < world - 2:
+            session.forward(frame)
 
 
 async def ring_reduce(
@@ -348,6 +377,8 @@ async def allreduce(
         return key
 
     key = await run(session, name, descriptor, timeout_s, body)
+    if flat_residual is not None and not np.isfinite(buf).all():
+        flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
     if check_finite:
         _check_finite(buf, key)
     return buf.reshape(array.shape) if out is None else out

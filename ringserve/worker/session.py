@@ -145,6 +145,7 @@ class Session:
     ) -> None:
         self.place = place
         self.checksum = checksum
+        self._damaged = ""  # a damaged frame named no open collective: the next one is aborted
         self.counters = counters
         self.abort_grace_s = abort_grace_s
         self.drain_timeout_s = drain_timeout_s
@@ -189,6 +190,9 @@ class Session:
         foreign = inbox.foreign(descriptor)
         if foreign:
             self._start_abort(key, inbox, foreign)
+        if self._damaged:
+            self._start_abort(key, inbox, {}, reason=self._damaged)
+            self._damaged = ""
         self._active += 1
         self._opened[key] = time.monotonic()
         return key, inbox
@@ -269,6 +273,12 @@ class Session:
         """Routes one frame from the predecessor to its collective."""
         header = frame.header
         self.counters.bytes_received += len(frame.raw)
+        if header.kind == wire.DATA:
+            damage = self._damage(frame)
+            if damage:
+                self.counters.frames_rejected += 1
+                self._on_damage(header.op_key, damage)
+                return
         if self._finished(header.op_key):
             # A collective this rank already finished or gave up on: a late data frame is
             # dropped; an abort is still passed on (the other ranks' laps need it) but kept nowhere.
@@ -279,11 +289,7 @@ class Session:
             return
         inbox = self._inbox(header.op_key)
         if header.kind == wire.DATA:
-            damage = self._damage(frame)
-            if damage:
-                self.counters.frames_rejected += 1
-                self._start_abort(header.op_key, inbox, {}, reason=damage)
-            elif inbox.error is None:
+            if inbox.error is None:
                 inbox.deliver((header.step, header.chunk), frame)
                 # Checked on arrival too, not only when taken: a rank that disagrees on the root
                 # waits for frames that never come, and never takes the ones that did.
@@ -404,6 +410,25 @@ class Session:
             return (f"{where} without a checksum, but this worker requires checksums "
                     f"(set RINGSERVE_CHECKSUM on every worker)")
         return ""
+
+    def _on_damage(self, key: str, reason: str) -> None:
+        """Aborts the collective a damaged frame belongs to, on every rank.
+
+        The checksum covers the header too, so the collective the frame names may itself be
+        damaged: if no collective of that name is open here, every open one is aborted, and if
+        none is open, the next one to open is. A frame is never used, and no collective is left
+        waiting for a frame that will not come.
+        """
+        if self._finished(key):
+            return
+        if key in self._inboxes:
+            keys = [key]
+        else:
+            keys = list(self._inboxes)
+            if not keys:
+                self._damaged = reason
+        for k in keys:
+            self._start_abort(k, self._inboxes[k], {}, reason=reason)
 
     def _abort_error(self, key: str, inbox: Inbox) -> RingserveError:
         if inbox.abort_reason == MISMATCH:

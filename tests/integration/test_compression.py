@@ -156,3 +156,19 @@ async def test_compressed_reduce_scatter_and_min_max(shared_worlds) -> None:
         outs = await world.map("allreduce", xs, op=op, name=f"{op}/bf16", compression="bf16")
         assert outs[0].tobytes() == outs[2].tobytes()
         assert np.allclose(outs[0], numpy_reduce(xs, op), rtol=2.0**-7)
+
+
+async def test_a_non_finite_result_clears_the_error_feedback_residual_so_later_calls_recover(shared_worlds) -> None:
+    world = await shared_worlds(2)
+    residuals = [np.full(40, 0.01, dtype=np.float32) for _ in range(2)]
+    xs = inputs(2, 40, seed=9)
+    bad = [x.copy() for x in xs]
+    bad[0][3] = np.inf
+    for label, data in (("inf", bad), ("ok", xs)):
+        outs = await world.each(lambda w, data=data, label=label: w.allreduce(
+            data[w.rank], op="sum", name=f"residual/{label}", compression="fp16", residual=residuals[w.rank]))
+        if label == "inf":
+            assert not np.isfinite(outs[0]).all()
+            assert all(not r.any() for r in residuals)
+        else:
+            assert np.isfinite(outs[0]).all() and all(np.isfinite(r).all() for r in residuals)

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 
 ONES = np.ones(1 << 16, dtype=np.float32)
 PATTERN = ONES[:8].tobytes()  # eight float32 1.0s in a row: found only inside tensor data
+# Eight 2.0s: with every rank's input all ones, only the allgather phase carries the sum.
+GATHERED = (2 * ONES[:8]).tobytes()
 
 
 def free_port() -> int:
@@ -41,10 +43,10 @@ class Pair:
         self.workers: list[Worker] = []
         self.relay: Relay | None = None
 
-    async def start(self, checksums: tuple[bool, bool]) -> None:
+    async def start(self, checksums: tuple[bool, bool], flip_after: bytes = PATTERN) -> None:
         self.coordinator = await Coordinator(coordinator_config(min_workers=2, max_workers=2)).start()
         port = free_port()
-        self.relay = Relay(port, flip_after=PATTERN)
+        self.relay = Relay(port, flip_after=flip_after)
         relay_port = await self.relay.start()
         configs = [
             worker_config(self.coordinator.address, checksum=checksums[0]),
@@ -102,3 +104,25 @@ async def test_a_worker_that_requires_checksums_refuses_frames_without_one(pair:
     for outcome in outcomes:
         assert isinstance(outcome, CorruptFrameError), outcome
         assert "without a checksum, but this worker requires checksums" in str(outcome)
+
+
+async def test_a_chunk_damaged_in_the_last_allgather_step_fails_the_collective_on_every_rank(pair: Pair) -> None:
+    """Only the damaged rank sees it; the confirmation lap keeps the other from returning first."""
+    await pair.start(checksums=(True, True), flip_after=GATHERED)
+    outcomes = await pair.allreduce("gathered")
+    assert pair.relay is not None and pair.relay.flipped == 1
+    for outcome in outcomes:
+        assert isinstance(outcome, CorruptFrameError), outcome
+
+
+async def test_a_damaged_collective_name_fails_the_collective_on_every_rank_without_waiting_for_its_timeout(pair: Pair) -> None:
+    await pair.start(checksums=(True, True), flip_after=b"damaged")
+    started = asyncio.get_running_loop().time()
+    outcomes = await pair.allreduce("damaged")
+    assert pair.relay is not None and pair.relay.flipped == 1
+    for outcome in outcomes:
+        assert isinstance(outcome, CorruptFrameError), outcome
+    assert asyncio.get_running_loop().time() - started < 10  # the collective timeout is 30 s
+    assert all(not w._session._inboxes for w in pair.workers)  # type: ignore[union-attr]
+    again = await pair.allreduce("after")
+    assert all(isinstance(o, np.ndarray) and np.array_equal(o, 2 * ONES) for o in again)

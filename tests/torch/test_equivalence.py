@@ -17,10 +17,11 @@ from _worlds import WORKERS, run_world
 sys.path.insert(0, str(WORKERS))
 import equivalence  # noqa: E402
 
-SCENARIOS = ["sgd", "momentum", "adam", "bpps2", "predivide", "sum", "fp16", "bf16", "unused", "int8", "nonfinite"]
+SCENARIOS = ["sgd", "momentum", "adam", "bpps2", "predivide", "sum", "fp16", "bf16", "unused", "int8", "nonfinite", "nonfinite_int8"]
 # Compression rounds every gradient on the wire: fp16 to 11 bits, bf16 to 8, int8 to a 254th of
 # each block's largest value (with error feedback, what is lost comes back in the next step).
-TOLERANCE = {"fp16": dict(rtol=1e-2, atol=1e-3), "bf16": dict(rtol=2e-2, atol=5e-3), "int8": dict(rtol=2e-2, atol=5e-3)}
+TOLERANCE = {"fp16": dict(rtol=1e-2, atol=1e-3), "bf16": dict(rtol=2e-2, atol=5e-3), "int8": dict(rtol=2e-2, atol=5e-3),
+             "nonfinite_int8": dict(rtol=2e-2, atol=5e-3)}
 EXACT = dict(rtol=1e-4, atol=1e-5)
 
 

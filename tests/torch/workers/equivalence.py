@@ -57,6 +57,9 @@ def _scenarios() -> dict[str, tuple[Callable[[Any], torch.optim.Optimizer], dict
                  {"compression": hvd.Compression.int8, "error_feedback": True, "fusion_bytes": 4096}, 1),
         # The last rank's loss is NaN at step NAN_STEP: every rank must skip that step alike.
         "nonfinite": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), {"check_finite": True}, 1),
+        # The same with int8 and error feedback: after the skipped step, training goes on.
+        "nonfinite_int8": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+                           {"check_finite": True, "compression": hvd.Compression.int8, "error_feedback": True}, 1),
     }
 
 
@@ -100,7 +103,7 @@ def train(name: str, rank: int, size: int) -> dict[str, torch.Tensor]:
             part = rows(m, rank, size, PER_RANK)
             extra = name == "unused" and uses_extra(rank, step)
             loss = loss_fn(model(x[part], use_extra=extra), y[part])
-            if name == "nonfinite" and step == NAN_STEP and rank == size - 1:
+            if name.startswith("nonfinite") and step == NAN_STEP and rank == size - 1:
                 loss = loss * float("nan")
             loss.backward()
         opt.step()
@@ -130,7 +133,7 @@ def reference(name: str, size: int) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         x, y = global_batch(step, size, micro)
         opt.zero_grad()
-        if name == "nonfinite" and step == NAN_STEP:
+        if name.startswith("nonfinite") and step == NAN_STEP:
             continue
         if name == "unused":
             losses = [loss_fn(model(x[rows(0, r, size, PER_RANK)], use_extra=uses_extra(r, step)),
@@ -143,7 +146,7 @@ def reference(name: str, size: int) -> dict[str, torch.Tensor]:
         opt.step()
         if sched is not None:
             sched.step()
-    return _result(model, 1 if name == "nonfinite" else 0)
+    return _result(model, 1 if name.startswith("nonfinite") else 0)
 
 
 def main(out_dir: str, names: list[str]) -> None:
