@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -102,3 +103,10 @@ WorldFactory = Callable[..., Awaitable[World]]
 # Small enough that short arrays cross many chunks; odd, so chunks hold a whole number of elements
 # of every dtype only by rounding down.
 SMALL_CHUNK_BYTES = 52
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that need a fixed port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ from pathlib import Path
 
 import pytest
 from _compose import ROOT, command, dockerfile, environment, load, seconds
+from worlds import free_port
 
 VENV_BIN = Path(sys.executable).parent
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_service_names(value: str, names: list[str]) -> str:

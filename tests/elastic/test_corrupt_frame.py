@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from relay import Relay
-from worlds import coordinator_config
+from worlds import coordinator_config, free_port
 
 from ringserve import Coordinator
 from ringserve.loop import LoopThread
@@ -28,13 +28,6 @@ STEPS = 6
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_damaged_frame_makes_every_rank_retry_the_step_in_the_same_view(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from relay import Relay
-from worlds import coordinator_config, worker_config
+from worlds import coordinator_config, free_port, worker_config
 
 from ringserve import Coordinator, Worker
 from ringserve.errors import CorruptFrameError
@@ -26,13 +26,6 @@ PATTERN = ONES[:8].tobytes()  # eight float32 1.0s in a row: found only inside t
 # Eight 2.0s: with every rank's input all ones, only the allgather phase carries the sum.
 GATHERED = (2 * ONES[:8]).tobytes()
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pair:
