@@ -37,7 +37,8 @@ class Impostor:
 
     async def write(self, *frames: bytes) -> None:
         for frame in frames:
-            with contextlib.suppress(grpc.aio.AioRpcError):  # the status tells why
+            # A call the server has already ended (refused) raises on write; its status tells why.
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 await self.call.write(frame)
 
     async def code(self, timeout_s: float = 5.0) -> tuple[grpc.StatusCode, str]:
@@ -238,15 +239,18 @@ async def test_a_frame_whose_dtype_or_count_disagrees_with_the_collective_is_nev
 
 async def test_a_flood_of_streams_past_the_cap_gets_resource_exhausted_and_the_ring_survives(world_factory, impostors) -> None:
     world = await world_factory(2, max_concurrent_rpcs=8)
+    # The ring's own streams must be up before the flood: the cap cannot tell them from impostors.
+    await still_serving(world, "before-flood")
     target = world.workers[1]
+    # A stream call starts at once: no frame needs writing for it to take a slot or be refused (and a
+    # write racing the refusal would end the call INTERNAL on the client, not as the server said).
     flood = [impostors(target.address) for _ in range(20)]
-    for impostor in flood:
-        await impostor.write(hello(0, 0))
     async with asyncio.timeout(10):  # the 8 that fit stay open; the others are refused
         while len(refused := [i for i in flood if i.call.done()]) < 12:
             await asyncio.sleep(0.02)
     for impostor in refused:
-        assert (await impostor.code(1))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        code = await impostor.code(1)
+        assert code[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, code
     for impostor in flood:
         await impostor.close()
     await asyncio.sleep(0.1)
