@@ -166,6 +166,11 @@ class Int8(Codec):
         return out
 
 
+def sum_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype coded values are added in: float64 for float64 arrays, else float32."""
+    return np.dtype(np.float64 if dtype == np.float64 else np.float32)
+
+
 CODECS: dict[str, Codec | None] = {"none": None, "fp16": FP16(), "bf16": BF16(), "int8": Int8()}
 
 

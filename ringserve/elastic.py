@@ -192,9 +192,9 @@ def run(func: F) -> F:
     On a RecoverableError the state goes back to its last commit; on HostsUpdatedInterrupt it is
     kept. Either way the wrapper waits (up to elastic_timeout_s) for a view that includes this
     worker and is newer than the one that ended, syncs the state from rank 0 and runs ``func``
-    again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit and
-    runs again in the same view, up to CORRUPT_RETRIES times without a commit in between. A worker that got SIGTERM
-    leaves at its commit and exits with code 0.
+    again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit
+    and runs again in the same view, up to CORRUPT_RETRIES times without a commit in between. A
+    worker that got SIGTERM leaves at its commit and exits with code 0.
 
     Raises:
         RendezvousTimeoutError: no new view came within elastic_timeout_s (for instance, the

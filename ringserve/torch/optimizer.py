@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ringserve import api
-from ringserve.codecs import INT8_BLOCK
+from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
@@ -316,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
         if bucket.residual is None:
-            bucket.residual = np.zeros(array.size, dtype=np.float64 if array.dtype == np.float64 else np.float32)
+            bucket.residual = np.zeros(array.size, dtype=sum_dtype(array.dtype))
         return bucket.residual
 
     def _finish(self, bucket: Bucket) -> None:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringserve import codecs, wire
+from ringserve._proto.peer_pb2 import CODEC_NONE
 from ringserve.codecs import Codec
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NonFiniteError, ProtocolError
 from ringserve.observe import Span
@@ -95,7 +96,7 @@ class _Raw:
     def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, key: str) -> None:
         self.src, self.buf, self.op, self.world, self.key = src, buf, op, world, key
         self.dtype = wire.dtype_code(buf.dtype)
-        self.codec = 0
+        self.codec = CODEC_NONE
 
     def alone(self, a: int, b: int) -> np.ndarray:
         """The "partial sum" of a world of one: this rank's input."""
@@ -144,17 +145,13 @@ class _Coded(_Raw):
         self.coder = codec
         self.codec = codec.code
         self.residual = residual
-        self.acc = np.dtype(np.float64 if buf.dtype == np.float64 else np.float32)
+        self.acc = codecs.sum_dtype(buf.dtype)
 
     def _mine(self, a: int, b: int) -> np.ndarray:
         x = self.src[a:b].astype(self.acc)
         if self.residual is not None:
             x += self.residual[a:b]
         return x
-
-    def _encode(self, a: int, b: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        data = self.coder.encode(x)
-        return data, self.coder.decode(data, b - a)
 
     def alone(self, a: int, b: int) -> np.ndarray:
         return self._mine(a, b)
@@ -168,14 +165,15 @@ class _Coded(_Raw):
         return part
 
     def pass_on(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
-        data, kept = self._encode(a, b, part)
-        if self.residual is not None:
-            np.subtract(part, kept, out=self.residual[a:b])
+        data = self.coder.encode(part)
+        if self.residual is not None:  # decoded only to learn what the encoding lost
+            np.subtract(part, self.coder.decode(data, b - a), out=self.residual[a:b])
         return data
 
     def own(self, a: int, b: int, part: np.ndarray) -> np.ndarray:
         finish_into(part, self.op, self.world)
-        data, kept = self._encode(a, b, part)
+        data = self.coder.encode(part)
+        kept = self.coder.decode(data, b - a)
         if self.residual is not None:
             lost = self.residual[a:b]
             np.subtract(part, kept, out=lost)
@@ -304,25 +302,24 @@ def _output(array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
 
 
 def _values(src: np.ndarray, buf: np.ndarray, op: str, world: int, key: str,
-            compression: str | None, residual: np.ndarray | None) -> _Raw:
+            coder: Codec | None, residual: np.ndarray | None) -> _Raw:
     """How the values of a reduction travel: as they are, or encoded by a codec."""
-    coder = codecs.codec(compression)
     if coder is None:
         return _Raw(src, buf, op, world, key)
     return _Coded(src, buf, op, world, key, coder, residual)
 
 
-def _check_coding(array: np.ndarray, op: str, compression: str | None, residual: np.ndarray | None) -> str:
-    """Checks compression and residual against the input; returns the descriptor's suffix."""
+def _coder(array: np.ndarray, op: str, compression: str | None, residual: np.ndarray | None) -> Codec | None:
+    """The codec called ``compression``, after checking it and ``residual`` against the input."""
     coder = codecs.codec(compression)
     if coder is None:
         if residual is not None:
             raise InvalidArgumentError("residual (error feedback) needs a lossy compression.")
-        return ""
+        return None
     if array.dtype.kind != "f":
         raise InvalidArgumentError(f"compression={compression!r} needs a floating point array, not {array.dtype}.")
     if residual is not None:
-        acc = np.dtype(np.float64 if array.dtype == np.float64 else np.float32)
+        acc = codecs.sum_dtype(array.dtype)
         if (not isinstance(residual, np.ndarray) or residual.dtype != acc or residual.size != array.size
                 or not residual.flags.c_contiguous or not residual.flags.writeable):
             raise InvalidArgumentError(
@@ -330,15 +327,19 @@ def _check_coding(array: np.ndarray, op: str, compression: str | None, residual:
             )
         if op not in ("sum", "average"):
             raise InvalidArgumentError(f"residual (error feedback) works with op sum or average, not {op!r}.")
-    return f" codec={coder.name}"
+    return coder
 
 
-def _check_finite(result: np.ndarray, key: str) -> None:
-    if result.dtype.kind == "f" and not np.isfinite(result).all():
-        raise NonFiniteError(
-            f"The result of collective {key!r} holds NaN or Inf (every rank holds the same result "
-            f"and raises this error)."
-        )
+def _suffix(coder: Codec | None) -> str:
+    """What a codec adds to a collective's descriptor, so that ranks must agree on it."""
+    return "" if coder is None else f" codec={coder.name}"
+
+
+def _non_finite_error(key: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"The result of collective {key!r} holds NaN or Inf (every rank holds the same result "
+        f"and raises this error)."
+    )
 
 
 async def allreduce(
@@ -362,25 +363,26 @@ async def allreduce(
     """
     array = _as_array(a)
     check_op(op)
-    suffix = _check_coding(array, op, compression, residual)
+    coder = _coder(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
     buf = _output(array, out)
-    descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{suffix}"
+    descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
     world = session.place.size
     bounds = segment_bounds(buf.size, world)
     elems = _chunk_elems(buf.dtype, chunk_bytes)
     flat_residual = None if residual is None else residual.reshape(-1)
 
     async def body(key: str, inbox: Inbox) -> str:
-        values = _values(src, buf, op, world, key, compression, flat_residual)
+        values = _values(src, buf, op, world, key, coder, flat_residual)
         await ring_reduce(session, key, inbox, values, bounds, elems, gather=True)
         return key
 
     key = await run(session, name, descriptor, timeout_s, body)
-    if flat_residual is not None and not np.isfinite(buf).all():
-        flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
-    if check_finite:
-        _check_finite(buf, key)
+    if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
+        if flat_residual is not None:
+            flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
+        if check_finite:
+            raise _non_finite_error(key)
     return buf.reshape(array.shape) if out is None else out
 
 
@@ -390,16 +392,16 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     check_op(op)
     if array.ndim == 0:
         raise InvalidArgumentError("reduce_scatter needs an array with at least one dimension.")
-    suffix = _check_coding(array, op, compression, None)
+    coder = _coder(array, op, compression, None)
     rest = array.shape[1:]
     src = np.ascontiguousarray(array).reshape(-1)
     buf = np.empty_like(src)
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
-    descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{suffix}"
+    descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
 
     async def body(key: str, inbox: Inbox) -> None:
-        values = _values(src, buf, op, world, key, compression, None)
+        values = _values(src, buf, op, world, key, coder, None)
         await ring_reduce(session, key, inbox, values, bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
 
     await run(session, name, descriptor, timeout_s, body)
