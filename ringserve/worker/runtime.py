@@ -144,13 +144,16 @@ class Worker:
         self._closed = True
         session, self._session = self._session, None
         if session is not None:
-            # Let collectives in flight finish and tell the successor we are done, then leave:
-            # the others then see a graceful leave and their last collectives are not cut off.
             session.retire(RingChangedError(session.view_id, session.view_id, "the worker shut down"))
             self._retired.append(session)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.drain_timeout_s):
-                    await session.wait_closed()
+        # Let collectives in flight finish and tell the successors we are done, then leave: the
+        # others then see a graceful leave and their last collectives are not cut off. That holds
+        # for a session retired by a view change just before, too: its stream may still be
+        # flushing the last frames its successor needs.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.drain_timeout_s):
+                for retired in self._retired:
+                    await retired.wait_closed()
         if self._control is not None and self.worker_id:
             with contextlib.suppress(RingserveError):
                 await self._control.leave(self.worker_id)
@@ -455,9 +458,12 @@ class Worker:
                 old.retire(exc)
                 # A predecessor that left had sent all it ever will (it drains, then leaves), or
                 # never opened its stream in that view at all: waiting for more is waiting forever.
+                # A view with no members (the world fell below min_workers) names no one: only the
+                # workers listed as leaving are gone, the others are still draining their streams.
                 ids = old.place.worker_ids
                 remaining = {m.worker_id for m in view.members}
-                if ids and ids[predecessor(old.place.rank, old.place.size)] not in remaining:
+                before = ids[predecessor(old.place.rank, old.place.size)] if ids else None
+                if before is not None and (before in view.left_worker_ids or (remaining and before not in remaining)):
                     old.predecessor_gone(exc)
             self._retired.append(old)
         self._session = None
