@@ -10,9 +10,14 @@ For each world and size it prints seconds per op, algorithm bandwidth (S / t), b
 growth of its resident set from just before the tensor was made, tensor included). Both sides
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
 
-With ``--tls`` ringserve also runs under mTLS with a job token, from a throwaway CA and
-certificate made in a temporary directory, and the table adds its time and its ratio to the
-plaintext run.
+The workers share one host, so by default ringserve passes payloads through shared memory (only
+headers go over the gRPC stream; see ringserve/worker/shared.py). A second run with shared memory
+off sends every payload over the stream, as between hosts: its columns say what the network path
+costs on its own (``--no-stream`` skips it).
+
+With ``--tls`` ringserve also runs under mTLS with a job token (stream only: on one host, shared
+memory would carry the payloads around TLS), from a throwaway CA and certificate made in a
+temporary directory, and the table adds its time and its ratio to the stream-only run.
 """
 
 from __future__ import annotations
@@ -126,13 +131,20 @@ def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path
         thread.stop()
 
 
+# Every payload over the gRPC stream, as between hosts: the figure for a network, and the base of
+# the TLS ratio (shared memory would carry the payloads around TLS on one host).
+STREAM_ONLY = {"shared_memory": False}
+
+
 def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls: bool = False,
-              gloo: bool = True) -> list[dict[str, object]]:
+              gloo: bool = True, stream: bool = True) -> list[dict[str, object]]:
     sizes_arg = [str(s) for s in sizes]
     me = str(pathlib.Path(__file__).resolve())
     run_ringserve(world, sizes_arg, loop, tmp, "rs", {})
+    if stream:
+        run_ringserve(world, sizes_arg, loop, tmp, "stream", STREAM_ONLY)
     if tls:
-        run_ringserve(world, sizes_arg, loop, tmp, "tls", tls_settings(tmp))
+        run_ringserve(world, sizes_arg, loop, tmp, "tls", {**tls_settings(tmp), **STREAM_ONLY})
     if gloo:
         port = free_port()
         run_ranks([[PYTHON, me, "--role", "gloo", "--world", str(world), "--port", str(port),
@@ -144,6 +156,7 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
         rs_t = max(read_json(tmp / f"rs{world}.{i}.json")[key]["t"] for i in range(world))
         gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world)) if gloo else float("nan")
         tls_t = max(read_json(tmp / f"tls{world}.{i}.json")[key]["t"] for i in range(world)) if tls else float("nan")
+        st_t = max(read_json(tmp / f"stream{world}.{i}.json")[key]["t"] for i in range(world)) if stream else float("nan")
         sent = max(read_json(tmp / f"rs{world}.{i}.json")[key]["sent"] for i in range(world))
         peak = max(read_json(tmp / f"rs{world}.{i}.json")[key]["peak_over_tensor"] for i in range(world))
         factor = 2 * (world - 1) / world
@@ -159,8 +172,10 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
             "busbw_ratio": f"{gl_t / rs_t:.2f}",
             "sent_over_opt": f"{sent / optimum:.4f}",
             "peak_mem": f"{peak:.2f}x" if size == max(sizes) else "-",
+            "stream_ms": f"{st_t * 1e3:.2f}" if stream else "-",
+            "stream_busbw_ratio": f"{gl_t / st_t:.2f}" if stream else "-",
             "tls_ms": f"{tls_t * 1e3:.2f}" if tls else "-",
-            "tls_ratio": f"{tls_t / rs_t:.2f}" if tls else "-",
+            "tls_ratio": f"{tls_t / st_t:.2f}" if tls and stream else "-",
         })
     return rows
 
@@ -170,7 +185,8 @@ COLUMNS = [
     ("time_ratio", "time / gloo"), ("rs_busbw", "ringserve busbw GB/s"), ("gloo_busbw", "gloo busbw GB/s"),
     ("busbw_ratio", "busbw / gloo"), ("sent_over_opt", "bytes sent / optimum"), ("peak_mem", "peak mem / tensor"),
 ]
-TLS_COLUMNS = [("tls_ms", "mTLS+token ms/op"), ("tls_ratio", "mTLS / plaintext")]
+STREAM_COLUMNS = [("stream_ms", "stream-only ms/op"), ("stream_busbw_ratio", "stream-only busbw / gloo")]
+TLS_COLUMNS = [("tls_ms", "mTLS+token ms/op"), ("tls_ratio", "mTLS / stream-only")]
 
 
 def main() -> None:
@@ -180,6 +196,8 @@ def main() -> None:
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     p.add_argument("--tls", action="store_true", help="also run ringserve under mTLS with a token; report the ratio")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo runs")
+    p.add_argument("--no-stream", action="store_true",
+                   help="skip the run with shared memory off (every payload over the gRPC stream)")
     p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
@@ -193,9 +211,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
-            rows += run_world(world, args.sizes, args.loop, pathlib.Path(tmp), tls=args.tls, gloo=not args.no_gloo)
+            rows += run_world(world, args.sizes, args.loop, pathlib.Path(tmp), tls=args.tls, gloo=not args.no_gloo,
+                              stream=not args.no_stream or args.tls)
     print(f"allreduce of float32 sums on loopback, {args.loop} event loop; bandwidths in GB/s")
     columns = [c for c in COLUMNS if not (args.no_gloo and "gloo" in c[1])]
+    if not args.no_stream or args.tls:
+        columns += [c for c in STREAM_COLUMNS if not (args.no_gloo and "gloo" in c[1])]
     print(table(rows, columns + (TLS_COLUMNS if args.tls else [])))
 
 

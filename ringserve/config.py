@@ -172,6 +172,12 @@ class WorkerConfig(SecuritySettings):
             and require one on every frame received. A frame that fails it aborts its
             collective on every rank with CorruptFrameError; it is never summed. For links
             without TLS (TLS already authenticates every byte). Every worker must agree.
+        shared_memory: between workers on one host, pass payloads through a shared-memory ring
+            (a memfd the successor maps) and only headers over the stream; workers on other
+            hosts, or that cannot see each other's processes, fall back to the stream by
+            themselves (see worker/shared.py). Off: every payload travels over gRPC.
+        shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
+            payloads travel over the stream until one is freed.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -196,11 +202,13 @@ class WorkerConfig(SecuritySettings):
     stall_warning_s: float = 60.0
     max_concurrent_rpcs: int = 64
     checksum: bool = False
+    shared_memory: bool = True
+    shared_slots: int = 32
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
-                  "max_concurrent_rpcs")
+                  "max_concurrent_rpcs", "shared_slots")
         _check_security(self)
         for port in ("bind_port", "advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:

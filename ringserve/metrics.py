@@ -48,6 +48,8 @@ class WorkerCollector(Collector):
         yield ops
         yield latency
         yield counter("sent_bytes", "Bytes sent to the ring successor.", c.bytes_sent)
+        yield counter("shared_sent_bytes", "Of those, payload bytes sent through same-host shared memory.",
+                      c.shared_bytes_sent)
         yield counter("received_bytes", "Bytes received from the ring predecessor.", c.bytes_received)
         yield counter("frames_rejected", "Frames of another view, dropped and never summed.", c.frames_rejected)
         yield counter("view_changes", "New views installed after the first.", c.view_changes)

@@ -39,7 +39,8 @@ class Counters:
     """A worker's counters; the data path adds to them, heartbeats and scrapes read them."""
 
     collectives_done: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # payloads and headers, over the stream or through shared memory
+    shared_bytes_sent: int = 0  # the payload bytes of those that went through shared memory
     bytes_received: int = 0
     frames_rejected: int = 0
     view_changes: int = 0

@@ -61,6 +61,10 @@ async def world_factory() -> AsyncIterator[WorldFactory]:
 async def shared_worlds() -> AsyncIterator[WorldFactory]:
     """Worlds shared by the tests of one module, one per size, started on first use.
 
+    One worker of each world has shared memory off, so that a world of 2 runs every payload over
+    the gRPC stream, and larger worlds mix the two paths: frames that came through shared memory
+    are forwarded over the stream and the other way round.
+
     Only for modules whose tests run on the module's loop
     (``pytestmark = pytest.mark.asyncio(loop_scope="module")``) and that give every collective a
     name of its own, so that one test's failure cannot leak into the next.
@@ -69,7 +73,8 @@ async def shared_worlds() -> AsyncIterator[WorldFactory]:
 
     async def get(n: int) -> World:
         if n not in worlds:
-            worlds[n] = await start_world(n, chunk_bytes=SMALL_CHUNK_BYTES)
+            worlds[n] = await start_world(n, chunk_bytes=SMALL_CHUNK_BYTES,
+                                          each=lambda i: {"shared_memory": i != 0})
         return worlds[n]
 
     yield get

@@ -71,10 +71,16 @@ class World:
         await self.coordinator.stop()
 
 
-async def start_world(n: int, *, coordinator: dict[str, Any] | None = None, **worker: Any) -> World:
-    """Starts a coordinator with min_workers=n and n workers, and waits for their common view."""
+async def start_world(n: int, *, coordinator: dict[str, Any] | None = None,
+                      each: Callable[[int], dict[str, Any]] | None = None, **worker: Any) -> World:
+    """Starts a coordinator with min_workers=n and n workers, and waits for their common view.
+
+    ``worker`` overrides every worker's config; ``each(i)`` adds overrides for the i-th worker
+    started (not a rank: ranks are assigned as workers join).
+    """
     coord = await Coordinator(coordinator_config(**{"min_workers": n, **(coordinator or {})})).start()
-    workers = [Worker(config=worker_config(coord.address, **worker)) for _ in range(n)]
+    workers = [Worker(config=worker_config(coord.address, **{**worker, **(each(i) if each else {})}))
+               for i in range(n)]
     try:
         await asyncio.gather(*(w.start() for w in workers))
     except BaseException:

@@ -31,9 +31,10 @@ from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import collectives
+from ringserve.worker import collectives, shared
 from ringserve.worker.control import ControlClient
 from ringserve.worker.session import Place, Received, Session
+from ringserve.worker.shared import InboundRing, OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
@@ -61,6 +62,7 @@ class Worker:
         self._control: ControlClient | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._session: Session | None = None
+        self._last_place: Place | None = None
         self._retired: list[Session] = []
         self._latest_view = 0
         self._early: dict[int, list[tuple[wire.FrameHeader, Received]]] = {}
@@ -197,6 +199,16 @@ class Worker:
             raise RingChangedError(self._latest_view, self._latest_view, "this worker is not in the current view")
         return self._session.place
 
+    def _known_place(self) -> Place:
+        """The current place, else the last one this worker held.
+
+        Like Horovod's, rank() and size() keep answering after a peer shut down (a job's last
+        print) and until the next view: only collectives need the worker in the current view.
+        """
+        if self._session is None and self._last_place is not None and self._started and not self._closed:
+            return self._last_place
+        return self._place()
+
     def _labels(self) -> tuple[int, int]:
         session = self._session
         return (session.place.rank, session.view_id) if session is not None else (-1, self._latest_view)
@@ -208,27 +220,27 @@ class Worker:
 
     @property
     def rank(self) -> int:
-        return self._place().rank
+        return self._known_place().rank
 
     @property
     def size(self) -> int:
-        return self._place().size
+        return self._known_place().size
 
     @property
     def local_rank(self) -> int:
-        return self._place().local_rank
+        return self._known_place().local_rank
 
     @property
     def local_size(self) -> int:
-        return self._place().local_size
+        return self._known_place().local_size
 
     @property
     def cross_rank(self) -> int:
-        return self._place().cross_rank
+        return self._known_place().cross_rank
 
     @property
     def cross_size(self) -> int:
-        return self._place().cross_size
+        return self._known_place().cross_size
 
     @property
     def view_id(self) -> int:
@@ -337,6 +349,7 @@ class Worker:
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
         frames = 0
         hello: wire.FrameHeader | None = None
+        ring: InboundRing | None = None
         verified = False
         clean = False
         try:
@@ -347,6 +360,8 @@ class Worker:
                     if header.kind != wire.HELLO:
                         raise ProtocolError("A peer stream must open with a HELLO frame.")
                     hello = header
+                    if header.HasField("shared_ring") and self.config.shared_memory:
+                        ring = InboundRing.attach(header.shared_ring)
                     # Checked at once where the view is known (else when it is, as its frames are
                     # replayed): an impostor is refused before it can pass for the predecessor.
                     session = self._session_of(hello.view_id)
@@ -361,6 +376,10 @@ class Worker:
                 if header.kind == wire.BYE:
                     clean = True
                     continue
+                if header.HasField("shm_slot"):
+                    if ring is None:
+                        raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
+                    payload = ring.payload(header)
                 self._route(hello, Received(header, payload, raw))
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self.tag, exc)
@@ -480,9 +499,11 @@ class Worker:
             channel = self._channel(nxt) if place.size > 1 else None
             if self.config.timeline and self._timeline is None:
                 self._timeline = Timeline(Timeline.path_for(self.config.timeline, me.rank), me.rank)
+            self._last_place = place
             self._session = Session(
                 place, channel, self.counters, self.config.abort_grace_s, self.config.drain_timeout_s,
                 timeline=self._timeline, on_peer_failure=self._report, checksum=self.config.checksum,
+                ring=self._outbound_ring(place),
             )
             log.info("%s: joined as rank %d of %d (peer server %s)", self.tag, me.rank, place.size, self.address)
         for vid in [v for v in self._early if v <= view.view_id]:
@@ -499,6 +520,16 @@ class Worker:
                 self.counters.frames_rejected += len(frames)
         self._view_changed.set()
         self._view_changed = asyncio.Event()
+
+    def _outbound_ring(self, place: Place) -> OutboundRing | None:
+        """A shared-memory ring to offer this view's successor, if it may be on this host."""
+        if not self.config.shared_memory or place.size == 1 or not shared.supported():
+            return None
+        try:
+            return OutboundRing(self.config.shared_slots, self.config.chunk_bytes)
+        except OSError as exc:  # no memfd (a seccomp profile), or out of fds
+            log.info("%s: no shared-memory ring (%s); payloads travel over the stream", self.tag, exc)
+            return None
 
     async def _watch_loop(self) -> None:
         assert self._control is not None

@@ -24,6 +24,7 @@ from ringserve.errors import CorruptFrameError, MismatchError, PeerUnavailableEr
 from ringserve.observe import Counters, Span, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.transport import peer_error
+from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
@@ -142,8 +143,10 @@ class Session:
         timeline: Timeline | None = None,
         on_peer_failure: Callable[[int, int, str], None] | None = None,
         checksum: bool = False,
+        ring: OutboundRing | None = None,
     ) -> None:
         self.place = place
+        self._ring = ring
         self.checksum = checksum
         self._damaged = ""  # a damaged frame named no open collective: the next one is aborted
         self.counters = counters
@@ -222,8 +225,20 @@ class Session:
         return frame
 
     def forward(self, frame: Received) -> None:
-        """Sends a received frame on to the successor as it is: no copy, no new header."""
-        self._put(frame.raw)
+        """Sends a received frame on to the successor as it is: the same header, the same payload.
+
+        A frame that came whole goes on as the same bytes, unless the successor shares memory
+        with us (one copy into the ring beats gRPC's copies); one whose payload sits in the
+        predecessor's ring is copied into ours, or into the frame when ours has no room.
+        """
+        if not frame.header.HasField("shm_slot") and (self._ring is None or not self._ring.attached):
+            self._put(frame.raw)
+            return
+        header = wire.FrameHeader()
+        header.CopyFrom(frame.header)
+        header.ClearField("shm_slot")
+        header.shm_bytes = 0
+        self._emit(header, frame.payload)
 
     def send(
         self,
@@ -256,7 +271,7 @@ class Session:
         )
         if self.checksum:
             header.crc32 = wire.frame_crc(header, payload)
-        self._put(wire.encode(header, payload))
+        self._emit(header, payload)
 
     # -- the peer server's side ------------------------------------------------------------
 
@@ -272,7 +287,7 @@ class Session:
     def on_frame(self, frame: Received) -> None:
         """Routes one frame from the predecessor to its collective."""
         header = frame.header
-        self.counters.bytes_received += len(frame.raw)
+        self.counters.bytes_received += len(frame.raw) + header.shm_bytes
         if header.kind == wire.DATA:
             damage = self._damage(frame)
             if damage:
@@ -359,14 +374,28 @@ class Session:
                 inbox.starve(self._starved)
         return inbox
 
-    def _put(self, frame: bytes) -> None:
-        self.counters.bytes_sent += len(frame)
+    def _emit(self, header: wire.FrameHeader, payload: np.ndarray | memoryview | bytes) -> None:
+        """Sends a DATA frame, its payload through the shared ring when the successor shares it."""
+        slot = self._ring.put(payload) if self._ring is not None else None
+        if slot is None:
+            self._put(wire.encode(header, payload))
+            return
+        header.shm_slot = slot
+        nbytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
+        header.shm_bytes = nbytes
+        self.counters.shared_bytes_sent += nbytes
+        self._put(wire.encode(header), nbytes)
+
+    def _put(self, frame: bytes, shared_bytes: int = 0) -> None:
+        self.counters.bytes_sent += len(frame) + shared_bytes
         self._queue.put_nowait(frame)
 
     async def _send_loop(self, channel: grpc.aio.Channel) -> None:
         method = channel.stream_unary(STREAM_METHOD, response_deserializer=peer_pb2.StreamSummary.FromString)
         call = method()
         hello = wire.FrameHeader(kind=wire.HELLO, view_id=self.view_id, sender_rank=self.place.rank)
+        if self._ring is not None:
+            hello.shared_ring.CopyFrom(self._ring.offer())
         try:
             await call.write(wire.encode(hello))
             while True:
@@ -397,6 +426,8 @@ class Session:
                 self._on_peer_failure(self.view_id, successor(self.place.rank, self.place.size), "its stream closed")
         finally:
             call.cancel()
+            if self._ring is not None:
+                self._ring.close()
 
     def _damage(self, frame: Received) -> str:
         """Why a DATA frame must not be used ("" if it may): a failed or a missing checksum."""

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from ringserve import Coordinator, Worker
+from ringserve import Coordinator, RingChangedError, Worker
 
 
 def other_tasks() -> list[asyncio.Task]:
@@ -61,6 +61,21 @@ async def test_after_a_graceful_leave_the_others_get_a_smaller_view_and_keep_wor
         while leaver.address in world.workers[0]._channels:
             await asyncio.sleep(0.05)
     assert set(world.workers[0]._channels) == {world.workers[2].address}
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+async def test_after_a_peer_shuts_down_rank_and_size_still_answer_but_collectives_fail(world) -> None:
+    # A job's ranks finish at different times: one that prints its rank after another has shut
+    # down (the world fell below min_workers, so the new view is empty) must not crash.
+    stay, leaver = world.workers
+    old_view = stay.view_id
+    await leaver.close()
+    async with asyncio.timeout(10):
+        while stay.latest_view == old_view:
+            await asyncio.sleep(0.02)
+    assert (stay.rank, stay.size, stay.local_rank) == (0, 2, 0)
+    with pytest.raises(RingChangedError):
+        await stay.allreduce(np.ones(2), name="alone")
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)

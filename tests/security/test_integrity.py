@@ -42,8 +42,10 @@ class Pair:
         self.relay = Relay(port, flip_after=flip_after)
         relay_port = await self.relay.start()
         configs = [
-            worker_config(self.coordinator.address, checksum=checksums[0]),
-            worker_config(self.coordinator.address, checksum=checksums[1], bind_port=port, advertise_port=relay_port),
+            # The relay sits on the TCP stream, so payloads must travel in it, not in shared memory.
+            worker_config(self.coordinator.address, checksum=checksums[0], shared_memory=False),
+            worker_config(self.coordinator.address, checksum=checksums[1], bind_port=port, advertise_port=relay_port,
+                          shared_memory=False),
         ]
         self.workers = [Worker(config=c) for c in configs]
         await asyncio.gather(*(w.start() for w in self.workers))
