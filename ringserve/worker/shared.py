@@ -132,6 +132,7 @@ class InboundRing:
         self._map = mapping
         self._states = np.frombuffer(mapping, dtype=np.uint8, count=self.slots, offset=_STATES)
         self._leases: dict[int, weakref.ref[np.ndarray]] = {}
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the mapping: it frees nothing
 
     @classmethod
     def attach(cls, offer: peer_pb2.SharedRing) -> InboundRing | None:
@@ -179,4 +180,5 @@ class InboundRing:
 
     def _free(self, slot: int, _: object = None) -> None:
         self._leases.pop(slot, None)
-        self._states[slot] = FREE
+        if os.getpid() == self._pid:
+            self._states[slot] = FREE
