@@ -112,7 +112,7 @@ def tls_settings(tmp: pathlib.Path) -> dict[str, object]:
 
 
 def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path, tag: str,
-                  security: dict[str, object]) -> None:
+                  security: dict[str, object], workers: dict[str, object] | None = None) -> None:
     from ringserve import Coordinator, CoordinatorConfig
     from ringserve.loop import LoopThread
 
@@ -121,7 +121,7 @@ def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path
     coord = Coordinator(CoordinatorConfig(min_workers=world, max_workers=world, settle_s=0.1, **security))  # type: ignore[arg-type]
     thread.run(coord.start(), 10)
     env = {"RINGSERVE_COORDINATOR": coord.address, **{f"RINGSERVE_{k.upper()}": str(int(v) if isinstance(v, bool) else v)
-                                                       for k, v in security.items()}}
+                                                       for k, v in {**security, **(workers or {})}.items()}}
     try:
         run_ranks([[PYTHON, me, "--role", "ringserve", "--world", str(world), "--loop", loop,
                     "--out", str(tmp / f"{tag}{world}.{i}.json"), "--sizes", *sizes_arg] for i in range(world)],
@@ -142,9 +142,9 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
     me = str(pathlib.Path(__file__).resolve())
     run_ringserve(world, sizes_arg, loop, tmp, "rs", {})
     if stream:
-        run_ringserve(world, sizes_arg, loop, tmp, "stream", STREAM_ONLY)
+        run_ringserve(world, sizes_arg, loop, tmp, "stream", {}, STREAM_ONLY)
     if tls:
-        run_ringserve(world, sizes_arg, loop, tmp, "tls", {**tls_settings(tmp), **STREAM_ONLY})
+        run_ringserve(world, sizes_arg, loop, tmp, "tls", tls_settings(tmp), STREAM_ONLY)
     if gloo:
         port = free_port()
         run_ranks([[PYTHON, me, "--role", "gloo", "--world", str(world), "--port", str(port),

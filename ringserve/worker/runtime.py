@@ -350,6 +350,7 @@ class Worker:
         frames = 0
         hello: wire.FrameHeader | None = None
         ring: InboundRing | None = None
+        offered = False  # the HELLO offers a shared ring, not mapped until the sender is verified
         verified = False
         clean = False
         try:
@@ -360,14 +361,15 @@ class Worker:
                     if header.kind != wire.HELLO:
                         raise ProtocolError("A peer stream must open with a HELLO frame.")
                     hello = header
-                    if header.HasField("shared_ring") and self.config.shared_memory:
-                        ring = InboundRing.attach(header.shared_ring)
+                    offered = header.HasField("shared_ring") and self.config.shared_memory
                     # Checked at once where the view is known (else when it is, as its frames are
                     # replayed): an impostor is refused before it can pass for the predecessor.
                     session = self._session_of(hello.view_id)
                     if session is not None:
                         session.check_sender(hello)
                         verified = True
+                    if offered and verified:
+                        ring, offered = InboundRing.attach(hello.shared_ring), False
                     continue
                 if header.view_id != hello.view_id:
                     raise ProtocolError(
@@ -376,6 +378,10 @@ class Worker:
                 if header.kind == wire.BYE:
                     clean = True
                     continue
+                if offered and (verified or self._sender_checks(hello)):
+                    # The view is known now: the predecessor is who it claims to be.
+                    verified = True
+                    ring, offered = InboundRing.attach(hello.shared_ring), False
                 if header.HasField("shm_slot"):
                     if ring is None:
                         raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")

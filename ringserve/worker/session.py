@@ -228,17 +228,20 @@ class Session:
         """Sends a received frame on to the successor as it is: the same header, the same payload.
 
         A frame that came whole goes on as the same bytes, unless the successor shares memory
-        with us (one copy into the ring beats gRPC's copies); one whose payload sits in the
-        predecessor's ring is copied into ours, or into the frame when ours has no room.
+        with us and the ring has room (one copy into the ring beats gRPC's copies); one whose
+        payload sits in the predecessor's ring is copied into ours, or into the frame.
         """
         if not frame.header.HasField("shm_slot") and (self._ring is None or not self._ring.attached):
             self._put(frame.raw)
             return
         header = wire.FrameHeader()
         header.CopyFrom(frame.header)
-        header.ClearField("shm_slot")
-        header.shm_bytes = 0
-        self._emit(header, frame.payload)
+        if header.HasField("shm_slot"):
+            header.ClearField("shm_slot")
+            header.shm_bytes = 0
+            self._emit(header, frame.payload)
+        else:
+            self._emit(header, frame.payload, frame.raw)
 
     def send(
         self,
@@ -342,6 +345,8 @@ class Session:
             inbox.fail(exc)
         if self._sender is not None:
             self._sender.cancel()
+        if self._ring is not None:
+            self._ring.close()  # a sender cancelled before it ran never reaches its own close
 
     @property
     def drained(self) -> bool:
@@ -374,11 +379,14 @@ class Session:
                 inbox.starve(self._starved)
         return inbox
 
-    def _emit(self, header: wire.FrameHeader, payload: np.ndarray | memoryview | bytes) -> None:
-        """Sends a DATA frame, its payload through the shared ring when the successor shares it."""
+    def _emit(self, header: wire.FrameHeader, payload: np.ndarray | memoryview | bytes, whole: bytes = b"") -> None:
+        """Sends a DATA frame, its payload through the shared ring when the successor shares it.
+
+        ``whole``: the frame already encoded with its payload, if it was (a frame forwarded).
+        """
         slot = self._ring.put(payload) if self._ring is not None else None
         if slot is None:
-            self._put(wire.encode(header, payload))
+            self._put(whole or wire.encode(header, payload))
             return
         header.shm_slot = slot
         nbytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
@@ -391,6 +399,13 @@ class Session:
         self._queue.put_nowait(frame)
 
     async def _send_loop(self, channel: grpc.aio.Channel) -> None:
+        try:
+            await self._stream_to_successor(channel)
+        finally:
+            if self._ring is not None:
+                self._ring.close()
+
+    async def _stream_to_successor(self, channel: grpc.aio.Channel) -> None:
         method = channel.stream_unary(STREAM_METHOD, response_deserializer=peer_pb2.StreamSummary.FromString)
         call = method()
         hello = wire.FrameHeader(kind=wire.HELLO, view_id=self.view_id, sender_rank=self.place.rank)
@@ -426,8 +441,6 @@ class Session:
                 self._on_peer_failure(self.view_id, successor(self.place.rank, self.place.size), "its stream closed")
         finally:
             call.cancel()
-            if self._ring is not None:
-                self._ring.close()
 
     def _damage(self, frame: Received) -> str:
         """Why a DATA frame must not be used ("" if it may): a failed or a missing checksum."""

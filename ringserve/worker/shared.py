@@ -17,16 +17,23 @@ namespace cannot open the path, or finds a different token there, and never atta
 
 Each slot has one state byte: the sender sets it to 1 before it names the slot, the receiver sets
 it to 0 when done. One writer per transition, and the stream orders them, so no atomics are
-needed (x86 and ARM both keep a byte store whole; the receiver's reads of a slot happen before
-its release store, and the sender only reuses a slot after seeing that store).
+needed, given x86's ordering: a store is never seen before the loads that precede it (the
+receiver's reads of the slot). Weakly ordered CPUs (ARM) give no such promise without a fence,
+which Python cannot issue, so the fast path is only offered on x86-64.
+
+A receiver maps only what a verified predecessor offers, and only a sealed memfd of ringserve's
+(its name, its seals, its size and its token are all checked), so a hostile HELLO cannot make
+a worker write into any other file, nor shrink the ring under it (which would raise SIGBUS).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import mmap
 import os
+import platform
 import stat
 import weakref
 
@@ -43,6 +50,8 @@ _ECHO = TOKEN_BYTES
 _STATES = 64
 _DATA = 4096
 FREE, WRITTEN = 0, 1
+NAME = "ringserve-ring"
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 def boot_id() -> str:
@@ -55,11 +64,17 @@ def boot_id() -> str:
 
 
 def supported() -> bool:
-    return hasattr(os, "memfd_create") and bool(boot_id())
+    """Whether this process can offer and map rings: Linux memfds with seals, on x86-64."""
+    return (hasattr(os, "memfd_create") and bool(_SEALS) and platform.machine() in ("x86_64", "AMD64")
+            and bool(boot_id()))
 
 
 def _size(slots: int, slot_bytes: int) -> int:
     return _DATA + slots * slot_bytes
+
+
+def _is_ring(link: str) -> bool:
+    return link.startswith(f"/memfd:{NAME} ")
 
 
 class OutboundRing:
@@ -70,9 +85,10 @@ class OutboundRing:
             raise ValueError(f"A shared ring needs 1..{_DATA - _STATES} slots of at least one byte.")
         self.slots, self.slot_bytes = slots, slot_bytes
         self.token = os.urandom(TOKEN_BYTES)
-        self._fd = os.memfd_create("ringserve-ring", os.MFD_CLOEXEC)
+        self._fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, _size(slots, slot_bytes))
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)  # its size is fixed for good
             self._map = mmap.mmap(self._fd, _size(slots, slot_bytes))
         except OSError:
             os.close(self._fd)
@@ -144,13 +160,17 @@ class InboundRing:
         size = _size(offer.slots, offer.slot_bytes)
         path = f"/proc/{offer.pid}/fd/{offer.fd}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            if not _is_ring(os.readlink(path)):  # never open anything but a ring
+                return None
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError as exc:
             log.debug("shared ring %s not reachable: %s", path, exc)
             return None
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            # What was opened, not what the path named a moment before, is a sealed ring.
+            if (not _is_ring(os.readlink(f"/proc/self/fd/{fd}")) or not stat.S_ISREG(info.st_mode)
+                    or info.st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS):
                 return None
             mapping = mmap.mmap(fd, size)
         except OSError:
@@ -175,6 +195,7 @@ class InboundRing:
             raise ProtocolError(f"A frame names slot {slot} of the shared ring while it is still in use.")
         start = _DATA + slot * self.slot_bytes
         view = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
+        view.flags.writeable = False  # the sender's memory: read, never written
         self._leases[slot] = weakref.ref(view, functools.partial(self._free, slot))
         return memoryview(view)  # type: ignore[arg-type]
 

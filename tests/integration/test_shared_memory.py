@@ -8,6 +8,7 @@ per world has shared memory off); these tests pin down which path carried what, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.worker import shared
+from ringserve.worker.shared import OutboundRing
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shared.supported(), reason="needs memfd and /proc")]
 
@@ -104,3 +106,25 @@ async def test_a_frame_naming_a_slot_on_a_stream_without_a_ring_is_refused(world
     assert "shared ring that this stream never set up" in (caught.value.details() or "")
     outs = await world.map("allreduce", [np.ones(3)] * 2, op="sum", name="after")
     assert outs[1].tolist() == [2.0] * 3
+
+
+async def test_a_ring_offered_by_a_stream_that_is_not_the_predecessor_is_never_mapped(world_factory) -> None:
+    world = await world_factory(2)
+    target = world.workers[1]
+    ring = OutboundRing(slots=2, slot_bytes=1024)
+    try:
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            call = channel.stream_unary(STREAM, response_deserializer=peer_pb2.StreamSummary.FromString)()
+            # Rank 1 claims to be rank 1's predecessor in its own view: refused, ring untouched.
+            hello = wire.FrameHeader(kind=wire.HELLO, view_id=target.view_id, sender_rank=1)
+            hello.shared_ring.CopyFrom(ring.offer())
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(wire.encode(hello))
+                await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async with asyncio.timeout(5):
+                    await call
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not ring.attached
+    finally:
+        ring.close()

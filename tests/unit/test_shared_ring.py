@@ -7,6 +7,7 @@ so that the /proc/<pid>/fd path is crossed for real.
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,6 +110,28 @@ def test_an_offer_from_another_host_a_wrong_token_or_a_missing_file_is_not_attac
         assert not out.attached  # none of them wrote the echo
     finally:
         out.close()
+
+
+def test_only_a_sealed_ringserve_memfd_is_ever_mapped(tmp_path) -> None:
+    # A hostile offer names a file this process has open whose first bytes it knows (an ELF
+    # header, a SQLite file): the size and token would match, but it is not a ring.
+    size = shared._DATA + 64
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"SQLite format 3\x00" + bytes(size - 16))
+    fd = os.open(victim, os.O_RDONLY)
+    unsealed = os.memfd_create(shared.NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(unsealed, size)
+        os.pwrite(unsealed, b"SQLite format 3\x00", 0)
+        for target in (fd, unsealed):
+            offer = peer_pb2.SharedRing(pid=os.getpid(), fd=target, token=b"SQLite format 3\x00",
+                                        boot_id=shared.boot_id(), slots=1, slot_bytes=64)
+            assert InboundRing.attach(offer) is None
+        assert victim.read_bytes()[16:32] == bytes(16)  # no echo written into it
+        assert os.pread(unsealed, 16, 16) == bytes(16)
+    finally:
+        os.close(fd)
+        os.close(unsealed)
 
 
 SENDER = textwrap.dedent("""
