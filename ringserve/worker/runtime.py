@@ -145,6 +145,7 @@ class Worker:
             return
         self._closed = True
         session, self._session = self._session, None
+        self._last_place = None
         if session is not None:
             session.retire(RingChangedError(session.view_id, session.view_id, "the worker shut down"))
             self._retired.append(session)
@@ -205,7 +206,7 @@ class Worker:
         Like Horovod's, rank() and size() keep answering after a peer shut down (a job's last
         print) and until the next view: only collectives need the worker in the current view.
         """
-        if self._session is None and self._last_place is not None and self._started and not self._closed:
+        if self._session is None and self._last_place is not None:
             return self._last_place
         return self._place()
 
@@ -368,8 +369,6 @@ class Worker:
                     if session is not None:
                         session.check_sender(hello)
                         verified = True
-                    if offered and verified:
-                        ring, offered = InboundRing.attach(hello.shared_ring), False
                     continue
                 if header.view_id != hello.view_id:
                     raise ProtocolError(
@@ -379,7 +378,8 @@ class Worker:
                     clean = True
                     continue
                 if offered and (verified or self._sender_checks(hello)):
-                    # The view is known now: the predecessor is who it claims to be.
+                    # The first frame from a verified predecessor maps its ring; until the echo
+                    # reaches the sender, its payloads come in the frames.
                     verified = True
                     ring, offered = InboundRing.attach(hello.shared_ring), False
                 if header.HasField("shm_slot"):

@@ -19,7 +19,7 @@ from ringserve._proto import peer_pb2
 from ringserve.worker import shared
 from ringserve.worker.shared import OutboundRing
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shared.supported(), reason="needs memfd and /proc")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shared.supported(), reason="the fast path needs Linux memfd seals, /proc and x86-64")]
 
 STREAM = "/ringserve.v1.Peer/Stream"
 

@@ -20,7 +20,7 @@ from ringserve._proto import peer_pb2
 from ringserve.worker import shared
 from ringserve.worker.shared import InboundRing, OutboundRing
 
-pytestmark = [pytest.mark.timeout(30), pytest.mark.skipif(not shared.supported(), reason="needs memfd and /proc")]
+pytestmark = [pytest.mark.timeout(30), pytest.mark.skipif(not shared.supported(), reason="the fast path needs Linux memfd seals, /proc and x86-64")]
 
 
 def frame_for(slot: int | None, nbytes: int) -> wire.FrameHeader:
