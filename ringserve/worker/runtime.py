@@ -26,6 +26,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    ViewInstallError,
 )
 from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
@@ -77,6 +78,9 @@ class Worker:
         self.pending_workers = 0
         self._pinned: int | None = None
         self._security = Security()
+        # Why this worker could not take its place in a view (see _give_up); set, it has left.
+        self._failure: ViewInstallError | None = None
+        self._left = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -86,6 +90,7 @@ class Worker:
         Raises:
             CoordinatorUnreachableError: the coordinator did not answer within connect_timeout_s.
             RendezvousTimeoutError: no view formed within rendezvous_timeout_s.
+            ViewInstallError: the first view could not be installed (the cause is chained).
         """
         cfg = self.config
         if cfg.tune_malloc:
@@ -132,6 +137,7 @@ class Worker:
         try:
             async with asyncio.timeout(timeout_s):
                 while self._session is None:
+                    self._raise_failure()
                     await self._view_changed.wait()
         except TimeoutError:
             raise RendezvousTimeoutError(
@@ -157,7 +163,7 @@ class Worker:
             async with asyncio.timeout(self.config.drain_timeout_s):
                 for retired in self._retired:
                     await retired.wait_closed()
-        if self._control is not None and self.worker_id:
+        if self._control is not None and self.worker_id and not self._left:
             with contextlib.suppress(RingserveError):
                 await self._control.leave(self.worker_id)
         for task in [*self._tasks, *self._reports]:
@@ -196,6 +202,7 @@ class Worker:
     def _place(self) -> Place:
         if not self._started or self._closed:
             raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
+        self._raise_failure()
         if self._session is None:
             raise RingChangedError(self._latest_view, self._latest_view, "this worker is not in the current view")
         return self._session.place
@@ -543,15 +550,41 @@ class Worker:
         while True:
             try:
                 async for view in self._control.watch(self.worker_id):
-                    self._install(view)
+                    try:
+                        self._install(view)
+                    except Exception as exc:  # noqa: BLE001 - whatever it is, the worker cannot go on
+                        await self._give_up(view.view_id, exc)
+                        return
                     backoff = 0.05
-            except RingserveError as exc:
+            except RingserveError as exc:  # the coordinator is away: watch again
                 log.warning("%s: view watch broke: %s", self.tag, exc)
-            except Exception:  # a bug must not end the watch silently; log it and go on
-                log.exception("%s: installing a view failed", self.tag)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
             await self._drain_retired()
+
+    async def _give_up(self, view_id: int, exc: Exception) -> None:
+        """A view could not be installed: fails whoever waits (start(), a collective) at once with
+        the cause chained, and leaves, so that the others get a view without this worker instead
+        of waiting for it until their deadlines."""
+        failure = ViewInstallError(f"The worker at {self.address} could not install view {view_id}: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        self._failure = failure
+        log.error("%s: %s; leaving the world", self.tag, failure)
+        session, self._session = self._session, None
+        for s in [session, *self._retired]:
+            if s is not None:
+                s.close(failure)
+        self._view_changed.set()
+        self._view_changed = asyncio.Event()
+        assert self._control is not None
+        with contextlib.suppress(RingserveError):
+            await self._control.leave(self.worker_id)
+            self._left = True
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            # A new error each time, so that tracebacks do not pile up on one object.
+            raise ViewInstallError(*self._failure.args) from self._failure.__cause__
 
     async def _drain_retired(self) -> None:
         """Forgets the retired sessions whose streams have ended, and closes the channels that no
@@ -567,7 +600,7 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None
-        while True:
+        while self._failure is None:
             await asyncio.sleep(self._heartbeat_interval_s)
             c = self.counters
             counters = cpb.WorkerCounters(
@@ -589,7 +622,7 @@ class Worker:
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known:
+            if not answer.known and self._failure is None:  # a worker that gave up stays out
                 await self._rejoin()
             await self._drain_retired()
 
@@ -617,10 +650,12 @@ class Worker:
 
         Raises:
             RendezvousTimeoutError: no such view within timeout_s.
+            ViewInstallError: a view could not be installed, and the worker left.
         """
         try:
             async with asyncio.timeout(timeout_s):
                 while self._session is None or self._session.view_id <= newer_than:
+                    self._raise_failure()
                     await self._view_changed.wait()
         except TimeoutError:
             raise RendezvousTimeoutError(
