@@ -195,9 +195,9 @@ class WorkerConfig(SecuritySettings):
         tls_*, token, token_file: see SecuritySettings.
         max_unverified_streams: peer streams that have not yet proved to come from a ring
             neighbour (no HELLO yet, or a HELLO not yet checked against a view) that the peer
-            server holds at once; more are refused with RESOURCE_EXHAUSTED at once. A stream
-            whose HELLO is verified as this view's (or a retired view's) predecessor never counts,
-            so a flood cannot keep the real ring out.
+            server holds at once; a new one past it ends the oldest (RESOURCE_EXHAUSTED), so
+            streams that squat cannot keep out the predecessor's (see worker/gate.py). A stream
+            whose HELLO is verified as this view's (or a retired view's) predecessor never counts.
         max_concurrent_rpcs: RPCs the peer server serves at once besides the unverified
             streams: the verified streams (one per view from the predecessor), health checks and
             probes. gRPC's own cap is this plus max_unverified_streams; beyond it, every RPC gets

@@ -34,6 +34,7 @@ from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives, shared
 from ringserve.worker.control import ControlClient
+from ringserve.worker.gate import StreamGate
 from ringserve.worker.session import Place, Received, Session
 from ringserve.worker.shared import InboundRing, OutboundRing
 
@@ -81,6 +82,7 @@ class Worker:
         # Why this worker could not take its place in a view (see _give_up); set, it has left.
         self._failure: ViewInstallError | None = None
         self._left = False
+        self._gate = StreamGate(cap=config.max_unverified_streams, deadline_s=config.peer_hello_timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -97,9 +99,10 @@ class Worker:
             _malloc.tune()
         self._security = Security.load(cfg)
         server = grpc.aio.server(
-            options=server_options(cfg.max_message_bytes),
+            options=server_options(cfg.max_message_bytes, idle_timeout_s=cfg.peer_idle_timeout_s,
+                                   handshake_timeout_s=cfg.peer_hello_timeout_s),
             interceptors=self._security.server_interceptors(),
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=cfg.server_rpc_cap,
         )
         handler = grpc.stream_unary_rpc_method_handler(
             self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
@@ -355,52 +358,67 @@ class Worker:
     # -- data plane ------------------------------------------------------------------------
 
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
+        # Streams that have proved nothing are bounded in number and in time (see gate.py).
+        admitted = self._gate.enter()
         frames = 0
-        hello: wire.FrameHeader | None = None
         ring: InboundRing | None = None
         offered = False  # the HELLO offers a shared ring, not mapped until the sender is verified
-        verified = False
         clean = False
         try:
-            async for raw in request_iterator:
-                header, payload = wire.decode(raw)
-                frames += 1
-                if hello is None:
-                    if header.kind != wire.HELLO:
-                        raise ProtocolError("A peer stream must open with a HELLO frame.")
-                    hello = header
-                    offered = header.HasField("shared_ring") and self.config.shared_memory
-                    # Checked at once where the view is known (else when it is, as its frames are
-                    # replayed): an impostor is refused before it can pass for the predecessor.
-                    session = self._session_of(hello.view_id)
-                    if session is not None:
-                        session.check_sender(hello)
-                        verified = True
-                    continue
-                if header.view_id != hello.view_id:
-                    raise ProtocolError(
-                        f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
-                    )
-                if header.kind == wire.BYE:
-                    clean = True
-                    continue
-                if offered and (verified or self._sender_checks(hello)):
-                    # The first frame from a verified predecessor maps its ring; until the echo
-                    # reaches the sender, its payloads come in the frames.
-                    verified = True
-                    ring, offered = InboundRing.attach(hello.shared_ring), False
-                if header.HasField("shm_slot"):
-                    if ring is None:
-                        raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
-                    payload = ring.payload(header)
-                self._route(hello, Received(header, payload, raw))
+            async with asyncio.timeout(self._gate.deadline_s) as admitted.deadline:
+                async for raw in request_iterator:
+                    header, payload = wire.decode(raw)
+                    frames += 1
+                    hello = admitted.hello
+                    if hello is None:
+                        if header.kind != wire.HELLO:
+                            raise ProtocolError("A peer stream must open with a HELLO frame.")
+                        admitted.hello = header
+                        offered = header.HasField("shared_ring") and self.config.shared_memory
+                        # Checked at once where the view is known (else when it is installed, see
+                        # _install): an impostor is refused before it can pass for the predecessor.
+                        session = self._session_of(header.view_id)
+                        if session is not None:
+                            session.check_sender(header)
+                            self._gate.verify(admitted)
+                        continue
+                    if header.view_id != hello.view_id:
+                        raise ProtocolError(
+                            f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
+                        )
+                    if header.kind == wire.BYE:
+                        clean = True
+                        continue
+                    if offered and admitted.verified:
+                        # The first frame from a verified predecessor maps its ring; until the echo
+                        # reaches the sender, its payloads come in the frames.
+                        ring, offered = InboundRing.attach(hello.shared_ring), False
+                    if header.HasField("shm_slot"):
+                        if ring is None:
+                            raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
+                        payload = ring.payload(header)
+                    self._route(hello, Received(header, payload, raw))
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self.tag, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            if admitted.evicted:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"The peer server of {self.tag} holds {self._gate.cap} streams whose HELLO is not verified "
+                    "(max_unverified_streams); this one, the oldest, was ended to make room."
+                ))
+            what = "sent no HELLO" if admitted.hello is None else (
+                f"sent a HELLO (view {admitted.hello.view_id}, rank {admitted.hello.sender_rank}) "
+                "that no view of this worker verified"
+            )
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"The peer stream {what} within {self._gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
+            ))
         finally:
+            self._gate.leave(admitted)
             # Only the real predecessor's stream ending says anything about the ring.
-            if hello is not None and (verified or self._sender_checks(hello)):
-                self._predecessor_gone(hello, clean)
+            if admitted.verified and admitted.hello is not None:
+                self._predecessor_gone(admitted.hello, clean)
         return peer_pb2.StreamSummary(frames=frames)
 
     def _predecessor_gone(self, hello: wire.FrameHeader, clean: bool) -> None:
@@ -531,6 +549,8 @@ class Worker:
                         self.counters.frames_rejected += 1
             else:
                 self.counters.frames_rejected += len(frames)
+        # Streams that said HELLO for this view before we knew it are the ring's: let them in.
+        self._gate.verify_where(self._sender_checks)
         self._view_changed.set()
         self._view_changed = asyncio.Event()
 
