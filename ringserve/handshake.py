@@ -142,7 +142,9 @@ def _handshake(raw: socket.socket, address: str, host: str, security: Security) 
             f"the server does not speak TLS ({reason}) and this client does: the server has no "
             "certificate (tls_cert/tls_key), or this client should not set tls_ca/tls_cert."
         ))
-    except (OSError, TimeoutError):
+    except TimeoutError:
+        return None  # a slow server tells nothing about TLS
+    except OSError:  # closed or reset on our hello
         if security.tls:
             return TLSHandshakeError(address, "client", (
                 "the server closed the connection on this client's TLS hello: it does not speak TLS; give it a "

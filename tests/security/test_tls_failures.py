@@ -112,3 +112,15 @@ async def test_ringserve_init_of_a_plaintext_worker_against_a_tls_coordinator_na
             await asyncio.to_thread(ringserve.init, coord.address, connect_timeout_s=10.0, use_uvloop=False)
         assert time.monotonic() - started < FAST_S
         assert not ringserve.is_initialized()
+
+
+def test_a_server_that_accepts_and_says_nothing_is_not_taken_for_a_plaintext_one(pki: Pki) -> None:
+    import socket
+
+    from ringserve.handshake import diagnose
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        assert diagnose(address, Security.load(WorkerConfig(**pki.settings())), timeout_s=0.5) is None
+        assert time.monotonic() - started < FAST_S
