@@ -280,3 +280,14 @@ async def test_a_flood_of_hello_less_streams_and_idle_connections_is_shed_while_
             await joiner.close()
             await stays.close()
             assert await target.stop() == 0
+
+
+async def test_a_quiet_ring_stream_outlives_the_idle_connection_timeout(world_factory) -> None:
+    world = await world_factory(2, peer_idle_timeout_s=0.2, peer_hello_timeout_s=0.2)
+    view = world.workers[0].view_id
+    first = await world.each(lambda w: w.allreduce(np.ones(3), op="sum", name="before-quiet"))
+    await asyncio.sleep(1.5)  # no frame on the ring's streams for many idle timeouts
+    second = await world.each(lambda w: w.allreduce(np.ones(3), op="sum", name="after-quiet"))
+    assert [o.tolist() for o in first + second] == [[2.0] * 3] * 4
+    assert [w.view_id for w in world.workers] == [view] * 2
+    assert [w.counters.view_changes for w in world.workers] == [0, 0]
