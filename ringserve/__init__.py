@@ -43,7 +43,9 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    TLSHandshakeError,
     UsageError,
+    ViewInstallError,
 )
 from ringserve.worker.runtime import Worker
 
@@ -63,7 +65,9 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingChangedError",
     "RingserveError",
+    "TLSHandshakeError",
     "UsageError",
+    "ViewInstallError",
     "Worker",
     "WorkerConfig",
     "allgather",

@@ -19,6 +19,10 @@ MiB = 1 << 20
 # WorkerConfig.advertise_host value meaning "my address on the route to the coordinator".
 ADVERTISE_AUTO = "auto"
 
+# The most slots a shared-memory ring has: its header page holds one state byte per slot (see
+# worker/shared.py, whose layout this must match; a unit test checks that it does).
+MAX_SHARED_SLOTS = 4032
+
 
 def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
     """Validates the TLS and token settings shared by both configs (files are read at start)."""
@@ -34,6 +38,29 @@ def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
         )
     if owner.token and owner.token_file:
         raise InvalidArgumentError(f"{name}: give the token or the token file, not both.")
+
+
+def _check_timeline(template: str) -> None:
+    """A timeline path must name a file in a directory that exists or can be made (it is made when
+    the first view is installed), so that a typo fails here and not in the middle of a rendezvous."""
+    try:
+        path = template.format(rank=0) if "{rank}" in template else f"{template}.0.json"
+    except (KeyError, IndexError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"WorkerConfig.timeline ({template!r}) may hold only {{rank}} in braces: {exc!r}."
+        ) from None
+    directory = os.path.dirname(os.path.abspath(path))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InvalidArgumentError(
+            f"WorkerConfig.timeline ({template!r}) cannot be written: {existing!r} is not a directory."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(
+            f"WorkerConfig.timeline ({template!r}) cannot be written: the directory {existing!r} is not writable."
+        )
 
 
 def _positive(owner: object, *names: str) -> None:
@@ -163,11 +190,24 @@ class WorkerConfig(SecuritySettings):
         elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
             instance while below min_workers) before they give up with a clear error.
         timeline: write this rank's collectives as Chrome trace events to this path
-            (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none.
+            (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none. Its
+            directory must exist or be creatable (checked here, made at the first view).
         tls_*, token, token_file: see SecuritySettings.
-        max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
-            once (a flood of streams); a peer server needs one stream per view
-            from its predecessor, and a probe now and then.
+        max_unverified_streams: peer streams that have not yet proved to come from a ring
+            neighbour (no HELLO yet, or a HELLO not yet checked against a view) that the peer
+            server holds at once; a new one past it ends the oldest (RESOURCE_EXHAUSTED), so
+            streams that squat cannot keep out the predecessor's (see worker/gate.py). A stream
+            whose HELLO is verified as this view's (or a retired view's) predecessor never counts.
+        max_concurrent_rpcs: RPCs the peer server serves at once besides the unverified
+            streams: the verified streams (one per view from the predecessor), health checks and
+            probes. gRPC's own cap is this plus max_unverified_streams; beyond it, every RPC gets
+            RESOURCE_EXHAUSTED.
+        peer_hello_timeout_s: a new peer stream must send a HELLO that is verified against a
+            view within this; else it is aborted with DEADLINE_EXCEEDED. A new connection must
+            also finish its handshake (TLS, HTTP/2 settings) within it.
+        peer_idle_timeout_s: the peer server closes a connection that carried no RPC for this
+            long (gRPC's max_connection_idle). A connection with an open stream (the ring's) is
+            never idle.
         checksum: put a crc32 of each data frame (its routing fields and payload) in its header,
             and require one on every frame received. A frame that fails it aborts its
             collective on every rank with CorruptFrameError; it is never summed. For links
@@ -200,7 +240,10 @@ class WorkerConfig(SecuritySettings):
     timeline: str = ""
     elastic_timeout_s: float = 600.0
     stall_warning_s: float = 60.0
+    max_unverified_streams: int = 16
     max_concurrent_rpcs: int = 64
+    peer_hello_timeout_s: float = 10.0
+    peer_idle_timeout_s: float = 60.0
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
@@ -208,8 +251,16 @@ class WorkerConfig(SecuritySettings):
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
-                  "max_concurrent_rpcs", "shared_slots")
+                  "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
+                  "peer_idle_timeout_s")
         _check_security(self)
+        if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
+            raise InvalidArgumentError(
+                f"WorkerConfig.shared_slots ({self.shared_slots!r}) must be in [1, {MAX_SHARED_SLOTS}] "
+                f"(RINGSERVE_SHARED_SLOTS): a shared ring's header holds one state byte per slot."
+            )
+        if self.timeline:
+            _check_timeline(self.timeline)
         for port in ("bind_port", "advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:
                 raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
@@ -222,6 +273,12 @@ class WorkerConfig(SecuritySettings):
     def max_message_bytes(self) -> int:
         """Largest frame accepted on the data plane: a chunk plus room for its header."""
         return self.chunk_bytes + 64 * 1024
+
+    @property
+    def server_rpc_cap(self) -> int:
+        """gRPC's cap on the peer server's RPCs: room for every unverified stream and, apart from
+        them, max_concurrent_rpcs for the ring's verified streams and probes."""
+        return self.max_concurrent_rpcs + self.max_unverified_streams
 
     def advertised_host(self) -> str:
         """The host other workers dial to reach this one.

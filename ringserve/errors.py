@@ -11,7 +11,9 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
     ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
     ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
+    ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
     ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
+    ├── ViewInstallError          this worker could not take its place in a view; it left the world
     └── UsageError                a bug in the calling program; retrying will not help
         ├── NotInitializedError   a collective called before init()
         ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
@@ -82,8 +84,29 @@ class CoordinatorUnreachableError(RingserveError):
         super().__init__(f"{message}: {detail}" if detail else message + ".")
 
 
+class TLSHandshakeError(RingserveError):
+    """A connection failed in its TLS handshake, or one side spoke TLS and the other did not.
+
+    Not a CoordinatorUnreachableError: the server is up, and waiting or retrying will not help
+    until the certificates or settings change. ``refused_by`` is "client" or "server", the side
+    that ended the handshake; ``cause`` says why in a sentence.
+    """
+
+    def __init__(self, address: str, refused_by: str, cause: str) -> None:
+        self.address = address
+        self.refused_by = refused_by
+        self.cause = cause
+        super().__init__(f"The TLS handshake with {address} failed, refused by the {refused_by}: {cause}")
+
+
 class RendezvousTimeoutError(RingserveError):
     """No view that includes this worker formed before the rendezvous deadline."""
+
+
+class ViewInstallError(RingserveError):
+    """This worker could not set up its place in a view (a setting the host refused, a file it
+    could not write); it left the world, so the others get a view without it. The cause is chained.
+    Retrying will fail again until the cause is fixed."""
 
 
 class UsageError(RingserveError):

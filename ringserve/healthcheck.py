@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve.config import WorkerConfig
 from ringserve.errors import RingserveError
+from ringserve.handshake import diagnose
 from ringserve.security import Security
 
 
@@ -38,7 +39,8 @@ def check(address: str, *, service: str = "", timeout_s: float = 3.0, security: 
         security: TLS material and token to dial with; plaintext without a token when None.
 
     Returns:
-        (serving, a sentence saying what was found).
+        (serving, a sentence saying what was found; a failed TLS handshake is named as one, with
+        the side that refused and the likely cause).
     """
     with (security or Security()).sync_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -49,6 +51,11 @@ def check(address: str, *, service: str = "", timeout_s: float = 3.0, security: 
             detail = e.details() if isinstance(e, grpc.Call) else str(e)
             name = code.name if code is not None else "an error"
             message = f"The health check of {address} (service {service!r}) failed with {name}"
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # "Socket closed" says nothing of a refused TLS handshake: name it if it was one.
+                found = diagnose(address, security or Security(), min(1.0, timeout_s))
+                if found is not None:
+                    return False, f"{message}: {found}"
             return False, f"{message}: {detail}" if detail else message + "."
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{address} (service {service!r}) is {status}."

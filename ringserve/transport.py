@@ -37,14 +37,25 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [*_common_options(max_message_bytes), ("grpc.http2.max_pings_without_data", 0)]
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+def server_options(
+    max_message_bytes: int, *, idle_timeout_s: float | None = None, handshake_timeout_s: float | None = None
+) -> list[tuple[str, int]]:
+    """Server options; ``idle_timeout_s`` closes connections that carry no RPC for that long (an
+    open stream keeps its connection busy, however quiet), and ``handshake_timeout_s`` closes
+    those that do not finish their TLS handshake and HTTP/2 settings within it (a raw socket
+    that sends nothing)."""
+    options = [
         *_common_options(max_message_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     ]
+    if idle_timeout_s is not None:
+        options.append(("grpc.max_connection_idle_ms", max(1, round(idle_timeout_s * 1000))))
+    if handshake_timeout_s is not None:
+        options.append(("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1000))))
+    return options
 
 
 def coordinator_error(exc: grpc.aio.AioRpcError, address: str, deadline_s: float) -> RingserveError:

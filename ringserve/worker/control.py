@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import WorkerConfig
+from ringserve.errors import CoordinatorUnreachableError, TLSHandshakeError
+from ringserve.handshake import PROBE_TIMEOUT_S, diagnose
 from ringserve.security import Security
 from ringserve.transport import channel_options, coordinator_error
 
@@ -22,6 +25,7 @@ class ControlClient:
         self.address = config.coordinator
         self._config = config
         security = security or Security.load(config)
+        self._security = security
         self._channel = security.channel(self.address, channel_options(64 << 20))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
@@ -39,8 +43,43 @@ class ControlClient:
             address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id,
             view_id=view_id, rank=rank, view_size=view_size,
         )
-        # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline.
-        return await self._call("Join", request, self._config.connect_timeout_s, wait_for_ready=True)  # type: ignore[return-value]
+        # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline;
+        # one that refuses our TLS is not (see _unless_handshake_fails).
+        call = self._call("Join", request, self._config.connect_timeout_s, wait_for_ready=True)
+        answer = await self._unless_handshake_fails(call)
+        assert isinstance(answer, pb.JoinResponse)
+        return answer
+
+    async def _unless_handshake_fails(self, call: Awaitable[object]) -> object:
+        """Awaits call, unless the channel meanwhile fails to connect for a TLS reason: then
+        raises TLSHandshakeError at once, where wait_for_ready would wait out the deadline.
+
+        Raises:
+            TLSHandshakeError: the handshake with the coordinator failed (which side, why).
+        """
+        task = asyncio.ensure_future(call)
+        watcher = asyncio.ensure_future(self._handshake_failure())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise watcher.result()
+        finally:
+            task.cancel()
+            watcher.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+
+    async def _handshake_failure(self) -> TLSHandshakeError:
+        """Returns once the channel has failed to connect and diagnose names a TLS cause; each
+        failed attempt (paced by gRPC's reconnect backoff) is looked at once."""
+        state = self._channel.get_state(try_to_connect=True)
+        while True:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                found = await asyncio.to_thread(diagnose, self.address, self._security, PROBE_TIMEOUT_S)
+                if found is not None:
+                    return found
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=True)
 
     async def leave(self, worker_id: str) -> None:
         await self._call("Leave", pb.LeaveRequest(worker_id=worker_id), self._config.rpc_timeout_s)
@@ -60,7 +99,19 @@ class ControlClient:
         return int(answer.admitted)  # type: ignore[attr-defined]
 
     async def status(self) -> pb.StatusResponse:
-        return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+        """The coordinator's status.
+
+        Raises:
+            TLSHandshakeError: the coordinator and this client do not agree on TLS.
+            CoordinatorUnreachableError: no answer within rpc_timeout_s.
+        """
+        try:
+            return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+        except CoordinatorUnreachableError as exc:
+            found = await asyncio.to_thread(diagnose, self.address, self._security, PROBE_TIMEOUT_S)
+            if found is not None:
+                raise found from exc
+            raise
 
     async def watch(self, worker_id: str) -> AsyncIterator[pb.View]:
         """Every view from the current one on. Long-lived by design: liveness comes from keepalive

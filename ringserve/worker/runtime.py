@@ -26,6 +26,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    ViewInstallError,
 )
 from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
@@ -33,6 +34,7 @@ from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives, shared
 from ringserve.worker.control import ControlClient
+from ringserve.worker.gate import StreamGate
 from ringserve.worker.session import Place, Received, Session
 from ringserve.worker.shared import InboundRing, OutboundRing
 
@@ -77,6 +79,10 @@ class Worker:
         self.pending_workers = 0
         self._pinned: int | None = None
         self._security = Security()
+        # Why this worker could not take its place in a view (see _give_up); set, it has left.
+        self._failure: ViewInstallError | None = None
+        self._left = False
+        self._gate = StreamGate(cap=config.max_unverified_streams, deadline_s=config.peer_hello_timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -86,15 +92,17 @@ class Worker:
         Raises:
             CoordinatorUnreachableError: the coordinator did not answer within connect_timeout_s.
             RendezvousTimeoutError: no view formed within rendezvous_timeout_s.
+            ViewInstallError: the first view could not be installed (the cause is chained).
         """
         cfg = self.config
         if cfg.tune_malloc:
             _malloc.tune()
         self._security = Security.load(cfg)
         server = grpc.aio.server(
-            options=server_options(cfg.max_message_bytes),
+            options=server_options(cfg.max_message_bytes, idle_timeout_s=cfg.peer_idle_timeout_s,
+                                   handshake_timeout_s=cfg.peer_hello_timeout_s),
             interceptors=self._security.server_interceptors(),
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=cfg.server_rpc_cap,
         )
         handler = grpc.stream_unary_rpc_method_handler(
             self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
@@ -132,6 +140,7 @@ class Worker:
         try:
             async with asyncio.timeout(timeout_s):
                 while self._session is None:
+                    self._raise_failure()
                     await self._view_changed.wait()
         except TimeoutError:
             raise RendezvousTimeoutError(
@@ -157,7 +166,7 @@ class Worker:
             async with asyncio.timeout(self.config.drain_timeout_s):
                 for retired in self._retired:
                     await retired.wait_closed()
-        if self._control is not None and self.worker_id:
+        if self._control is not None and self.worker_id and not self._left:
             with contextlib.suppress(RingserveError):
                 await self._control.leave(self.worker_id)
         for task in [*self._tasks, *self._reports]:
@@ -196,6 +205,7 @@ class Worker:
     def _place(self) -> Place:
         if not self._started or self._closed:
             raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
+        self._raise_failure()
         if self._session is None:
             raise RingChangedError(self._latest_view, self._latest_view, "this worker is not in the current view")
         return self._session.place
@@ -348,52 +358,67 @@ class Worker:
     # -- data plane ------------------------------------------------------------------------
 
     async def _on_stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
+        # Streams that have proved nothing are bounded in number and in time (see gate.py).
+        admitted = self._gate.enter()
         frames = 0
-        hello: wire.FrameHeader | None = None
         ring: InboundRing | None = None
         offered = False  # the HELLO offers a shared ring, not mapped until the sender is verified
-        verified = False
         clean = False
         try:
-            async for raw in request_iterator:
-                header, payload = wire.decode(raw)
-                frames += 1
-                if hello is None:
-                    if header.kind != wire.HELLO:
-                        raise ProtocolError("A peer stream must open with a HELLO frame.")
-                    hello = header
-                    offered = header.HasField("shared_ring") and self.config.shared_memory
-                    # Checked at once where the view is known (else when it is, as its frames are
-                    # replayed): an impostor is refused before it can pass for the predecessor.
-                    session = self._session_of(hello.view_id)
-                    if session is not None:
-                        session.check_sender(hello)
-                        verified = True
-                    continue
-                if header.view_id != hello.view_id:
-                    raise ProtocolError(
-                        f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
-                    )
-                if header.kind == wire.BYE:
-                    clean = True
-                    continue
-                if offered and (verified or self._sender_checks(hello)):
-                    # The first frame from a verified predecessor maps its ring; until the echo
-                    # reaches the sender, its payloads come in the frames.
-                    verified = True
-                    ring, offered = InboundRing.attach(hello.shared_ring), False
-                if header.HasField("shm_slot"):
-                    if ring is None:
-                        raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
-                    payload = ring.payload(header)
-                self._route(hello, Received(header, payload, raw))
+            async with asyncio.timeout(self._gate.deadline_s) as admitted.deadline:
+                async for raw in request_iterator:
+                    header, payload = wire.decode(raw)
+                    frames += 1
+                    hello = admitted.hello
+                    if hello is None:
+                        if header.kind != wire.HELLO:
+                            raise ProtocolError("A peer stream must open with a HELLO frame.")
+                        admitted.hello = header
+                        offered = header.HasField("shared_ring") and self.config.shared_memory
+                        # Checked at once where the view is known (else when it is installed, see
+                        # _install): an impostor is refused before it can pass for the predecessor.
+                        session = self._session_of(header.view_id)
+                        if session is not None:
+                            session.check_sender(header)
+                            self._gate.verify(admitted)
+                        continue
+                    if header.view_id != hello.view_id:
+                        raise ProtocolError(
+                            f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
+                        )
+                    if header.kind == wire.BYE:
+                        clean = True
+                        continue
+                    if offered and admitted.verified:
+                        # The first frame from a verified predecessor maps its ring; until the echo
+                        # reaches the sender, its payloads come in the frames.
+                        ring, offered = InboundRing.attach(hello.shared_ring), False
+                    if header.HasField("shm_slot"):
+                        if ring is None:
+                            raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
+                        payload = ring.payload(header)
+                    self._route(hello, Received(header, payload, raw))
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self.tag, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            if admitted.evicted:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"The peer server of {self.tag} holds {self._gate.cap} streams whose HELLO is not verified "
+                    "(max_unverified_streams); this one, the oldest, was ended to make room."
+                ))
+            what = "sent no HELLO" if admitted.hello is None else (
+                f"sent a HELLO (view {admitted.hello.view_id}, rank {admitted.hello.sender_rank}) "
+                "that no view of this worker verified"
+            )
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"The peer stream {what} within {self._gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
+            ))
         finally:
+            self._gate.leave(admitted)
             # Only the real predecessor's stream ending says anything about the ring.
-            if hello is not None and (verified or self._sender_checks(hello)):
-                self._predecessor_gone(hello, clean)
+            if admitted.verified and admitted.hello is not None:
+                self._predecessor_gone(admitted.hello, clean)
         return peer_pb2.StreamSummary(frames=frames)
 
     def _predecessor_gone(self, hello: wire.FrameHeader, clean: bool) -> None:
@@ -524,6 +549,8 @@ class Worker:
                         self.counters.frames_rejected += 1
             else:
                 self.counters.frames_rejected += len(frames)
+        # Streams that said HELLO for this view before we knew it are the ring's: let them in.
+        self._gate.verify_where(self._sender_checks)
         self._view_changed.set()
         self._view_changed = asyncio.Event()
 
@@ -543,15 +570,41 @@ class Worker:
         while True:
             try:
                 async for view in self._control.watch(self.worker_id):
-                    self._install(view)
+                    try:
+                        self._install(view)
+                    except Exception as exc:  # noqa: BLE001 - whatever it is, the worker cannot go on
+                        await self._give_up(view.view_id, exc)
+                        return
                     backoff = 0.05
-            except RingserveError as exc:
+            except RingserveError as exc:  # the coordinator is away: watch again
                 log.warning("%s: view watch broke: %s", self.tag, exc)
-            except Exception:  # a bug must not end the watch silently; log it and go on
-                log.exception("%s: installing a view failed", self.tag)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
             await self._drain_retired()
+
+    async def _give_up(self, view_id: int, exc: Exception) -> None:
+        """A view could not be installed: fails whoever waits (start(), a collective) at once with
+        the cause chained, and leaves, so that the others get a view without this worker instead
+        of waiting for it until their deadlines."""
+        failure = ViewInstallError(f"The worker at {self.address} could not install view {view_id}: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        self._failure = failure
+        log.error("%s: %s; leaving the world", self.tag, failure)
+        session, self._session = self._session, None
+        for s in [session, *self._retired]:
+            if s is not None:
+                s.close(failure)
+        self._view_changed.set()
+        self._view_changed = asyncio.Event()
+        assert self._control is not None
+        with contextlib.suppress(RingserveError):
+            await self._control.leave(self.worker_id)
+            self._left = True
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            # A new error each time, so that tracebacks do not pile up on one object.
+            raise ViewInstallError(*self._failure.args) from self._failure.__cause__
 
     async def _drain_retired(self) -> None:
         """Forgets the retired sessions whose streams have ended, and closes the channels that no
@@ -567,7 +620,7 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None
-        while True:
+        while self._failure is None:
             await asyncio.sleep(self._heartbeat_interval_s)
             c = self.counters
             counters = cpb.WorkerCounters(
@@ -589,7 +642,7 @@ class Worker:
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known:
+            if not answer.known and self._failure is None:  # a worker that gave up stays out
                 await self._rejoin()
             await self._drain_retired()
 
@@ -617,10 +670,12 @@ class Worker:
 
         Raises:
             RendezvousTimeoutError: no such view within timeout_s.
+            ViewInstallError: a view could not be installed, and the worker left.
         """
         try:
             async with asyncio.timeout(timeout_s):
                 while self._session is None or self._session.view_id <= newer_than:
+                    self._raise_failure()
                     await self._view_changed.wait()
         except TimeoutError:
             raise RendezvousTimeoutError(

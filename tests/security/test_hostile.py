@@ -21,6 +21,7 @@ from ringserve import Coordinator, ProtocolError, healthcheck, wire
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve._proto import peer_pb2
+from ringserve.ring import predecessor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -238,8 +239,7 @@ async def test_a_frame_whose_dtype_or_count_disagrees_with_the_collective_is_nev
 
 
 async def test_a_flood_of_streams_past_the_cap_gets_resource_exhausted_and_the_ring_survives(world_factory, impostors) -> None:
-    world = await world_factory(2, max_concurrent_rpcs=8)
-    # The ring's own streams must be up before the flood: the cap cannot tell them from impostors.
+    world = await world_factory(2, max_unverified_streams=8)
     await still_serving(world, "before-flood")
     target = world.workers[1]
     # A stream call starts at once: no frame needs writing for it to take a slot or be refused (and a
@@ -374,3 +374,27 @@ async def test_two_rejoins_that_claim_one_rank_neither_crash_the_coordinator_nor
             assert [m.worker_id for m in view.members] == ["a"]
             assert coord._ticker is not None and not coord._ticker.done()
             assert (await stub.Status(pb.StatusRequest(), timeout=5)).view.view_id >= 10
+
+
+async def test_a_hello_for_a_view_not_yet_installed_is_let_in_when_the_view_comes_and_a_wrong_one_is_ended_at_the_deadline(
+    world_factory, impostors
+) -> None:
+    world = await world_factory(3, coordinator={"min_workers": 2}, peer_hello_timeout_s=1.0)
+    target, leaving = world.workers[0], world.workers[2]
+    future = target.view_id + 1
+    # The next view has two ranks: one of these claims the target's predecessor there, the other
+    # claims the target itself. Neither sends anything after its HELLO.
+    claims = {rank: impostors(target.address) for rank in (0, 1)}
+    for rank, impostor in claims.items():
+        await impostor.write(hello(future, rank))
+    await leaving.close()
+    async with asyncio.timeout(5):
+        while target.latest_view < future:
+            await asyncio.sleep(0.01)
+    world.workers.remove(leaving)
+    await asyncio.sleep(1.5)  # past the deadline
+    true_rank = predecessor(target.rank, target.size)
+    assert not claims[true_rank].call.done()  # verified when the view came: no deadline
+    code, details = await claims[1 - true_rank].code(1)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"sent a HELLO (view {future}, rank {1 - true_rank}) that no view of this worker verified within 1 s" in details

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _secure import TOKEN, Pki, client
 
-from ringserve import Coordinator, RingserveError, Worker, cli, healthcheck
+from ringserve import Coordinator, TLSHandshakeError, Worker, cli, healthcheck
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.security import Security
@@ -70,7 +70,7 @@ async def test_a_worker_that_trusts_another_ca_cannot_join_and_says_why(pki: Pki
     async with Coordinator(make_coordinator_config(**pki.settings())) as coord:
         settings = {**pki.settings(), "tls_ca": pki.other.ca}
         worker = Worker(config=make_worker_config(coord.address, connect_timeout_s=1.0, **settings))
-        with pytest.raises(RingserveError, match=f"The coordinator at {coord.address}"):
+        with pytest.raises(TLSHandshakeError, match=f"The TLS handshake with {coord.address} failed, refused by the client"):
             await worker.start()
         assert coord.service.view.view_id == 0
         assert (await coord.service.Status(pb.StatusRequest(), None)).pending_workers == 0

@@ -123,3 +123,36 @@ def test_from_env_reads_os_environ_only_when_called(monkeypatch: pytest.MonkeyPa
 def test_the_data_plane_accepts_frames_a_little_larger_than_a_chunk() -> None:
     config = WorkerConfig(chunk_bytes=1000)
     assert config.max_message_bytes > 1000
+
+
+@pytest.mark.parametrize("slots", [0, 4033, 5000])
+def test_shared_slots_outside_their_range_are_rejected_naming_the_value_and_the_variable(slots: int) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"shared_slots \({slots}\) must be in \[1, 4032\] \(RINGSERVE_SHARED_SLOTS\)"):
+        WorkerConfig.from_env({"RINGSERVE_SHARED_SLOTS": str(slots)})
+
+
+def test_the_shared_slots_limit_matches_the_shared_ring_layout() -> None:
+    from ringserve.config import MAX_SHARED_SLOTS
+    from ringserve.worker import shared
+
+    shared.OutboundRing(MAX_SHARED_SLOTS, 1).close()
+    with pytest.raises(ValueError):
+        shared.OutboundRing(MAX_SHARED_SLOTS + 1, 1)
+
+
+def test_a_timeline_under_a_file_or_with_stray_braces_is_rejected_and_a_missing_directory_is_accepted(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidArgumentError, match=r"timeline .* cannot be written: .*a-file' is not a directory"):
+        WorkerConfig.from_env({"RINGSERVE_TIMELINE": str(blocker / "trace-{rank}.json")})
+    with pytest.raises(InvalidArgumentError, match=r"may hold only \{rank\} in braces"):
+        WorkerConfig(timeline=str(tmp_path / "trace-{rank}-{host}.json"))
+    assert WorkerConfig(timeline=str(tmp_path / "not" / "yet" / "trace")).timeline.endswith("trace")
+    assert not (tmp_path / "not").exists()  # made only when the first view is installed
+
+
+def test_the_peer_servers_grpc_cap_leaves_room_for_every_unverified_stream_besides_the_ring() -> None:
+    config = WorkerConfig(max_unverified_streams=5, max_concurrent_rpcs=7)
+    assert config.server_rpc_cap == 12
+    with pytest.raises(InvalidArgumentError, match=r"peer_hello_timeout_s \(0\) must be greater than zero"):
+        WorkerConfig(peer_hello_timeout_s=0)
