@@ -34,6 +34,7 @@ from ringserve.coordinator import Coordinator
 from ringserve.errors import (
     CollectiveTimeoutError,
     CoordinatorUnreachableError,
+    ExcludedError,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
@@ -54,6 +55,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorUnreachableError",
+    "ExcludedError",
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",

@@ -11,6 +11,7 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
     ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
     ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
+    ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
     ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
     └── UsageError                a bug in the calling program; retrying will not help
         ├── NotInitializedError   a collective called before init()
@@ -80,6 +81,23 @@ class CoordinatorUnreachableError(RingserveError):
         self.address = address
         message = f"The coordinator at {address} could not be reached within {deadline_s:g} s"
         super().__init__(f"{message}: {detail}" if detail else message + ".")
+
+
+class ExcludedError(RingserveError):
+    """The coordinator declared this worker dead, and its peers went on to a newer view without it.
+
+    Not recoverable by design: the worker cannot reach the coordinator to join that view, and
+    training on alone (or with others cut off with it) would be a second world. It stops instead.
+    """
+
+    def __init__(self, address: str, coordinator: str, silent_s: float, peer_view: int, own_view: int) -> None:
+        self.peer_view = peer_view
+        self.own_view = own_view
+        super().__init__(
+            f"The worker at {address} could not reach the coordinator at {coordinator} for {silent_s:.1f} s, "
+            f"and its peers went on to view {peer_view} while it was in view {own_view}: the coordinator "
+            f"declared it dead, so it stops rather than train as a second world."
+        )
 
 
 class RendezvousTimeoutError(RingserveError):
