@@ -646,10 +646,12 @@ class Worker:
             return False
         peers = [a for r, a in enumerate(place.addresses) if r != place.rank]
         views = await exclusion.peer_views(peers, self._channel, self.config.rpc_timeout_s)
-        newer = exclusion.excluded(self._latest_view, views)
+        # Against the last view we were in, not the newest we heard of: the view that dropped us
+        # may have reached us before the coordinator's route went.
+        newer = exclusion.excluded(place.view_id, views)
         if not newer:
             return False
-        exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, self._latest_view)
+        exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, place.view_id)
         log.error("%s: %s", self.tag, exc)
         self._excluded = exc
         for session in [self._session, *self._retired]:
