@@ -362,7 +362,7 @@ def test_a_suspect_that_answers_its_probe_stays_gets_a_new_ring_and_can_be_probe
     m.at(0.5)
     m.at(1.0, Suspect("b"))
     # A link is down, not the worker: the same members in a new view dial each other again
-    # (tests/unit/test_partitions.py follows the ring check that this starts).
+    # (tests/unit/test_links.py follows the ring check that this starts).
     assert [type(a) for a in m.at(1.1, ProbeResult("b", alive=True))] == [PublishView]
     assert m.ids() == ["a", "b"] and m.view.view_id == 2
     assert m.at(2.0, Suspect("b")) == [Probe("b", "addr-b")]
