@@ -34,6 +34,7 @@ from ringserve.coordinator import Coordinator
 from ringserve.errors import (
     CollectiveTimeoutError,
     CoordinatorUnreachableError,
+    ExcludedError,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
@@ -56,6 +57,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorUnreachableError",
+    "ExcludedError",
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",

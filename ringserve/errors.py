@@ -12,6 +12,7 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
     ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
     ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
+    ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
     ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
     ├── ViewInstallError          this worker could not take its place in a view; it left the world
     └── UsageError                a bug in the calling program; retrying will not help
@@ -97,6 +98,23 @@ class TLSHandshakeError(RingserveError):
         self.refused_by = refused_by
         self.cause = cause
         super().__init__(f"The TLS handshake with {address} failed, refused by the {refused_by}: {cause}")
+
+
+class ExcludedError(RingserveError):
+    """The coordinator declared this worker dead, and its peers went on to a newer view without it.
+
+    Not recoverable by design: the worker cannot reach the coordinator to join that view, and
+    training on alone (or with others cut off with it) would be a second world. It stops instead.
+    """
+
+    def __init__(self, address: str, coordinator: str, silent_s: float, peer_view: int, own_view: int) -> None:
+        self.peer_view = peer_view
+        self.own_view = own_view
+        super().__init__(
+            f"The worker at {address} could not reach the coordinator at {coordinator} for {silent_s:.1f} s, "
+            f"and its peers went on to view {peer_view} while it was in view {own_view}: the coordinator "
+            f"declared it dead, so it stops rather than train as a second world."
+        )
 
 
 class RendezvousTimeoutError(RingserveError):

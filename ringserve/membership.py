@@ -21,11 +21,17 @@ Rules, in order of precedence:
   is adopted, so the world goes on undisturbed; when some do not come back within the heartbeat
   timeout, the next view is formed from those that did. A restarted coordinator never starts a
   second world numbered from 1 beside the running one.
+- **Partial partitions**: a suspect that answers the probe is cut off from its peers only; a bump
+  view re-forms the ring and a ring check drops one side if a link stays down (see
+  ``ringserve.links``, which argues the design).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+from ringserve import links
+from ringserve.links import RingCheck
 
 INF = float("inf")
 
@@ -96,6 +102,12 @@ class State:
     suspects: frozenset[str] = frozenset()
     claims: dict[str, Claim] = field(default_factory=dict)
     first_claim_at: float = INF
+    # Partial partitions (ringserve.links): the ring check under way, when each cut-off worker may
+    # be admitted again, how often each was cut off, and when the recent bumps were.
+    check: RingCheck | None = None
+    held: dict[str, float] = field(default_factory=dict)
+    cuts: dict[str, int] = field(default_factory=dict)
+    bumps: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,14 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
+class Linked:
+    """A member's heartbeat says its ring predecessor's stream reached it in view ``view_id``."""
+
+    worker_id: str
+    view_id: int
+
+
+@dataclass(frozen=True)
 class Admit:
     """A member of the running view asks for the waiting workers to be admitted."""
 
@@ -143,7 +163,7 @@ class Tick:
     pass
 
 
-Event = Join | Leave | Heartbeat | Suspect | ProbeResult | Admit | Tick
+Event = Join | Leave | Heartbeat | Suspect | ProbeResult | Linked | Admit | Tick
 
 
 @dataclass(frozen=True)
@@ -190,6 +210,11 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         if not event.alive and event.worker_id in state.workers:
             state = _remove(state, event.worker_id, now, failed=True)
             actions.append(Removed(event.worker_id, "reported by a peer and did not answer a probe"))
+        elif event.alive and event.worker_id in state.workers:
+            state, cut = _partitioned(state, event.worker_id, now)
+            actions.extend(cut)
+    elif isinstance(event, Linked):
+        state = _linked(state, event)
     elif isinstance(event, Admit):
         current = event.view_id in (0, state.view.view_id)
         if current and state.view.rank_of(event.requester_id) is not None:
@@ -199,9 +224,19 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         if now - seen > deadline:
             state = _remove(state, wid, now, failed=True)
             actions.append(Removed(wid, f"silent for more than {deadline:g} s"))
+    if state.check is not None or state.held:
+        state, cut = _check_ring(state, now)
+        actions.extend(cut)
     state, published = _maybe_publish(state, now)
     actions.extend(published)
+    if published and (state.check is not None or state.cuts):
+        state = _arm_check(state, now)
     return state, actions
+
+
+def checking(state: State) -> bool:
+    """Whether a ring check waits for members to say their links are up (``Linked`` events)."""
+    return state.check is not None
 
 
 def is_known(state: State, worker_id: str) -> bool:
@@ -215,9 +250,72 @@ def waiting(state: State) -> int:
 
 
 def admissible(state: State) -> int:
-    """Waiting workers that the next view would take, within max_workers."""
+    """Waiting workers that the next view would take, within max_workers (none still held out)."""
     room = state.rules.max_workers - len(state.view.members)
-    return max(0, min(waiting(state), room))
+    return max(0, min(waiting(state) - len(state.held.keys() & state.workers.keys()), room))
+
+
+def _partitioned(state: State, suspect: str, now: float) -> tuple[State, list[Action]]:
+    """A peer reported ``suspect`` and it answered the probe: a link is down, not a worker."""
+    view = state.view
+    if view.rank_of(suspect) is None or len(view.members) < 2 or state.check is not None:
+        # A check under way (or the bump it waits for) settles this report too.
+        return state, []
+    timeout = state.rules.heartbeat_timeout_s
+    if links.storming(state.bumps, now, timeout):
+        return _cut(state, suspect, now, f"reported by its peers again after {links.MAX_BUMPS} new rings")
+    bumps = tuple(t for t in state.bumps if now - t < links.STORM_WINDOW * timeout) + (now,)
+    return replace(state, bump=True, bumps=bumps, check=RingCheck(0, INF)), []
+
+
+def _linked(state: State, event: Linked) -> State:
+    check = state.check
+    if check is None or event.view_id != check.view_id or event.view_id != state.view.view_id:
+        return state
+    if state.view.rank_of(event.worker_id) is None:
+        return state
+    linked = check.linked | {event.worker_id}
+    if len(linked) < len(state.view.members):
+        return replace(state, check=replace(check, linked=linked))
+    # Every link is up: the partition (if any) healed, and nobody here owes a cut any more.
+    members = {m.worker_id for m in state.view.members}
+    return replace(state, check=None, cuts={w: c for w, c in state.cuts.items() if w not in members})
+
+
+def _check_ring(state: State, now: float) -> tuple[State, list[Action]]:
+    """Lets held workers in again once their time is up, and drops a worker if a link stayed down."""
+    if state.held:
+        state = replace(state, held={w: t for w, t in state.held.items() if t > now})
+    check = state.check
+    if check is None or check.view_id != state.view.view_id or now < check.deadline:
+        return state, []
+    ids = [m.worker_id for m in state.view.members]
+    victim = links.cut_off(ids, check.linked)
+    down = len([link for link in links.down_links(ids, check.linked) if victim in link])
+    reason = (f"cut off from its ring neighbours: {down} of its links did not come up within "
+              f"{state.rules.heartbeat_timeout_s:g} s, though it answers the coordinator")
+    return _cut(state, victim, now, reason)
+
+
+def _cut(state: State, worker_id: str, now: float, reason: str) -> tuple[State, list[Action]]:
+    """Drops a worker that answers but cannot reach its peers, and holds it out for a while."""
+    cuts = state.cuts.get(worker_id, 0) + 1
+    until = now + links.hold_s(cuts, state.rules.heartbeat_timeout_s)
+    state = _remove(state, worker_id, now, failed=True)
+    state = replace(
+        state, check=RingCheck(0, INF), cuts={**state.cuts, worker_id: cuts}, held={**state.held, worker_id: until}
+    )
+    return state, [Removed(worker_id, reason)]
+
+
+def _arm_check(state: State, now: float) -> State:
+    """Checks a view just published if a check waits for it, or if it takes back a cut-off worker."""
+    view = state.view
+    if len(view.members) < 2:
+        return replace(state, check=None)
+    if state.check is None and not any(m.worker_id in state.cuts for m in view.members):
+        return state
+    return replace(state, check=RingCheck(view.view_id, now + state.rules.heartbeat_timeout_s))
 
 
 def _join(state: State, event: Join, now: float) -> State:
@@ -272,7 +370,10 @@ def _desired(state: State) -> tuple[MemberInfo, ...]:
         hint = m.rank_hint if m.rank_hint >= 0 and not state.view.members else INF
         return (1, hint, m.join_seq)
 
-    members = [m for m in state.workers.values() if admitting or m.worker_id in current]
+    members = [
+        m for m in state.workers.values()
+        if m.worker_id in current or (admitting and m.worker_id not in state.held)
+    ]
     return tuple(sorted(members, key=key)[: state.rules.max_workers])
 
 

@@ -6,19 +6,37 @@ the dialler's data inside the first run of that pattern it sees, and only once: 
 chosen from a tensor's own bytes, so the byte that changes is tensor data, never a frame header,
 and neither gRPC nor HTTP/2 nor TCP (whose checksum the kernel computes anew on the relay's side)
 notices.
+
+With ``blackhole`` set (a byte pattern such as an RPC's path, which plaintext gRPC sends as is in
+its headers), :meth:`cut` stands in for a route that drops one kind of traffic: connections that
+carried the pattern are reset, and from then on their bytes, and those of every new connection
+that carries it, go nowhere (no RST, no FIN: they just stop), while other connections (a health
+probe's) pass. :meth:`heal` resets the blackholed connections, so that their clients dial again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Link:
+    """One client connection through the relay: both writers, and whether it carried the pattern."""
+
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    marked: bool = False
 
 
 class Relay:
-    def __init__(self, target_port: int, flip_after: bytes = b"") -> None:
+    def __init__(self, target_port: int, flip_after: bytes = b"", blackhole: bytes = b"") -> None:
         self.target_port = target_port
         self.flip_after = flip_after
         self.flipped = 0
+        self.blackhole = blackhole
+        self.cutting = False
+        self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -40,21 +58,44 @@ class Relay:
         except (OSError, TimeoutError):
             writer.close()
             return
-        for task in (self._pipe(reader, up_writer, damage=True), self._pipe(up_reader, writer, damage=False)):
+        link = _Link([writer, up_writer])
+        self._links.add(link)
+        for task in (self._pipe(reader, up_writer, link, damage=True), self._pipe(up_reader, writer, link, damage=False)):
             t = asyncio.get_running_loop().create_task(task)
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, damage: bool) -> None:
+    def cut(self) -> None:
+        """Resets the connections that carried the pattern, and blackholes them from now on."""
+        self.cutting = True
+        self._reset(marked_only=True)
+
+    def heal(self) -> None:
+        """Lets the pattern through again; the connections blackholed so far are reset."""
+        self.cutting = False
+        self._reset(marked_only=True)
+
+    def _reset(self, *, marked_only: bool) -> None:
+        for link in [k for k in self._links if k.marked or not marked_only]:
+            self._links.discard(link)
+            for writer in link.writers:
+                writer.transport.abort()  # a reset, as a route change makes of a live connection
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link, *, damage: bool) -> None:
         try:
             while data := await reader.read(1 << 16):
                 if damage and self.flip_after and not self.flipped:
                     data = self._flip(data)
+                if damage and self.blackhole and self.blackhole in data:
+                    link.marked = True
+                if link.marked and self.cutting:
+                    continue
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self._links.discard(link)
             with contextlib.suppress(Exception):
                 writer.close()
 

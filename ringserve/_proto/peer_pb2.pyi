@@ -133,3 +133,13 @@ class StreamSummary(_message.Message):
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     frames: int
     def __init__(self, frames: _Optional[int] = ...) -> None: ...
+
+class LatestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LatestView(_message.Message):
+    __slots__ = ("view_id",)
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    view_id: int
+    def __init__(self, view_id: _Optional[int] = ...) -> None: ...

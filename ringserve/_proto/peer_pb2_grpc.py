@@ -40,6 +40,11 @@ class PeerStub:
                 request_serializer=ringserve_dot_v1_dot_peer__pb2.Frame.SerializeToString,
                 response_deserializer=ringserve_dot_v1_dot_peer__pb2.StreamSummary.FromString,
                 _registered_method=True)
+        self.Latest = channel.unary_unary(
+                '/ringserve.v1.Peer/Latest',
+                request_serializer=ringserve_dot_v1_dot_peer__pb2.LatestRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_peer__pb2.LatestView.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -53,6 +58,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Latest(self, request, context):
+        """The newest view this peer has heard of. A worker that has lost the coordinator asks its peers:
+        if they went on to a newer view, it was declared dead, and it stops rather than train alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=ringserve_dot_v1_dot_peer__pb2.Frame.FromString,
                     response_serializer=ringserve_dot_v1_dot_peer__pb2.StreamSummary.SerializeToString,
+            ),
+            'Latest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Latest,
+                    request_deserializer=ringserve_dot_v1_dot_peer__pb2.LatestRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_peer__pb2.LatestView.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class Peer:
             '/ringserve.v1.Peer/Stream',
             ringserve_dot_v1_dot_peer__pb2.Frame.SerializeToString,
             ringserve_dot_v1_dot_peer__pb2.StreamSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Latest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringserve.v1.Peer/Latest',
+            ringserve_dot_v1_dot_peer__pb2.LatestRequest.SerializeToString,
+            ringserve_dot_v1_dot_peer__pb2.LatestView.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,6 +125,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
             alive = False
         log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
+        if alive:
+            log.warning(
+                "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
+                "dropping a worker if a link is still down in %g s", probe.worker_id, self._config.heartbeat_timeout_s,
+            )
         self.apply(membership.ProbeResult(probe.worker_id, alive))
 
     async def close(self) -> None:
@@ -185,6 +190,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._counters[request.worker_id] = request.counters
             self._stalled[request.worker_id] = (request.view_id, frozenset(request.stalled))
             warnings = self._stall_warnings(request.view_id, set(request.stalled))
+            if request.linked_view and membership.checking(self._state):
+                self.apply(membership.Linked(request.worker_id, request.linked_view))
         return pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state),
             stall_warnings=warnings,

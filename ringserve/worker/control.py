@@ -85,9 +85,12 @@ class ControlClient:
         await self._call("Leave", pb.LeaveRequest(worker_id=worker_id), self._config.rpc_timeout_s)
 
     async def heartbeat(
-        self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None
+        self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None,
+        linked_view: int = 0,
     ) -> pb.HeartbeatResponse:
-        request = pb.HeartbeatRequest(worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [])
+        request = pb.HeartbeatRequest(
+            worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view
+        )
         return await self._call("Heartbeat", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
 
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:

@@ -20,6 +20,7 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
+    ExcludedError,
     NotInitializedError,
     PeerUnavailableError,
     ProtocolError,
@@ -32,7 +33,7 @@ from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import collectives, shared
+from ringserve.worker import collectives, exclusion, shared
 from ringserve.worker.control import ControlClient
 from ringserve.worker.gate import StreamGate
 from ringserve.worker.session import Place, Received, Session
@@ -83,6 +84,11 @@ class Worker:
         self._failure: ViewInstallError | None = None
         self._left = False
         self._gate = StreamGate(cap=config.max_unverified_streams, deadline_s=config.peer_hello_timeout_s)
+        # Streams open from a (view, sender rank): a heartbeat says the ring link into us is up.
+        self._inbound: dict[tuple[int, int], int] = {}
+        self._heartbeat_timeout_s = 5.0
+        self._heard_at = 0.0  # when the last heartbeat that the coordinator answered was sent
+        self._excluded: ExcludedError | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -107,7 +113,13 @@ class Worker:
         handler = grpc.stream_unary_rpc_method_handler(
             self._on_stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
         )
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": handler})])
+        latest = grpc.unary_unary_rpc_method_handler(
+            self._on_latest, request_deserializer=peer_pb2.LatestRequest.FromString,
+            response_serializer=peer_pb2.LatestView.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": handler, "Latest": latest})]
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         port = self._security.add_port(server, f"{cfg.bind_host}:{cfg.bind_port}")
@@ -120,6 +132,8 @@ class Worker:
             joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
             self.worker_id = joined.worker_id
             self._heartbeat_interval_s = joined.heartbeat_interval_s
+            self._heartbeat_timeout_s = joined.heartbeat_timeout_s
+            self._heard_at = asyncio.get_running_loop().time()
             if cfg.metrics_port >= 0:
                 from ringserve.metrics import MetricsServer, WorkerCollector
 
@@ -374,6 +388,8 @@ class Worker:
                         if header.kind != wire.HELLO:
                             raise ProtocolError("A peer stream must open with a HELLO frame.")
                         admitted.hello = header
+                        link = (header.view_id, header.sender_rank)
+                        self._inbound[link] = self._inbound.get(link, 0) + 1
                         offered = header.HasField("shared_ring") and self.config.shared_memory
                         # Checked at once where the view is known (else when it is installed, see
                         # _install): an impostor is refused before it can pass for the predecessor.
@@ -416,10 +432,29 @@ class Worker:
             ))
         finally:
             self._gate.leave(admitted)
+            if admitted.hello is not None:
+                link = (admitted.hello.view_id, admitted.hello.sender_rank)
+                if self._inbound.get(link, 0) > 1:
+                    self._inbound[link] -= 1
+                else:
+                    self._inbound.pop(link, None)
             # Only the real predecessor's stream ending says anything about the ring.
             if admitted.verified and admitted.hello is not None:
                 self._predecessor_gone(admitted.hello, clean)
         return peer_pb2.StreamSummary(frames=frames)
+
+    async def _on_latest(self, request: peer_pb2.LatestRequest, context: grpc.aio.ServicerContext) -> peer_pb2.LatestView:
+        return peer_pb2.LatestView(view_id=self._latest_view)
+
+    def _linked_view(self) -> int:
+        """The current view if the stream from our ring predecessor in it has reached us, else 0."""
+        session = self._session
+        if session is None:
+            return 0
+        place = session.place
+        if place.size == 1 or (place.view_id, predecessor(place.rank, place.size)) in self._inbound:
+            return place.view_id
+        return 0
 
     def _predecessor_gone(self, hello: wire.FrameHeader, clean: bool) -> None:
         for session in [self._session, *self._retired]:
@@ -488,7 +523,7 @@ class Worker:
     # -- membership ------------------------------------------------------------------------
 
     def _install(self, view: cpb.View) -> None:
-        if view.view_id <= self._latest_view or self._closed:
+        if view.view_id <= self._latest_view or self._closed or self._excluded is not None:
             return
         old = self._session
         self._latest_view = view.view_id
@@ -602,6 +637,8 @@ class Worker:
             self._left = True
 
     def _raise_failure(self) -> None:
+        if self._excluded is not None:
+            raise self._excluded
         if self._failure is not None:
             # A new error each time, so that tracebacks do not pile up on one object.
             raise ViewInstallError(*self._failure.args) from self._failure.__cause__
@@ -629,12 +666,16 @@ class Worker:
             session = self._session
             view_id = session.view_id if session is not None else 0
             stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
+            sent_at = asyncio.get_running_loop().time()
             try:
-                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled)
+                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled, self._linked_view())
             except RingserveError as exc:
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
+                if await self._excluded_now():
+                    return
                 continue
+            self._heard_at = sent_at
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
@@ -646,6 +687,33 @@ class Worker:
                 await self._rejoin()
             await self._drain_retired()
 
+    async def _excluded_now(self) -> bool:
+        """After a heartbeat timeout without the coordinator: whether the peers went on without us.
+
+        If they did, every collective of this worker fails with ExcludedError from now on (see
+        ringserve.worker.exclusion), and so does a wait for a view.
+        """
+        silent_s = asyncio.get_running_loop().time() - self._heard_at
+        place = self._last_place
+        if place is None or place.size == 1 or not exclusion.must_ask(silent_s, self._heartbeat_timeout_s):
+            return False
+        peers = [a for r, a in enumerate(place.addresses) if r != place.rank]
+        views = await exclusion.peer_views(peers, self._channel, self.config.rpc_timeout_s)
+        # Against the last view we were in, not the newest we heard of: the view that dropped us
+        # may have reached us before the coordinator's route went.
+        newer = exclusion.excluded(place.view_id, views)
+        if not newer:
+            return False
+        exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, place.view_id)
+        log.error("%s: %s", self.tag, exc)
+        self._excluded = exc
+        for session in [self._session, *self._retired]:
+            if session is not None:
+                session.close(exc)
+        self._view_changed.set()
+        self._view_changed = asyncio.Event()
+        return True
+
     async def _rejoin(self) -> None:
         """Registers again under the same id, claiming the view we run in (after a coordinator
         restart, or after being declared dead while stopped)."""
@@ -656,10 +724,11 @@ class Worker:
             claim = {"view_id": session.view_id, "rank": session.place.rank, "view_size": session.place.size}
         log.warning("%s: the coordinator does not know this worker; rejoining with %s", self.tag, claim or "no view")
         try:
-            await self._control.join(
+            joined = await self._control.join(
                 address=self.address, hostname=self.config.hostname, rank_hint=self.config.rank_hint,
                 worker_id=self.worker_id, **claim,
             )
+            self._heartbeat_timeout_s = joined.heartbeat_timeout_s
         except RingserveError as exc:
             log.warning("%s: rejoin failed: %s", self.tag, exc)
 

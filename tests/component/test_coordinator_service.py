@@ -329,7 +329,9 @@ async def test_a_reported_peer_that_fails_its_probe_is_removed_at_once(watch: Ca
     assert ids(after) == [reporter] and list(after.failed_worker_ids) == [dead]
 
 
-async def test_a_reported_peer_that_answers_its_probe_stays(watch: Callable[[], Views], stub: Stub, coordinator: Coordinator) -> None:
+async def test_a_reported_peer_that_answers_its_probe_stays_in_a_new_ring_once_its_links_come_up(
+    watch: Callable[[], Views], stub: Stub, coordinator: Coordinator
+) -> None:
     views = watch()
     # The coordinator's own health service answers SERVING, standing in for a live worker.
     alive = await join(stub, coordinator.address)
@@ -340,6 +342,12 @@ async def test_a_reported_peer_that_answers_its_probe_stays(watch: Callable[[], 
     await stub.ReportFailure(
         pb.ReportFailureRequest(reporter_id=reporter, view_id=view.view_id, suspect_rank=0, reason="slow"), timeout=5
     )
+    # A link is down, not the worker: the same members, in a new view, dial each other again.
+    bump = await next_view(views)
+    assert bump.view_id == view.view_id + 1 and ids(bump) == [alive, reporter] and not bump.failed_worker_ids
+    for worker_id in (alive, reporter):
+        await stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id, view_id=bump.view_id, linked_view=bump.view_id),
+                             timeout=5)
     with pytest.raises(TimeoutError):
         await next_view(views, timeout_s=1.0)
     status = await stub.Status(pb.StatusRequest(), timeout=5)
