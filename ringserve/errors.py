@@ -2,26 +2,34 @@
 
 Errors are split by what a caller does next, as Horovod's elastic mode splits them::
 
-    RingserveError
-    ├── RecoverableError          restore the last commit, wait for the next view, retry
-    │   ├── PeerUnavailableError  a ring neighbour stopped answering
-    │   ├── RingChangedError      the view changed under a collective (old and new view named)
-    │   ├── CollectiveTimeoutError  a collective passed its deadline
-    │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
-    ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
-    ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
-    ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
-    ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
-    ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
-    ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
-    ├── ViewInstallError          this worker could not take its place in a view; it left the world
-    └── UsageError                a bug in the calling program; retrying will not help
-        ├── NotInitializedError   a collective called before init()
-        ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
-        ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
-        └── ProtocolError         a malformed or unexpected frame
+    RuntimeError
+    └── RingserveError
+        ├── RecoverableError          restore the last commit, wait for the next view, retry
+        │   ├── PeerUnavailableError  a ring neighbour stopped answering
+        │   ├── RingChangedError      the view changed under a collective (old and new view named)
+        │   ├── CollectiveTimeoutError  a collective passed its deadline
+        │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+        ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
+        ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
+        ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
+        ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
+        ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
+        ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
+        ├── ViewInstallError          this worker could not take its place in a view; it left the world
+        └── UsageError                a bug in the calling program; retrying will not help
+            ├── NotInitializedError   a collective called before init()
+            ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
+            ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
+            └── ProtocolError         a malformed or unexpected frame
 
 ``grpc.aio.AioRpcError`` is translated at the transport boundary and never reaches users.
+
+Every error is a ``RuntimeError``, as every error Horovod raises from a collective is (its
+``HorovodInternalError`` and ``HostsUpdatedInterrupt`` are): code written for Horovod catches
+``RuntimeError`` around collectives, and a mismatch must land there too. The tree below
+``RingserveError`` keeps what Horovod's one internal error blurs (a mismatch is a usage error,
+which elastic training must not retry). ``InvalidArgumentError`` is also a ``ValueError``, as
+Horovod's argument errors are.
 """
 
 from __future__ import annotations
@@ -29,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
-class RingserveError(Exception):
-    """Base class of every error ringserve raises."""
+class RingserveError(RuntimeError):
+    """Base class of every error ringserve raises (a RuntimeError, as Horovod's are)."""
 
 
 class RecoverableError(RingserveError):

@@ -21,6 +21,7 @@ from typing import IO, Any
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError
+from ringserve.launch_env import horovod_env
 from ringserve.loop import LoopThread
 
 TERMINATE_GRACE_S = 5.0
@@ -84,7 +85,9 @@ FINISH_GRACE_S = 30.0
 class _Group:
     """The worker processes, each with an output pump; a slot can be started again."""
 
-    def __init__(self, command: Sequence[str], env: Mapping[str, str], address: str, sink: IO[bytes]) -> None:
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], address: str, sink: IO[bytes],
+                 num_proc: int = 1) -> None:
+        self._num_proc = num_proc
         self._command = list(command)
         self._env = dict(env)
         self._address = address
@@ -96,6 +99,7 @@ class _Group:
     def start(self, slot: int) -> None:
         child_env = {
             **self._env,
+            **horovod_env(slot, self._num_proc),  # what horovodrun exports: see launch_env
             "RINGSERVE_COORDINATOR": self._address,
             "RINGSERVE_RANK_HINT": str(slot),
             "PYTHONUNBUFFERED": "1",
@@ -162,7 +166,8 @@ def launch(
     previous = _exit_on_sigterm()
     try:
         thread.run(coord.start(), 30.0)
-        group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer)
+        group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer,
+                       num_proc=num_proc)
         group.note(f"coordinator at {coord.address}; starting {num_proc} workers")
         for slot in range(num_proc):
             group.start(slot)

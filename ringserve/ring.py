@@ -16,7 +16,7 @@ from ringserve.errors import InvalidArgumentError
 
 Bounds = tuple[int, int]
 
-REDUCE_OPS = ("sum", "average", "min", "max")
+REDUCE_OPS = ("sum", "average", "min", "max", "product")
 
 
 def segment_bounds(units: int, world: int, granule: int = 1) -> list[Bounds]:
@@ -92,6 +92,7 @@ _COMBINE: dict[str, Callable[..., object]] = {
     "average": np.add,
     "min": np.minimum,
     "max": np.maximum,
+    "product": np.multiply,
 }
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from ringserve.errors import InvalidArgumentError
+from ringserve.errors import InvalidArgumentError, RingserveError
 
 AUTH_HEADER = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
@@ -119,6 +119,8 @@ class Security:
         """
         try:
             port = self._add_port(server, address)
+        except RingserveError:  # a RuntimeError too, but ours: a setting to fix, not a busy port
+            raise
         except RuntimeError:  # grpc's "Failed to bind to address"
             port = 0
         if port == 0:

@@ -12,13 +12,26 @@ A script written for ``horovod.torch`` runs after changing only its import::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
+Elastic training is ``hvd.elastic`` (``run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``),
+with no import besides this one.
+
+Errors: every error raised here is a ``RuntimeError`` (see ringserve.errors), as Horovod's are.
+``hvd.HorovodInternalError`` is ringserve's ``RecoverableError`` (what Horovod's elastic mode
+restores and retries after) and ``hvd.HostsUpdatedInterrupt`` ringserve's own. A mismatch of
+shapes, dtypes or roots between the ranks is a ``MismatchError``: a RuntimeError, but not a
+HorovodInternalError, since retrying it would fail again. Argument errors (an unknown op, a
+second collective of a name still in flight) are ``InvalidArgumentError``, a ValueError.
+
 The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
-Adasum and Product (a clear error says so), process sets other than the global one, alltoall,
-and Horovod's join semantics for uneven data (``join()`` here is a barrier that names the last rank).
+Adasum (a clear error says so), process sets other than the global one, alltoall, grouped
+allgather and reducescatter, and Horovod's join semantics for uneven data (``join()`` here is a
+barrier that names the last rank).
 """
 
 from __future__ import annotations
 
+from ringserve.errors import HostsUpdatedInterrupt
+from ringserve.errors import RecoverableError as HorovodInternalError
 from ringserve.torch.basics import (
     ProcessSet,
     ccl_built,
@@ -64,6 +77,7 @@ from ringserve.torch.collectives import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
@@ -76,6 +90,11 @@ from ringserve.torch.functions import (
 from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringserve.torch.optimizer import DistributedOptimizer
 from ringserve.torch.sync_batch_norm import SyncBatchNorm
+from ringserve.torch.timeline import start_timeline, stop_timeline
+
+# Last: hvd.elastic builds on the functions above (``import ringserve.torch as hvd`` then
+# ``hvd.elastic.run`` works, as in Horovod).
+from ringserve.torch import elastic  # noqa: E402  isort: skip
 
 __all__ = [
     "Adasum",
@@ -84,6 +103,8 @@ __all__ = [
     "Compressor",
     "DistributedOptimizer",
     "Handle",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -111,6 +132,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
@@ -135,5 +157,8 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

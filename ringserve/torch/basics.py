@@ -6,6 +6,8 @@ The binding keeps no state of its own: the one default context lives in ``ringse
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -97,9 +99,58 @@ def cross_size() -> int:
     return api.cross_size()
 
 
-def submit(call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
-    """Starts a worker call on the default context's loop; raises NotInitializedError before init()."""
-    return api.context().submit(call)
+class _InFlight:
+    """The names of one context's collectives still in flight, as Horovod tracks its tensor names."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # claimed by the caller's thread, released on the loop's
+        self._names: set[str] = set()
+
+    def claim(self, name: str) -> None:
+        with self._lock:
+            if name in self._names:
+                raise InvalidArgumentError(
+                    f"A collective named {name!r} is still in flight on this rank: names of concurrent "
+                    "collectives must differ (synchronize the first one, or name the second otherwise)."
+                )
+            self._names.add(name)
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            self._names.discard(name)
+
+
+# One registry per context, so that a shutdown and a new init() start with none in flight. The
+# contexts are ringserve.api's; this map only hangs each one's names on it.
+_in_flight: weakref.WeakKeyDictionary[api.Context, _InFlight] = weakref.WeakKeyDictionary()
+_in_flight_lock = threading.Lock()
+
+
+def submit(call: Callable[[Worker], Coroutine[Any, Any, T]], *,
+           name: str | None = None) -> concurrent.futures.Future[T]:
+    """Starts a worker call on the default context's loop; raises NotInitializedError before init().
+
+    Args:
+        call: the worker call.
+        name: the collective's name as Horovod spells it ("allreduce.grad"), when the caller named
+            it; a second collective of that name while the first is still in flight is refused.
+
+    Raises:
+        InvalidArgumentError: (a ValueError) a collective of that name is still in flight.
+    """
+    ctx = api.context()
+    if name is None:
+        return ctx.submit(call)
+    with _in_flight_lock:
+        names = _in_flight.setdefault(ctx, _InFlight())
+    names.claim(name)
+    try:
+        future = ctx.submit(call)
+    except BaseException:
+        names.release(name)
+        raise
+    future.add_done_callback(lambda _: names.release(name))
+    return future
 
 
 def wait(future: concurrent.futures.Future[T]) -> T:

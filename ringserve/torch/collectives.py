@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ringserve import api
+from ringserve.errors import InvalidArgumentError
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
@@ -47,6 +48,10 @@ class Handle(Generic[R]):
             self._finished = True
         return self._result  # type: ignore[return-value]
 
+    def __call__(self) -> R:
+        """The same as wait(): Horovod's sparse_allreduce_async returns a function to call."""
+        return self.wait()
+
 
 def synchronize(handle: Handle[R]) -> R:
     """Waits for an async collective and returns its result (Horovod's ``hvd.synchronize``)."""
@@ -59,15 +64,26 @@ def poll(handle: Handle[Any]) -> bool:
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    return tensor if factor == 1.0 else tensor * factor
+    """``tensor * factor`` in ``tensor``'s dtype; integers are scaled in float64, as Horovod does."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point():
+        return tensor * factor
+    return (tensor.double() * factor).to(tensor.dtype)
 
 
 def _rescale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Scales a result the caller owns in place where it can; the dtype is kept."""
     if factor == 1.0:
         return tensor
     if tensor.is_floating_point():
         return tensor.mul_(factor)
-    return (tensor * factor).to(tensor.dtype)
+    return _scaled(tensor, factor)
+
+
+def _claim(kind: str, name: str | None) -> str | None:
+    """The name a collective is tracked by while in flight: Horovod's "allreduce.<name>"."""
+    return None if name is None else f"{kind}.{name}"
 
 
 # -- allreduce -------------------------------------------------------------------------------
@@ -88,14 +104,15 @@ def _allreduce_start(
     target = array if into_out or not aliases_input else None
     core = ops.core_op(op)
     codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec))
+    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec),
+                           name=_claim("allreduce", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
             assert out is not None
             if postscale_factor != 1.0:
                 with torch.no_grad():
-                    out.copy_(out * postscale_factor)
+                    out.copy_(_scaled(out, postscale_factor))
             return out
         reduced = _rescale(compression.decompress(_tensors.restore(result, layout), cctx), postscale_factor)
         if out is None:
@@ -253,7 +270,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
     array, layout = _tensors.raw(tensor)
-    future = basics.submit(lambda w: w.allgather(array, name=name))
+    future = basics.submit(lambda w: w.allgather(array, name=name), name=_claim("allgather", name))
     return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]))
 
 
@@ -291,7 +308,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
                      out: torch.Tensor | None) -> Handle[torch.Tensor]:
     array, layout = _tensors.raw(tensor)
-    future = basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name))
+    future = basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name), name=_claim("broadcast", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         value = _tensors.restore(result, layout)
@@ -354,7 +371,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
     array, layout = _tensors.reducible(wire)
     codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec))
+    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec),
+                           name=_claim("reducescatter", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])
@@ -373,6 +391,48 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     """
     return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor,
                                postscale_factor).wait()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
+                           process_set: object = None) -> Handle[torch.Tensor]:
+    """Starts the reduction of a sparse COO tensor by gathering every rank's indices and values.
+
+    The result, from ``handle()`` or ``synchronize(handle)``, is a sparse tensor holding every
+    rank's entries (uncoalesced: an index held by several ranks appears once per rank, and
+    ``coalesce()`` adds them), with the values divided by the number of ranks for Average. Its
+    dense form equals allreduce() of the dense tensors. This is how Horovod reduces sparse
+    gradients: the data moved grows with the ranks, but stays proportional to the nonzeros.
+
+    Args:
+        tensor: a sparse COO tensor; the same size and dtype on every rank (the nonzeros may differ).
+        name: names the two gathers (of the indices and of the values).
+        op: Average (default) or Sum.
+        process_set: only the global process set is supported.
+
+    Raises:
+        InvalidArgumentError: the tensor is not sparse, or the op is neither Average nor Sum.
+    """
+    basics.check_process_set(process_set)
+    reduce_op = ops.resolve(op)
+    if reduce_op not in (ops.Average, ops.Sum):
+        raise InvalidArgumentError(f"sparse_allreduce_async reduces with Average or Sum, not {reduce_op!r}.")
+    if not tensor.is_sparse:
+        raise InvalidArgumentError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async "
+                                   "for a dense one.")
+    sparse = tensor.detach().coalesce()
+    # Indices travel as rows (nnz, sparse dims), so that the gather concatenates the ranks' entries.
+    indices = _allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices")
+    values = _allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values")
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    done.set_result(None)
+
+    def finish(_: None) -> torch.Tensor:
+        gathered = values.wait()
+        if reduce_op is ops.Average:
+            gathered = gathered / api.size() if gathered.is_floating_point() else gathered // api.size()
+        return torch.sparse_coo_tensor(indices.wait().t(), gathered, sparse.shape)
+
+    return Handle(done, finish, parts=[indices, values])
 
 
 def barrier(process_set: object = None) -> None:

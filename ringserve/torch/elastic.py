@@ -1,11 +1,12 @@
-"""Elastic training for torch, in Horovod's shape::
+"""Elastic training for torch, in Horovod's shape, reachable as ``hvd.elastic`` after the plain import::
 
     import ringserve.torch as hvd
-    import ringserve.torch.elastic as elastic
 
-    state = elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0)
+    sampler = hvd.elastic.ElasticSampler(dataset)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+    state.register_reset_callbacks([on_world_change])
 
-    @elastic.run
+    @hvd.elastic.run
     def train(state):
         for state.epoch in range(state.epoch, epochs):
             ...
@@ -17,6 +18,7 @@
 commit, the wrapper waits for the next view, syncs the state from the rank holding the furthest
 commit (rank 0, the longest-lived member, unless a survivor committed once more) and calls the
 function again. Joiners are admitted at a commit and receive the state before their first step.
+Reset callbacks run after every change of the world.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 from ringserve.elastic import ObjectState, State, run, sync_root
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
+from ringserve.torch.sampler import ElasticSampler
 
-__all__ = ["ObjectState", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
 
 class TorchState(ObjectState):
@@ -39,7 +42,9 @@ class TorchState(ObjectState):
     Args:
         model: the module whose parameters and buffers are kept.
         optimizer: its optimizer (a DistributedOptimizer or any torch optimizer).
-        **kwargs: extra values (epoch, batch, ...) reachable as attributes.
+        **kwargs: extra values (epoch, batch, ...) reachable as attributes. As in Horovod, an
+            extra that is a module, an optimizer or an ElasticSampler is kept by its state_dict()
+            (so several models or optimizers can be kept); any other value must be picklable.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
@@ -47,7 +52,11 @@ class TorchState(ObjectState):
         self.optimizer = optimizer
         self._model_saved: dict[str, Any] = {}
         self._optimizer_saved: dict[str, Any] = {}
-        super().__init__(**kwargs)
+        self._stateful = {k: v for k, v in kwargs.items() if isinstance(v, _STATEFUL)}
+        self._stateful_saved: dict[str, Any] = {}
+        for name, value in self._stateful.items():
+            setattr(self, name, value)
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in self._stateful})
 
     def save(self) -> None:
         super().save()
@@ -55,6 +64,7 @@ class TorchState(ObjectState):
             self._model_saved = copy.deepcopy(self.model.state_dict())
         if self.optimizer is not None:
             self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
+        self._stateful_saved = {k: copy.deepcopy(getattr(self, k).state_dict()) for k in self._stateful}
 
     def restore(self) -> None:
         super().restore()
@@ -64,6 +74,7 @@ class TorchState(ObjectState):
             self.model.load_state_dict(self._model_saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self._optimizer_saved)
+        self._restore_stateful()
 
     def sync(self) -> None:
         root = sync_root(self.commits)
@@ -71,8 +82,39 @@ class TorchState(ObjectState):
             functions.broadcast_parameters(self.model.state_dict(), root_rank=root)
         if self.optimizer is not None:
             functions.broadcast_optimizer_state(self.optimizer, root_rank=root)
+        self._sync_stateful(root)
         payload = functions.broadcast_object((self.commits, self._saved), root_rank=root)
         assert isinstance(payload, tuple)
         self.commits, self._saved = payload
         super().restore()
         self.save()
+
+    # -- extras kept by their state_dict() (added to the methods above, one line each) -------------
+
+    def _restore_stateful(self) -> None:
+        for name in self._stateful:
+            value = getattr(self, name)
+            if isinstance(value, DistributedOptimizer):
+                value.reset()
+            value.load_state_dict(copy.deepcopy(self._stateful_saved[name]))
+
+    def _sync_stateful(self, root: int) -> None:
+        """Takes root's extras; a sampler takes root's epoch and position, and every rank's indices."""
+        for name in self._stateful:
+            value = getattr(self, name)
+            if isinstance(value, torch.nn.Module):
+                functions.broadcast_parameters(value.state_dict(), root_rank=root)
+            elif isinstance(value, torch.optim.Optimizer):
+                functions.broadcast_optimizer_state(value, root_rank=root)
+            else:
+                own = value.state_dict()
+                taken = functions.broadcast_object(own, root_rank=root, name=f"ringserve.elastic.sampler.{name}")
+                assert isinstance(taken, dict)
+                gathered = functions.allgather_object(own["processed_indices"],
+                                                      name=f"ringserve.elastic.sampler_indices.{name}")
+                merged = set(taken["processed_indices"]).union(*gathered)  # type: ignore[arg-type]
+                value.load_state_dict({**taken, "processed_indices": sorted(merged)})
+
+
+# Values of TorchState's extras kept by their state_dict() rather than pickled.
+_STATEFUL = (torch.nn.Module, torch.optim.Optimizer, ElasticSampler)

@@ -155,13 +155,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: object = None) -> None:
     """Makes every rank's optimizer state (moments, steps, hyperparameters) equal to root_rank's.
 
-    Works before the first step too: then root_rank's (empty) state and its hyperparameters win.
+    Before the first step, the state is first made on every rank, as Horovod does: each parameter
+    that needs a gradient and has none gets a zero one, and the wrapped optimizer takes one step
+    (its changes to the parameters are undone), so that the moments exist and can be broadcast.
+    Those zero gradients stay, as in Horovod.
 
     Example::
 
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
     basics.check_process_set(process_set)
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer)
     is_root = api.rank() == root_rank
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
@@ -175,6 +180,27 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state")
     if not is_root:
         optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Makes an optimizer's state with one step on zero gradients, leaving the parameters as they were.
+
+    The step is the wrapped optimizer's own: a DistributedOptimizer's would start collectives
+    that only this function's callers, not every rank's training loop, would meet.
+    """
+    inner = getattr(optimizer, "_optimizer", optimizer)  # a DistributedOptimizer's wrapped optimizer
+    sparse = isinstance(inner, torch.optim.SparseAdam)
+    params = [p for group in inner.param_groups for p in group["params"] if p.requires_grad]
+    kept = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
+    if isinstance(inner, torch.optim.LBFGS):
+        return  # its step needs a closure that evaluates the model: its state stays empty
+    inner.step()
+    with torch.no_grad():
+        for p, value in zip(params, kept, strict=True):
+            p.copy_(value)
 
 
 def broadcast_object(obj: object = None, root_rank: int = 0, name: str | None = None,

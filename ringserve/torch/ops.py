@@ -28,7 +28,7 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
-_CORE_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max"}
+_CORE_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 
 
 def resolve(op: ReduceOp | str | None, average: bool | None = None) -> ReduceOp:
@@ -53,13 +53,9 @@ def resolve(op: ReduceOp | str | None, average: bool | None = None) -> ReduceOp:
         raise InvalidArgumentError(
             "Adasum is not supported by ringserve yet; use op=Average (or Sum) instead."
         )
-    if op is Product:
-        raise InvalidArgumentError(
-            "The Product reduction is not supported by ringserve yet; use Sum, Average, Min or Max."
-        )
     return op
 
 
 def core_op(op: ReduceOp) -> str:
-    """The core's name of a supported op ("average", "sum", "min" or "max")."""
+    """The core's name of a supported op ("average", "sum", "min", "max" or "product")."""
     return _CORE_OPS[op]

@@ -17,6 +17,12 @@ Unused parameters: every bucket carries one flag per parameter, 1 when the rank 
 it, reduced together with the gradients. A parameter that no rank used keeps ``grad=None`` on every
 rank; one that some rank used gets the reduced gradient (zeros stand in for the ranks without one)
 on every rank. Every rank thus starts every bucket exactly once per step, and none hangs.
+
+Sparse gradients (``nn.Embedding(..., sparse=True)``) are reduced as Horovod reduces them, unless
+``sparse_as_dense``: their indices and values are gathered from every rank (sparse_allreduce_async)
+and ``param.grad`` becomes the sparse sum or average, so that optimizers that need sparse gradients
+(SparseAdam) take them. Their slot in the bucket stays zero with flag 0. A parameter with a sparse
+gradient must get one on every rank in a step (as in Horovod), or the ranks' gathers do not meet.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import hashlib
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -36,7 +43,7 @@ import torch
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UsageError
-from ringserve.torch import _tensors, basics, ops
+from ringserve.torch import _tensors, basics, collectives, ops
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
@@ -61,7 +68,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size / factor after it.
         num_groups, groups: Horovod's explicit fusion groups (a count, or lists of parameters).
-        sparse_as_dense: accepted for compatibility; sparse gradients are always made dense.
+        sparse_as_dense: reduce sparse gradients as dense ones (fused with the rest); by default
+            they are gathered as indices and values and stay sparse.
         process_set: only the global process set is supported.
         fusion_bytes: bucket size in bytes; RINGSERVE_FUSION_BYTES or 4 MiB when None.
         error_feedback: with a lossy compression, add what this rank's encodings lost in one
@@ -131,6 +139,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._op = reduce_op
         self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse: dict[int, collectives.Handle[torch.Tensor]] = {}
         self.backward_passes_per_step = backward_passes_per_step
         self._fusion_bytes = fusion
         self._groups = groups if groups is not None else (num_groups or None)
@@ -191,6 +201,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._optimizer!r})"
+
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Each parameter's name, as Horovod's optimizer keeps them (code written for it reads this)."""
+        return {p: self._names[id(p)] for p in self._params() if id(p) in self._names}
 
     # -- buckets and hooks -----------------------------------------------------------------
 
@@ -282,6 +297,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     buf[a:b].zero_()
                     flags.append(0.0)
                     continue
+                if grad.is_sparse and not self._sparse_as_dense:
+                    buf[a:b].zero_()
+                    flags.append(0.0)  # the dense reduction leaves it alone; the gather below reduces it
+                    self._sparse[id(p)] = collectives.sparse_allreduce_async(
+                        grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op)
+                    continue
                 flags.append(1.0)
                 if _is_view_of(grad, buf, a):
                     continue  # already in the bucket: backward accumulated into it
@@ -333,7 +354,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
                     continue
                 value = out[a:b].view(p.shape)
-                if p.device.type == "cpu" and _is_view_of(value, bucket.buffer, a):
+                if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense: sparse again, as Horovod
+                    p.grad = value.to(p.device).to_sparse()
+                elif p.device.type == "cpu" and _is_view_of(value, bucket.buffer, a):
                     # The result is in the bucket: the gradient becomes a view of it, as DDP's
                     # gradient_as_bucket_view does, so the next step needs no copy out, and
                     # backward accumulates straight into the bucket unless grads are set to None.
@@ -343,6 +366,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = value.to(device=p.device, copy=True)
                 else:
                     p.grad.copy_(value)
+            for p in bucket.params:
+                handle = self._sparse.pop(id(p), None)
+                if handle is not None:
+                    p.grad = handle.wait().to(p.device)
 
     def _check_idle(self, what: str) -> None:
         busy = any(b.future is not None for b in self.__dict__.get("_buckets", []))
@@ -393,6 +420,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     basics.wait(bucket.future)
             bucket.future, bucket.finish, bucket.ready = None, None, 0
             bucket.residual = None  # half written by the step that failed
+        for handle in self._sparse.values():
+            with contextlib.suppress(Exception):
+                handle.wait()
+        self._sparse.clear()
         self._passes.clear()
         self._synchronized = False
 
@@ -406,8 +437,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        """Synchronizes (unless in skip_synchronize()) and runs the wrapped optimizer's step."""
+        """Synchronizes (unless in skip_synchronize()) and runs the wrapped optimizer's step.
+
+        Warns, as Horovod does, when synchronize() was called since the last backward pass and
+        step() is not inside skip_synchronize(): that usually means the skip was forgotten.
+        """
         if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): the gradients were already reduced, so this step does "
+                    "not reduce them again. Call step() inside optimizer.skip_synchronize() after "
+                    "synchronize().", stacklevel=2)
             self.synchronize()
         if self._check_finite and not self._finite:
             self.skipped_steps += 1

@@ -208,6 +208,16 @@ class Worker:
         if self._timeline is not None:
             self._timeline.close()
 
+    async def set_timeline(self, timeline: Timeline | None) -> Timeline | None:
+        """Makes the collectives started from now on write to ``timeline`` (None: to none), in this
+        view and the next; returns the timeline it replaced, for the caller to close. A coroutine,
+        so that the swap happens on the loop, between collectives. (ringserve.torch's start_timeline.)
+        """
+        previous, self._timeline = self._timeline, timeline
+        if self._session is not None:
+            self._session.timeline = timeline
+        return previous
+
     async def __aenter__(self) -> Worker:
         return await self.start()
 

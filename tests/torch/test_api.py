@@ -154,11 +154,10 @@ def test_objects_barrier_and_join(ranks: list[dict[str, Any]]) -> None:
     assert 0 <= last < N
 
 
-def test_adasum_and_product_fail_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+def test_adasum_fails_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
     errors = ranks[0]["errors"]
     assert "Adasum is not supported by ringserve yet" in errors["adasum"]
     assert "Adasum is not supported by ringserve yet" in errors["optimizer_adasum"]
-    assert "Product reduction is not supported" in errors["product"]
 
 
 def test_broadcast_parameters_makes_every_rank_equal_to_the_root(ranks: list[dict[str, Any]]) -> None:
@@ -176,7 +175,8 @@ def test_broadcast_optimizer_state_makes_every_rank_equal_to_the_root(ranks: lis
     assert group["lr"] == pytest.approx(0.01) and group["betas"] == (0.8, 0.9)
     assert torch.allclose(state["state"][0]["exp_avg"], torch.full((4, 5), 0.2))  # rank 0's gradient of 1
     fresh = same_on_every_rank(ranks, "optimizer_fresh")
-    assert fresh["state"] == {}
+    # Made before the broadcast, as Horovod makes it: one step on zero gradients.
+    assert fresh["state"] and all(not entry["momentum_buffer"].any() for entry in fresh["state"].values())
     assert fresh["param_groups"][0]["lr"] == pytest.approx(0.3)
     assert fresh["param_groups"][0]["momentum"] == pytest.approx(1.0)
 

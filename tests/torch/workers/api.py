@@ -120,7 +120,6 @@ def collectives(hvd: Any, r: int, res: dict[str, Any]) -> None:
     errors = {}
     for label, call in [
         ("adasum", lambda: hvd.allreduce(base(r), op=hvd.Adasum)),
-        ("product", lambda: hvd.allreduce(base(r), op=hvd.Product)),
         ("optimizer_adasum", lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(base(r))], lr=1),
                                                               op=hvd.Adasum)),
     ]:

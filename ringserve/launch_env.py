@@ -1,0 +1,36 @@
+"""The environment ``ringserve run`` gives each worker besides ringserve's own: Horovod's variables.
+
+Scripts written for Horovod read ``HOROVOD_RANK`` and friends (to pick a GPU, to name a log
+file, to skip work on all but rank 0) before or without calling ``hvd.init()``; ``horovodrun``
+exports them, and so does ``ringserve run``. They describe the launch as it was started, from
+the launcher's own numbering of its processes (its slots):
+
+- ``HOROVOD_RANK``: the slot, which is the worker's rank in the first view (RINGSERVE_RANK_HINT);
+- ``HOROVOD_SIZE``: the number of processes started (``-np``);
+- ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``: the same, since every process runs on this host;
+- ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``: 0 and 1 (one host);
+- ``HOROVOD_HOSTNAME``: this host's name.
+
+A variable cannot follow a process's rank once it runs: in elastic mode ranks change with the
+world (and a restarted slot may come back with another rank), so there, as in Horovod's elastic
+mode, ``hvd.rank()`` and ``hvd.size()`` are the live values and these only the starting ones.
+Horovod's Gloo settings (``HOROVOD_GLOO_*``, ``HOROVOD_CONTROLLER``) are not set: nothing
+here reads them.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def horovod_env(slot: int, num_proc: int, hostname: str | None = None) -> dict[str, str]:
+    """Horovod's variables for the worker started in ``slot`` of ``num_proc`` on one host."""
+    return {
+        "HOROVOD_HOSTNAME": hostname if hostname is not None else socket.gethostname(),
+        "HOROVOD_RANK": str(slot),
+        "HOROVOD_SIZE": str(num_proc),
+        "HOROVOD_LOCAL_RANK": str(slot),
+        "HOROVOD_LOCAL_SIZE": str(num_proc),
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+    }
