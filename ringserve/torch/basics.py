@@ -100,7 +100,7 @@ def cross_size() -> int:
 
 
 class _InFlight:
-    """The names of one context's collectives still in flight, as Horovod tracks its tensor names."""
+    """The names of one context's collectives in use, as Horovod tracks its tensor names."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # claimed by the caller's thread, released on the loop's
@@ -120,37 +120,75 @@ class _InFlight:
             self._names.discard(name)
 
 
-# One registry per context, so that a shutdown and a new init() start with none in flight. The
+class Claim:
+    """One collective's hold on its name: let go once the collective has finished and its result
+    was taken (synchronize()) or its handle dropped.
+
+    Finishing alone is not enough: a collective the other ranks already wait for can finish
+    within the microseconds before the caller's next line, so a second call of the same name
+    right after the first would be let through or not by chance. A handle dropped unwaited lets
+    go when the collective finishes, so the name is never held for good.
+    """
+
+    def __init__(self, names: _InFlight, name: str) -> None:
+        self._names = names
+        self.name = name
+        self._lock = threading.Lock()
+        self._finished = False
+        self._taken = False
+
+    def finished(self, _: object = None) -> None:
+        self._mark(finished=True)
+
+    def taken(self) -> None:
+        self._mark(taken=True)
+
+    def _mark(self, *, finished: bool = False, taken: bool = False) -> None:
+        with self._lock:
+            already = self._finished and self._taken
+            self._finished |= finished
+            self._taken |= taken
+            release = self._finished and self._taken and not already
+        if release:
+            self._names.release(self.name)
+
+
+# One registry per context, so that a shutdown and a new init() start with no name in use. The
 # contexts are ringserve.api's; this map only hangs each one's names on it.
 _in_flight: weakref.WeakKeyDictionary[api.Context, _InFlight] = weakref.WeakKeyDictionary()
 _in_flight_lock = threading.Lock()
 
 
-def submit(call: Callable[[Worker], Coroutine[Any, Any, T]], *,
-           name: str | None = None) -> concurrent.futures.Future[T]:
-    """Starts a worker call on the default context's loop; raises NotInitializedError before init().
+def submit(call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+    """Starts a worker call on the default context's loop; raises NotInitializedError before init()."""
+    return api.context().submit(call)
 
-    Args:
-        call: the worker call.
-        name: the collective's name as Horovod spells it ("allreduce.grad"), when the caller named
-            it; a second collective of that name while the first is still in flight is refused.
+
+def submit_named(call: Callable[[Worker], Coroutine[Any, Any, T]],
+                 name: str | None) -> tuple[concurrent.futures.Future[T], Claim | None]:
+    """submit(), holding ``name`` (Horovod's spelling: "allreduce.grad") while the call is in use.
+
+    Returns:
+        The future, and the claim on the name (None for an unnamed call): the handle that wraps
+        the future calls ``claim.taken()`` when its result is taken or it is dropped.
 
     Raises:
-        InvalidArgumentError: (a ValueError) a collective of that name is still in flight.
+        InvalidArgumentError: (a ValueError) a collective of that name is still in use on this rank.
     """
-    ctx = api.context()
     if name is None:
-        return ctx.submit(call)
+        return submit(call), None
+    ctx = api.context()
     with _in_flight_lock:
         names = _in_flight.setdefault(ctx, _InFlight())
     names.claim(name)
+    claim = Claim(names, name)
     try:
         future = ctx.submit(call)
     except BaseException:
         names.release(name)
         raise
-    future.add_done_callback(lambda _: names.release(name))
-    return future
+    future.add_done_callback(claim.finished)
+    return future, claim
 
 
 def wait(future: concurrent.futures.Future[T]) -> T:

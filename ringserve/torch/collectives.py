@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -30,12 +31,15 @@ class Handle(Generic[R]):
     """An in-flight collective; pass it to ``synchronize()`` or ``poll()``."""
 
     def __init__(self, future: concurrent.futures.Future[Any], finish: Callable[[Any], R],
-                 parts: Sequence[Handle[Any]] = ()) -> None:
+                 parts: Sequence[Handle[Any]] = (), claim: basics.Claim | None = None) -> None:
         self._future = future
         self._finish = finish
         self._parts = tuple(parts)  # collectives this one is made of (a grouped allreduce's)
         self._result: R | None = None
         self._finished = False
+        self._claim = claim
+        if claim is not None:
+            weakref.finalize(self, claim.taken)  # dropped unwaited: the name goes once it finishes
 
     def poll(self) -> bool:
         """True once the collective has finished (successfully or not)."""
@@ -44,7 +48,11 @@ class Handle(Generic[R]):
     def wait(self) -> R:
         """Waits for the collective and returns its result; a second call returns it again."""
         if not self._finished:
-            self._result = self._finish(basics.wait(self._future))
+            try:
+                self._result = self._finish(basics.wait(self._future))
+            finally:
+                if self._claim is not None:
+                    self._claim.taken()
             self._finished = True
         return self._result  # type: ignore[return-value]
 
@@ -104,8 +112,8 @@ def _allreduce_start(
     target = array if into_out or not aliases_input else None
     core = ops.core_op(op)
     codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future = basics.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec),
-                           name=_claim("allreduce", name))
+    future, claim = basics.submit_named(
+        lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec), _claim("allreduce", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
@@ -120,7 +128,7 @@ def _allreduce_start(
         with torch.no_grad():
             return out.copy_(reduced)
 
-    return Handle(future, finish)
+    return Handle(future, finish, claim=claim)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -227,13 +235,32 @@ def _grouped_start(
     return Handle(future, finish, parts=[handle for _, handle in handles])
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: ops.ReduceOp, name: str | None, prescale: float, postscale: float,
+                compression: type[Compressor] | Compressor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale)
+        return tuple(_grouped_start(tensors, op=op, name=name, compression=compression, prescale_factor=prescale,
+                                    postscale_factor=postscale, in_place=False).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # As allreduce's: the gradient of a reduction is the same reduction of the gradients.
+        op, prescale, postscale = ctx.args
+        reduced = _grouped_start(grads, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
+                                 postscale_factor=postscale, in_place=False).wait()
+        return (None, None, None, None, None, *reduced)
+
+
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: type[Compressor] | Compressor = Compression.none,
                       op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
-    """Reduces a list of tensors as one fused collective per dtype; returns new tensors."""
-    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                   process_set, compression=compression).wait()
+    """Reduces a list of tensors as one fused collective per dtype; returns new tensors
+    (differentiable, as allreduce)."""
+    basics.check_process_set(process_set)
+    reduce_op = ops.resolve(op, average)
+    return list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, compression, *tensors))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -270,8 +297,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
     array, layout = _tensors.raw(tensor)
-    future = basics.submit(lambda w: w.allgather(array, name=name), name=_claim("allgather", name))
-    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]))
+    future, claim = basics.submit_named(lambda w: w.allgather(array, name=name), _claim("allgather", name))
+    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]), claim=claim)
 
 
 class _Allgather(torch.autograd.Function):
@@ -308,7 +335,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
                      out: torch.Tensor | None) -> Handle[torch.Tensor]:
     array, layout = _tensors.raw(tensor)
-    future = basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name), name=_claim("broadcast", name))
+    future, claim = basics.submit_named(lambda w: w.broadcast(array, root=root_rank, name=name),
+                                        _claim("broadcast", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         value = _tensors.restore(result, layout)
@@ -317,7 +345,7 @@ def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
         with torch.no_grad():
             return out.copy_(value)
 
-    return Handle(future, finish)
+    return Handle(future, finish, claim=claim)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -371,14 +399,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
     array, layout = _tensors.reducible(wire)
     codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future = basics.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec),
-                           name=_claim("reducescatter", name))
+    future, claim = basics.submit_named(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec),
+                                        _claim("reducescatter", name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])
         return _rescale(compression.decompress(part, cctx), postscale_factor)
 
-    return Handle(future, finish)
+    return Handle(future, finish, claim=claim)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,

@@ -87,6 +87,13 @@ def test_product_multiplies_across_ranks(ranks: list[dict[str, Any]]) -> None:
     assert got.dtype == torch.int32 and torch.equal(got, expected_int)
 
 
+def test_grouped_allreduce_is_differentiable_as_allreduce_is(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        first, second = r["grouped_grads"]
+        assert torch.equal(first, torch.full((8,), float(N))) and first.dtype == torch.float32
+        assert torch.equal(second, torch.full((2, 2), 2.0 * N)) and second.dtype == torch.float64
+
+
 def test_broadcast_optimizer_state_before_the_first_step_makes_the_state_first(ranks: list[dict[str, Any]]) -> None:
     state = ranks[0]["initial_state"]
     assert len(state["state"]) == 2  # weight and bias; not the frozen parameter

@@ -90,6 +90,13 @@ def scaling_and_product(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["product_int"] = hvd.allreduce(ints(r), op=hvd.Product)
 
 
+def grouped_grad(hvd: Any, r: int, res: dict[str, Any]) -> None:
+    xs = [floats(r).float().requires_grad_(), torch.ones(2, 2, dtype=torch.float64, requires_grad=True)]
+    out = hvd.grouped_allreduce(xs, op=hvd.Sum, name="grouped_grad")
+    sum(o.sum() * (k + 1) for k, o in enumerate(out)).backward()
+    res["grouped_grads"] = [x.grad for x in xs]
+
+
 def optimizer_state(hvd: Any, r: int, res: dict[str, Any]) -> None:
     torch.manual_seed(3)
     model = torch.nn.Linear(3, 2)
@@ -199,6 +206,7 @@ def main(out_dir: str) -> None:
     errors(hvd, r, res)
     duplicate_names(hvd, r, res)
     scaling_and_product(hvd, r, res)
+    grouped_grad(hvd, r, res)
     optimizer_state(hvd, r, res)
     synchronize_warning(hvd, r, res)
     sparse(hvd, r, res)
