@@ -12,6 +12,7 @@ import torch
 import ringserve.torch as hvd
 from ringserve import errors
 from ringserve.ring import REDUCE_OPS, combine_into, finish_into
+from ringserve.torch.basics import Claim, _InFlight
 from ringserve.torch.sampler import ElasticSampler, deal, remaining
 
 
@@ -91,3 +92,18 @@ def test_torch_state_keeps_extra_modules_and_samplers_by_their_state_dict() -> N
     state.restore()
     assert torch.equal(other.weight, kept) and sampler.state_dict()["processed_num"] == 0 and state.epoch == 3
     assert state.second is other and state.sampler is sampler
+
+
+@pytest.mark.parametrize("order", [("finished", "taken"), ("taken", "finished")])
+def test_a_name_is_free_again_only_once_its_collective_finished_and_its_result_was_taken(
+    order: tuple[str, str],
+) -> None:
+    names = _InFlight()
+    names.claim("allreduce.g")
+    claim = Claim(names, "allreduce.g")
+    getattr(claim, order[0])()
+    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+        names.claim("allreduce.g")
+    getattr(claim, order[1])()
+    names.claim("allreduce.g")  # free again
+    names.claim("allgather.g")  # another kind of the same name was never taken
