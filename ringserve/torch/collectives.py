@@ -409,16 +409,32 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     return Handle(future, finish, claim=claim)
 
 
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, compression: type[Compressor] | Compressor,
+                op: ops.ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
+        ctx.scale = (api.size() if op is ops.Sum else 1.0) * prescale * postscale
+        return reducescatter_async(tensor, name, compression, op, None, prescale, postscale).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # Horovod's convention, which code written for it expects: every rank's rows of the
+        # gradient, gathered, and for Sum scaled by the world size (as if the gradients of all the
+        # ranks' losses were summed, the way allreduce's Sum gradient is).
+        scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
+        return _allgather_start(scaled, None).wait(), None, None, None, None, None
+
+
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] | Compressor = Compression.none,
                   op: ops.ReduceOp | None = None, process_set: object = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduces ``tensor`` over all ranks and returns this rank's rows of the result.
+    """Reduces ``tensor`` over all ranks and returns this rank's rows of the result (differentiable).
 
     Rows are split as evenly as possible, the first ranks getting one more, as in Horovod.
     """
-    return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor,
-                               postscale_factor).wait()
+    basics.check_process_set(process_set)
+    return _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor)
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,

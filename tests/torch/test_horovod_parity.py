@@ -94,6 +94,14 @@ def test_grouped_allreduce_is_differentiable_as_allreduce_is(ranks: list[dict[st
         assert torch.equal(second, torch.full((2, 2), 2.0 * N)) and second.dtype == torch.float64
 
 
+def test_reducescatter_is_differentiable_with_horovods_scaling(ranks: list[dict[str, Any]]) -> None:
+    # Every rank's rows of the gradient, gathered; for Sum scaled by the world size, as in Horovod.
+    rows = torch.arange(1.0, 4.0).expand(4, 3) * 0.5
+    for r in ranks:
+        torch.testing.assert_close(r["reducescatter_grad_Sum"], rows * N)
+        torch.testing.assert_close(r["reducescatter_grad_Average"], rows)
+
+
 def test_broadcast_optimizer_state_before_the_first_step_makes_the_state_first(ranks: list[dict[str, Any]]) -> None:
     state = ranks[0]["initial_state"]
     assert len(state["state"]) == 2  # weight and bias; not the frozen parameter

@@ -95,6 +95,11 @@ def grouped_grad(hvd: Any, r: int, res: dict[str, Any]) -> None:
     out = hvd.grouped_allreduce(xs, op=hvd.Sum, name="grouped_grad")
     sum(o.sum() * (k + 1) for k, o in enumerate(out)).backward()
     res["grouped_grads"] = [x.grad for x in xs]
+    for op in ("Sum", "Average"):
+        x = (torch.arange(12.0).reshape(4, 3) * (r + 1)).requires_grad_()
+        part = hvd.reducescatter(x, op=getattr(hvd, op), postscale_factor=0.5)
+        (part * torch.arange(1.0, 4.0)).sum().backward()
+        res[f"reducescatter_grad_{op}"] = x.grad
 
 
 def optimizer_state(hvd: Any, r: int, res: dict[str, Any]) -> None:
