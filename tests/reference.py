@@ -15,6 +15,8 @@ def numpy_reduce(xs: Sequence[np.ndarray], op: str) -> np.ndarray:
         return stack.min(axis=0)
     if op == "max":
         return stack.max(axis=0)
+    if op == "product":
+        return stack.prod(axis=0, dtype=stack.dtype)
     total = stack.sum(axis=0, dtype=stack.dtype)
     if op == "sum":
         return total
