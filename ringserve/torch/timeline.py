@@ -61,8 +61,9 @@ class HorovodTimeline(Timeline):
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing this rank's collectives to ``file_path`` (Horovod's ``hvd.start_timeline``).
 
-    A timeline already started is stopped first (its file is closed); ``{rank}`` in the path is
-    replaced by this rank. The collectives already in flight are not written.
+    A timeline already being written is stopped first and its file closed, whether start_timeline()
+    or RINGSERVE_TIMELINE started it; ``{rank}`` in the path is replaced by this rank. The
+    collectives already in flight are not written.
 
     Args:
         file_path: the trace to write (Chrome trace JSON).
