@@ -197,10 +197,12 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
     if isinstance(inner, torch.optim.LBFGS):
         return  # its step needs a closure that evaluates the model: its state stays empty
-    inner.step()
-    with torch.no_grad():
-        for p, value in zip(params, kept, strict=True):
-            p.copy_(value)
+    try:
+        inner.step()
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, kept, strict=True):
+                p.copy_(value)
 
 
 def broadcast_object(obj: object = None, root_rank: int = 0, name: str | None = None,
