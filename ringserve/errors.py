@@ -28,8 +28,8 @@ Every error is a ``RuntimeError``, as every error Horovod raises from a collecti
 ``HorovodInternalError`` and ``HostsUpdatedInterrupt`` are): code written for Horovod catches
 ``RuntimeError`` around collectives, and a mismatch must land there too. The tree below
 ``RingserveError`` keeps what Horovod's one internal error blurs (a mismatch is a usage error,
-which elastic training must not retry). ``InvalidArgumentError`` is also a ``ValueError``, as
-Horovod's argument errors are.
+which elastic training must not retry). ``InvalidArgumentError`` and ``NotInitializedError`` are
+also ``ValueError``s, as Horovod's argument errors and its calls before ``init()`` are.
 """
 
 from __future__ import annotations
@@ -139,8 +139,10 @@ class UsageError(RingserveError):
     """The calling program used ringserve wrongly; retrying the same call will fail again."""
 
 
-class NotInitializedError(UsageError):
-    """A function that needs a running worker was called before init() or after shutdown()."""
+class NotInitializedError(UsageError, ValueError):
+    """A function that needs a running worker was called before init() or after shutdown().
+
+    Also a ValueError, as Horovod's ``hvd.rank()`` before ``hvd.init()`` raises one."""
 
 
 class InvalidArgumentError(UsageError, ValueError):

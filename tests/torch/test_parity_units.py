@@ -62,6 +62,8 @@ def test_errors_are_runtime_errors_as_horovods_are() -> None:
     assert issubclass(errors.MismatchError, RuntimeError)
     assert not issubclass(errors.MismatchError, hvd.HorovodInternalError)  # elastic must not retry it
     assert issubclass(errors.InvalidArgumentError, ValueError)
+    with pytest.raises(ValueError, match="not initialized"):
+        hvd.rank()  # before init(), as Horovod's
     assert issubclass(errors.PeerUnavailableError, hvd.HorovodInternalError)
     assert hvd.HostsUpdatedInterrupt is errors.HostsUpdatedInterrupt
     assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError)
