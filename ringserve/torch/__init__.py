@@ -69,15 +69,10 @@ from ringserve.torch.collectives import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
     join,
     poll,
     reducescatter,
     reducescatter_async,
-    sparse_allreduce_async,
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
@@ -87,8 +82,15 @@ from ringserve.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from ringserve.torch.grouped import (
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
 from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringserve.torch.optimizer import DistributedOptimizer
+from ringserve.torch.sparse import sparse_allreduce_async
 from ringserve.torch.sync_batch_norm import SyncBatchNorm
 from ringserve.torch.timeline import start_timeline, stop_timeline
 

@@ -5,7 +5,8 @@ Async forms return a ``Handle``; ``synchronize(handle)`` waits for it and return
 ``poll(handle)`` says whether it is done. A tensor passed to an async call must not be modified
 until the call is synchronized: CPU tensors are read in place, without a copy.
 
-``allreduce``, ``allgather`` and ``broadcast`` are differentiable, as in Horovod.
+``allreduce``, ``allgather``, ``broadcast`` and ``reducescatter`` are differentiable, as in Horovod.
+Grouped allreduce is in ``grouped``, the sparse reduction in ``sparse``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 import torch
 
 from ringserve import api
-from ringserve.errors import InvalidArgumentError
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
@@ -192,107 +192,6 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                             prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=tensor)
 
 
-def _grouped_start(
-    tensors: Sequence[torch.Tensor], *, op: ops.ReduceOp, name: str | None,
-    compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
-    in_place: bool,
-) -> Handle[list[torch.Tensor]]:
-    """Fuses tensors of one wire dtype and device into one buffer, and reduces each buffer once."""
-    around, codec = split(compression)
-    # The wire codec (if any) is applied by each fused reduction; a compressor without one, here.
-    on_wire = Compression.none if codec is None else compression
-    compressed = [around.compress(t.detach()) for t in tensors]
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, (wire, _) in enumerate(compressed):
-        groups.setdefault((wire.dtype, wire.device), []).append(i)
-    handles: list[tuple[list[int], Handle[torch.Tensor]]] = []
-    for k, members in enumerate(groups.values()):
-        flat = torch.cat([compressed[i][0].reshape(-1) for i in members])
-        part_name = None if name is None else f"{name}.{k}"
-        handles.append((members, _allreduce_start(
-            flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, out=None)))
-    future: concurrent.futures.Future[None] = concurrent.futures.Future()
-    future.set_result(None)
-
-    def finish(_: None) -> list[torch.Tensor]:
-        results: list[torch.Tensor] = [tensors[0]] * len(tensors)
-        for members, handle in handles:
-            flat = handle.wait()
-            offset = 0
-            for i in members:
-                wire, cctx = compressed[i]
-                part = flat[offset: offset + wire.numel()].view(wire.shape)
-                offset += wire.numel()
-                value = around.decompress(part, cctx)
-                if in_place:
-                    with torch.no_grad():
-                        tensors[i].copy_(value)
-                    value = tensors[i]
-                results[i] = value
-        return results
-
-    return Handle(future, finish, parts=[handle for _, handle in handles])
-
-
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, op: ops.ReduceOp, name: str | None, prescale: float, postscale: float,
-                compression: type[Compressor] | Compressor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, prescale, postscale)
-        return tuple(_grouped_start(tensors, op=op, name=name, compression=compression, prescale_factor=prescale,
-                                    postscale_factor=postscale, in_place=False).wait())
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        # As allreduce's: the gradient of a reduction is the same reduction of the gradients.
-        op, prescale, postscale = ctx.args
-        reduced = _grouped_start(grads, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
-                                 postscale_factor=postscale, in_place=False).wait()
-        return (None, None, None, None, None, *reduced)
-
-
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: type[Compressor] | Compressor = Compression.none,
-                      op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
-    """Reduces a list of tensors as one fused collective per dtype; returns new tensors
-    (differentiable, as allreduce)."""
-    basics.check_process_set(process_set)
-    reduce_op = ops.resolve(op, average)
-    return list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, compression, *tensors))
-
-
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                            name: str | None = None, op: ops.ReduceOp | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: object = None, *,
-                            compression: type[Compressor] | Compressor = Compression.none,
-                            ) -> Handle[list[torch.Tensor]]:
-    """Starts grouped_allreduce() and returns its handle."""
-    basics.check_process_set(process_set)
-    return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=compression,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=False)
-
-
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
-    """Reduces a list of tensors in place; returns them."""
-    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    process_set).wait()
-
-
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                             name: str | None = None, op: ops.ReduceOp | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: object = None) -> Handle[list[torch.Tensor]]:
-    """Starts grouped_allreduce_() and returns its handle."""
-    basics.check_process_set(process_set)
-    return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=Compression.none,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=True)
-
-
 # -- allgather, broadcast, reducescatter -----------------------------------------------------
 
 def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
@@ -435,48 +334,6 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     """
     basics.check_process_set(process_set)
     return _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor)
-
-
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
-                           process_set: object = None) -> Handle[torch.Tensor]:
-    """Starts the reduction of a sparse COO tensor by gathering every rank's indices and values.
-
-    The result, from ``handle()`` or ``synchronize(handle)``, is a sparse tensor holding every
-    rank's entries (uncoalesced: an index held by several ranks appears once per rank, and
-    ``coalesce()`` adds them), with the values divided by the number of ranks for Average. Its
-    dense form equals allreduce() of the dense tensors. This is how Horovod reduces sparse
-    gradients: the data moved grows with the ranks, but stays proportional to the nonzeros.
-
-    Args:
-        tensor: a sparse COO tensor; the same size and dtype on every rank (the nonzeros may differ).
-        name: names the two gathers (of the indices and of the values).
-        op: Average (default) or Sum.
-        process_set: only the global process set is supported.
-
-    Raises:
-        InvalidArgumentError: the tensor is not sparse, or the op is neither Average nor Sum.
-    """
-    basics.check_process_set(process_set)
-    reduce_op = ops.resolve(op)
-    if reduce_op not in (ops.Average, ops.Sum):
-        raise InvalidArgumentError(f"sparse_allreduce_async reduces with Average or Sum, not {reduce_op!r}.")
-    if not tensor.is_sparse:
-        raise InvalidArgumentError("sparse_allreduce_async takes a sparse COO tensor; use allreduce_async "
-                                   "for a dense one.")
-    sparse = tensor.detach().coalesce()
-    # Indices travel as rows (nnz, sparse dims), so that the gather concatenates the ranks' entries.
-    indices = _allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices")
-    values = _allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values")
-    done: concurrent.futures.Future[None] = concurrent.futures.Future()
-    done.set_result(None)
-
-    def finish(_: None) -> torch.Tensor:
-        gathered = values.wait()
-        if reduce_op is ops.Average:
-            gathered = gathered / api.size() if gathered.is_floating_point() else gathered // api.size()
-        return torch.sparse_coo_tensor(indices.wait().t(), gathered, sparse.shape)
-
-    return Handle(done, finish, parts=[indices, values])
 
 
 def barrier(process_set: object = None) -> None:

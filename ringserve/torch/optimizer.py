@@ -43,7 +43,7 @@ import torch
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UsageError
-from ringserve.torch import _tensors, basics, collectives, ops
+from ringserve.torch import _tensors, basics, collectives, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
@@ -300,7 +300,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if grad.is_sparse and not self._sparse_as_dense:
                     buf[a:b].zero_()
                     flags.append(0.0)  # the dense reduction leaves it alone; the gather below reduces it
-                    self._sparse[id(p)] = collectives.sparse_allreduce_async(
+                    self._sparse[id(p)] = sparse.sparse_allreduce_async(
                         grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op)
                     continue
                 flags.append(1.0)
