@@ -134,6 +134,7 @@ def test_sparse_allreduce_gathers_indices_and_values_into_the_dense_reduction(ra
         assert is_sparse
         torch.testing.assert_close(value, dense.mean(0))
         torch.testing.assert_close(r["sparse_sum"], dense.sum(0))
+        torch.testing.assert_close(r["sparse_none_on_rank0"], dense[1:].sum(0))
 
 
 def test_sparse_gradients_reach_sparse_adam_averaged_with_or_without_sparse_as_dense(ranks: list[dict[str, Any]]) -> None:

@@ -145,6 +145,8 @@ def sparse(hvd: Any, r: int, res: dict[str, Any]) -> None:
     gathered = handle()
     res["sparse_gathered"] = (gathered.is_sparse, gathered.to_dense())
     res["sparse_sum"] = hvd.synchronize(hvd.sparse_allreduce_async(sparse_rows(r), op=hvd.Sum)).to_dense()
+    none_here = torch.zeros(6, 2).to_sparse() if r == 0 else sparse_rows(r)  # rank 0 holds no entry
+    res["sparse_none_on_rank0"] = hvd.synchronize(hvd.sparse_allreduce_async(none_here, op=hvd.Sum)).to_dense()
     for as_dense in (False, True):
         torch.manual_seed(5)
         embedding = torch.nn.Embedding(6, 3, sparse=True)
