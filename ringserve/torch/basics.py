@@ -164,31 +164,48 @@ def submit(call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futur
     return api.context().submit(call)
 
 
-def submit_named(call: Callable[[Worker], Coroutine[Any, Any, T]],
-                 name: str | None) -> tuple[concurrent.futures.Future[T], Claim | None]:
-    """submit(), holding ``name`` (Horovod's spelling: "allreduce.grad") while the call is in use.
+class NamedCall:
+    """A collective being started under a name: the name is taken first, before the arguments are
+    prepared, so that a second call of the same name is checked as soon after the first as can be;
+    it is let go at once if the collective never starts."""
 
-    Returns:
-        The future, and the claim on the name (None for an unnamed call): the handle that wraps
-        the future calls ``claim.taken()`` when its result is taken or it is dropped.
+    def __init__(self, name: str | None) -> None:
+        self.claim: Claim | None = None
+        if name is not None:
+            ctx = api.context()
+            with _in_flight_lock:
+                names = _in_flight.setdefault(ctx, _InFlight())
+            names.claim(name)
+            self.claim = Claim(names, name)
+        self._started = False
+
+    def submit(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        future = submit(call)
+        self._started = True
+        if self.claim is not None:
+            future.add_done_callback(self.claim.finished)
+        return future
+
+    def __enter__(self) -> NamedCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._started and self.claim is not None:
+            self.claim.finished()
+            self.claim.taken()
+
+
+def named_call(name: str | None) -> NamedCall:
+    """Takes ``name`` (Horovod's spelling: "allreduce.grad"; None for an unnamed call) for a
+    collective about to start: ``with named_call(n) as call: ...; future = call.submit(...)``.
+    The handle that wraps the future calls ``call.claim.taken()`` when its result is taken or it
+    is dropped.
 
     Raises:
         InvalidArgumentError: (a ValueError) a collective of that name is still in use on this rank.
+        NotInitializedError: before init().
     """
-    if name is None:
-        return submit(call), None
-    ctx = api.context()
-    with _in_flight_lock:
-        names = _in_flight.setdefault(ctx, _InFlight())
-    names.claim(name)
-    claim = Claim(names, name)
-    try:
-        future = ctx.submit(call)
-    except BaseException:
-        names.release(name)
-        raise
-    future.add_done_callback(claim.finished)
-    return future, claim
+    return NamedCall(name)
 
 
 def wait(future: concurrent.futures.Future[T]) -> T:

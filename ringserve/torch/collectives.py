@@ -100,20 +100,20 @@ def _allreduce_start(
     tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
     prescale_factor: float, postscale_factor: float, out: torch.Tensor | None,
 ) -> Handle[torch.Tensor]:
-    source = tensor.detach()
-    compression, codec = split(compression)
-    wire, cctx = compression.compress(_scaled(source, prescale_factor))
-    array, layout = _tensors.reducible(wire)
-    # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
-    # into the caller's input of an out-of-place call.
-    aliases_input = _tensors.shares_memory(array, source)
-    into_out = (out is not None and aliases_input and out.is_contiguous()
-                and array.__array_interface__["data"][0] == out.data_ptr())
-    target = array if into_out or not aliases_input else None
-    core = ops.core_op(op)
-    codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future, claim = basics.submit_named(
-        lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec), _claim("allreduce", name))
+    with basics.named_call(_claim("allreduce", name)) as call:
+        source = tensor.detach()
+        compression, codec = split(compression)
+        wire, cctx = compression.compress(_scaled(source, prescale_factor))
+        array, layout = _tensors.reducible(wire)
+        # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
+        # into the caller's input of an out-of-place call.
+        aliases_input = _tensors.shares_memory(array, source)
+        into_out = (out is not None and aliases_input and out.is_contiguous()
+                    and array.__array_interface__["data"][0] == out.data_ptr())
+        target = array if into_out or not aliases_input else None
+        core = ops.core_op(op)
+        codec = wire_codec(codec, wire.dtype, array.dtype.kind)
+        future = call.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
@@ -128,7 +128,7 @@ def _allreduce_start(
         with torch.no_grad():
             return out.copy_(reduced)
 
-    return Handle(future, finish, claim=claim)
+    return Handle(future, finish, claim=call.claim)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -195,9 +195,10 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 # -- allgather, broadcast, reducescatter -----------------------------------------------------
 
 def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
-    array, layout = _tensors.raw(tensor)
-    future, claim = basics.submit_named(lambda w: w.allgather(array, name=name), _claim("allgather", name))
-    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]), claim=claim)
+    with basics.named_call(_claim("allgather", name)) as call:
+        array, layout = _tensors.raw(tensor)
+        future = call.submit(lambda w: w.allgather(array, name=name))
+    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]), claim=call.claim)
 
 
 class _Allgather(torch.autograd.Function):
@@ -233,9 +234,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
                      out: torch.Tensor | None) -> Handle[torch.Tensor]:
-    array, layout = _tensors.raw(tensor)
-    future, claim = basics.submit_named(lambda w: w.broadcast(array, root=root_rank, name=name),
-                                        _claim("broadcast", name))
+    with basics.named_call(_claim("broadcast", name)) as call:
+        array, layout = _tensors.raw(tensor)
+        future = call.submit(lambda w: w.broadcast(array, root=root_rank, name=name))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         value = _tensors.restore(result, layout)
@@ -244,7 +245,7 @@ def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
         with torch.no_grad():
             return out.copy_(value)
 
-    return Handle(future, finish, claim=claim)
+    return Handle(future, finish, claim=call.claim)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -294,18 +295,18 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     """Starts reducescatter() and returns its handle."""
     basics.check_process_set(process_set)
     core = ops.core_op(ops.resolve(op))
-    compression, codec = split(compression)
-    wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
-    array, layout = _tensors.reducible(wire)
-    codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-    future, claim = basics.submit_named(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec),
-                                        _claim("reducescatter", name))
+    with basics.named_call(_claim("reducescatter", name)) as call:
+        compression, codec = split(compression)
+        wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
+        array, layout = _tensors.reducible(wire)
+        codec = wire_codec(codec, wire.dtype, array.dtype.kind)
+        future = call.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])
         return _rescale(compression.decompress(part, cctx), postscale_factor)
 
-    return Handle(future, finish, claim=claim)
+    return Handle(future, finish, claim=call.claim)
 
 
 class _Reducescatter(torch.autograd.Function):
