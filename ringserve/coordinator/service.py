@@ -8,7 +8,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +16,7 @@ from ringserve import membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
@@ -27,26 +27,35 @@ MAX_VIEW_ID = (1 << 64) - (1 << 32)
 
 
 def view_to_proto(view: membership.ViewInfo) -> pb.View:
-    members = []
-    for rank, m in enumerate(view.members):
-        local_rank, local_size, cross_rank, cross_size = view.local(rank)
-        members.append(
-            pb.Member(
-                worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
-                local_rank=local_rank, local_size=local_size,
-                cross_rank=cross_rank, cross_size=cross_size,
-            )
+    """The view's message, in one pass over its members (their local ranks come from one table)."""
+    members = [
+        pb.Member(
+            worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
+            local_rank=local_rank, local_size=local_size, cross_rank=cross_rank, cross_size=cross_size,
         )
+        for rank, (m, (local_rank, local_size, cross_rank, cross_size)) in enumerate(
+            zip(view.members, view.placements, strict=True)
+        )
+    ]
     return pb.View(
         view_id=view.view_id, members=members,
         left_worker_ids=view.left, failed_worker_ids=view.failed,
     )
 
 
-@dataclass
-class _Blob:
-    total: int
-    data: bytearray = field(default_factory=bytearray)
+class _EncodedView:
+    """A view's message, built and serialized once and shared by every watcher and Status call:
+    at 2,000 members it is some 150 KB, sent to 2,000 watchers."""
+
+    def __init__(self, view: membership.ViewInfo) -> None:
+        self.view = view
+        self.message = view_to_proto(view)
+        self.data = self.message.SerializeToString()
+
+
+def view_bytes(message: bytes | pb.View) -> bytes:
+    """WatchView's response serializer: views arrive already encoded."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -65,12 +74,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             max_workers=config.max_workers,
             settle_s=config.settle_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
+            failure_window_s=failure_window(config),
         )
         self._state = membership.State(rules=rules)
-        self._watchers: set[asyncio.Queue[membership.ViewInfo]] = set()
+        self._watchers: set[asyncio.Queue[bytes]] = set()
+        self._watches_by_worker: dict[str, int] = {}
+        self._encoded = _EncodedView(self._state.view)
+        # Workers waiting to be admitted, recomputed only when the workers or the view change
+        # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
+        self._waiting: tuple[object, object, int] = (None, None, 0)
         self._counters: dict[str, pb.WorkerCounters] = {}
-        self._params: dict[str, bytes] = {}
-        self._param_versions: dict[str, int] = {}
+        self.params = ParamStore(config.max_param_bytes)
         self.views_formed = 0
         self._probes: set[asyncio.Task[None]] = set()
         # A dead process refuses the probe at once; the timeout only matters for a stopped or cut
@@ -86,18 +100,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def view(self) -> membership.ViewInfo:
         return self._state.view
 
+    @property
+    def watch_streams(self) -> int:
+        return sum(self._watches_by_worker.values())
+
+    def _encode(self) -> _EncodedView:
+        if self._encoded.view is not self._state.view:
+            self._encoded = _EncodedView(self._state.view)
+        return self._encoded
+
+    def _waiting_count(self) -> int:
+        workers, view, count = self._waiting
+        if workers is not self._state.workers or view is not self._state.view:
+            count = membership.waiting(self._state)
+            self._waiting = (self._state.workers, self._state.view, count)
+        return count
+
+    def _admissible(self) -> int:
+        room = self._config.max_workers - len(self._state.view.members)
+        return max(0, min(self._waiting_count(), room))
+
     def apply(self, event: membership.Event) -> None:
         """Feeds one event to the state machine and carries out its actions."""
         self._state, actions = membership.step(self._state, event, self._clock())
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
-                log.info(
-                    "view %d formed with %d workers: %s", action.view.view_id,
-                    len(action.view.members), [m.address for m in action.view.members],
-                )
+                log.info("view %d formed with %d workers", action.view.view_id, len(action.view.members))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("view %d: %s", action.view.view_id, [m.address for m in action.view.members])
+                # Encoded once, here; every watcher's queue holds the same bytes.
+                data = _EncodedView(action.view).data if action.view is not self._state.view else self._encode().data
                 for queue in self._watchers:
-                    queue.put_nowait(action.view)
+                    queue.put_nowait(data)
                 self.view_changed.set()
                 self.view_changed = asyncio.Event()
             elif isinstance(action, membership.Probe):
@@ -142,7 +177,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "views_formed": self.views_formed,
             "view": self._state.view.view_id,
             "view_size": len(self._state.view.members),
-            "workers_waiting": membership.waiting(self._state),
+            "workers_waiting": self._waiting_count(),
+            "watch_streams": self.watch_streams,
+            "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
         }
 
     # -- RPCs --------------------------------------------------------------------------------
@@ -186,7 +223,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._stalled[request.worker_id] = (request.view_id, frozenset(request.stalled))
             warnings = self._stall_warnings(request.view_id, set(request.stalled))
         return pb.HeartbeatResponse(
-            view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state),
+            view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
             stall_warnings=warnings,
         )
 
@@ -217,16 +254,37 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.warning("view %d: stalled collective %s", view_id, text)
         return warnings
 
-    async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.View]:
-        queue: asyncio.Queue[membership.ViewInfo] = asyncio.Queue()
+    async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Yields views already encoded (see ``view_bytes``), within the caps on streams."""
+        worker_id = request.worker_id
+        total, mine = self.watch_streams, self._watches_by_worker.get(worker_id, 0)
+        if total >= self._config.watch_stream_cap:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"The coordinator already serves {total} WatchView streams, its cap (max_watch_streams, "
+                f"at most half of max_concurrent_rpcs).",
+            )
+        if mine >= self._config.max_watches_per_worker:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Worker id {worker_id!r} already holds {mine} WatchView streams, the cap per worker "
+                f"(max_watches_per_worker).",
+            )
+        self._watches_by_worker[worker_id] = mine + 1
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._watchers.add(queue)
         try:
             if self._state.view.view_id:
-                yield view_to_proto(self._state.view)
+                yield self._encode().data
             while True:
-                yield view_to_proto(await queue.get())
+                yield await queue.get()
         finally:
             self._watchers.discard(queue)
+            left = self._watches_by_worker[worker_id] - 1
+            if left:
+                self._watches_by_worker[worker_id] = left
+            else:
+                del self._watches_by_worker[worker_id]
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
@@ -248,32 +306,46 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
-        blobs: dict[str, _Blob] = {}
-        async for chunk in request_iterator:
-            blob = blobs.setdefault(chunk.key, _Blob(chunk.total_bytes))
-            if chunk.offset != len(blob.data) or chunk.total_bytes != blob.total:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"Chunk of {chunk.key!r} at offset {chunk.offset} does not follow the "
-                    f"{len(blob.data)} bytes received so far of {blob.total}.",
-                )
-            blob.data += chunk.data
-            if len(blob.data) > blob.total:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{chunk.key!r} is longer than its total.")
-        version = 0
-        for key, blob in blobs.items():
-            if len(blob.data) != blob.total:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{key!r} ended after {len(blob.data)} of {blob.total} bytes.",
-                )
-        for key, blob in blobs.items():
-            self._params[key] = bytes(blob.data)
-            version = self._param_versions[key] = self._param_versions.get(key, 0) + 1
-        return pb.PutParamsResponse(version=version)
+        blobs: dict[str, bytearray] = {}
+        totals: dict[str, int] = {}
+        reserved = 0
+        try:
+            async for chunk in request_iterator:
+                blob = blobs.setdefault(chunk.key, bytearray())
+                total = totals.setdefault(chunk.key, chunk.total_bytes)
+                if chunk.offset != len(blob) or chunk.total_bytes != total:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"Chunk of {chunk.key!r} at offset {chunk.offset} does not follow the "
+                        f"{len(blob)} bytes received so far of {total}.",
+                    )
+                if len(blob) + len(chunk.data) > total:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{chunk.key!r} is longer than its total.")
+                try:
+                    # A declared total past the cap is refused at its first chunk, not at the last.
+                    if total > self.params.max_bytes:
+                        self.params.reserve(total, chunk.key)
+                    self.params.reserve(len(chunk.data), chunk.key)
+                except ParamsFullError as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                reserved += len(chunk.data)
+                blob += chunk.data
+            version = 0
+            for key, blob in blobs.items():
+                if len(blob) != totals[key]:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{key!r} ended after {len(blob)} of {totals[key]} bytes.",
+                    )
+            for key, blob in blobs.items():
+                version = self.params.commit(key, bytes(blob))
+                blob.clear()
+            return pb.PutParamsResponse(version=version)
+        finally:
+            self.params.release(reserved)
 
     async def GetParams(self, request: pb.GetParamsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ParamChunk]:
-        data = self._params.get(request.key)
+        data = self.params.get(request.key)
         if data is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"No parameters are stored under {request.key!r}.")
             return
@@ -284,24 +356,43 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        """The view and the members' health: all of them by default, a page of them with
+        ``offset`` and ``limit``, none with ``summary_only`` (the view then lists no members)."""
         now = self._clock()
-        view = self._state.view
-        members = []
-        for rank, m in enumerate(view.members):
-            seen = self._state.last_seen.get(m.worker_id, now)
-            members.append(
-                pb.MemberStatus(
-                    member=view_to_proto(view).members[rank],
-                    seconds_since_heartbeat=now - seen,
-                    counters=self._counters.get(m.worker_id, pb.WorkerCounters()),
-                )
-            )
-        return pb.StatusResponse(
-            view=view_to_proto(view),
-            members=members,
+        encoded = self._encode()
+        view = encoded.view
+        answer = pb.StatusResponse(
             uptime_s=now - self._started,
             views_formed=self.views_formed,
-            pending_workers=membership.waiting(self._state),
+            pending_workers=self._waiting_count(),
             min_workers=self._config.min_workers,
             max_workers=self._config.max_workers,
+            view_size=len(view.members),
         )
+        if request.summary_only:
+            answer.view.view_id = view.view_id
+            answer.view.left_worker_ids.extend(view.left)
+            answer.view.failed_worker_ids.extend(view.failed)
+            return answer
+        answer.view.CopyFrom(encoded.message)
+        last_seen = membership.seen(self._state)
+        stop = len(view.members) if not request.limit else request.offset + request.limit
+        no_counters = pb.WorkerCounters()
+        for rank in range(request.offset, min(stop, len(view.members))):
+            worker_id = view.members[rank].worker_id
+            answer.members.append(
+                pb.MemberStatus(
+                    member=encoded.message.members[rank],
+                    seconds_since_heartbeat=now - last_seen.get(worker_id, now),
+                    counters=self._counters.get(worker_id, no_counters),
+                )
+            )
+        return answer
+
+
+def failure_window(config: CoordinatorConfig) -> float:
+    """How much short of the full timeout a worker may have been silent and still leave in the
+    same view as one found dead: one heartbeat interval (the spread of the last heartbeats of
+    workers that died together), but never so much that a worker that missed only two heartbeats
+    goes with them."""
+    return max(0.0, min(config.heartbeat_interval_s, config.heartbeat_timeout_s - 2 * config.heartbeat_interval_s))

@@ -59,8 +59,10 @@ class ControlClient:
         answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
         return int(answer.admitted)  # type: ignore[attr-defined]
 
-    async def status(self) -> pb.StatusResponse:
-        return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+    async def status(self, *, limit: int = 0, offset: int = 0, summary_only: bool = False) -> pb.StatusResponse:
+        """The coordinator's status; ``limit`` members from rank ``offset`` on (0: all)."""
+        request = pb.StatusRequest(summary_only=summary_only, offset=offset, limit=limit)
+        return await self._call("Status", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
 
     async def watch(self, worker_id: str) -> AsyncIterator[pb.View]:
         """Every view from the current one on. Long-lived by design: liveness comes from keepalive
