@@ -42,6 +42,12 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
         *server_options(config.max_message_bytes),
         ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
         ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+        # Calls that arrived before the Python server asked for them wait in gRPC's core. Past
+        # 1,000 of them (its default) it cancels new ones: 2,000 workers joining at once lost
+        # about a hundred joins to that. The concurrency cap bounds them instead (when it is
+        # the larger; a cap below gRPC's defaults must not turn its refusals into cancels).
+        ("grpc.server.max_pending_requests", max(1000, config.max_concurrent_rpcs)),
+        ("grpc.server.max_pending_requests_hard_limit", max(3000, config.max_concurrent_rpcs)),
     ]
 
 

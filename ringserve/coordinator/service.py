@@ -392,7 +392,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 def failure_window(config: CoordinatorConfig) -> float:
     """How much short of the full timeout a worker may have been silent and still leave in the
-    same view as one found dead: one heartbeat interval (the spread of the last heartbeats of
-    workers that died together), but never so much that a worker that missed only two heartbeats
-    goes with them."""
-    return max(0.0, min(config.heartbeat_interval_s, config.heartbeat_timeout_s - 2 * config.heartbeat_interval_s))
+    same view as one found dead. Workers that died together sent their last heartbeats over one
+    interval, and those arrived with latencies that vary under load: two intervals cover both.
+    Never so much that a worker silent for less than two intervals goes with them."""
+    interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
+    return max(0.0, min(2 * interval, timeout - 2 * interval))
