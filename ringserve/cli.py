@@ -77,7 +77,7 @@ async def _serve(config: CoordinatorConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Coordinator(config) as coord:
+    async with Coordinator(config, release_memory=True) as coord:
         mode = "plaintext"
         if coord.security.tls:
             mode = "mTLS" if coord.security.require_client_auth else "TLS"
@@ -89,9 +89,11 @@ async def _serve(config: CoordinatorConfig) -> None:
 
 
 def _cmd_coordinator(ns: argparse.Namespace) -> int:
+    from ringserve import _malloc
     from ringserve.loop import new_event_loop
 
     config = CoordinatorConfig.from_env(**_overrides(ns, _COORD_FIELDS))
+    _malloc.return_large_frees()
     loop = new_event_loop(use_uvloop=True)
     try:
         loop.run_until_complete(_serve(config))

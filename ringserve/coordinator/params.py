@@ -1,8 +1,9 @@
 """The coordinator's parameter store: named blobs under one cap on the bytes held.
 
 PutParams streams a blob in chunks; GetParams streams it back. Every byte the coordinator holds
-for this counts against ``max_param_bytes``: the blobs stored and the chunks of puts still
-streaming, so that neither many keys nor many puts at once can grow the process without bound.
+for this counts against ``max_param_bytes``: the blobs stored, and the puts still streaming, each
+for its whole declared size from its first chunk on, so that neither many keys nor many puts at
+once can grow the process without bound.
 A blob put under a key already used replaces the old one when the put completes; until then
 both are held, so a replacement needs room for the old and the new copy.
 """
@@ -25,9 +26,11 @@ class ParamStore:
         self._versions: dict[str, int] = {}
         self.stored_bytes = 0
         self.streaming_bytes = 0
+        # Bytes given up so far (puts ended, blobs replaced): a hint to return memory to the system.
+        self.freed_bytes = 0
 
     def reserve(self, nbytes: int, key: str) -> None:
-        """Counts ``nbytes`` more of a put in flight; the caller releases them when it ends.
+        """Counts ``nbytes`` of a put in flight; the caller releases them when it ends.
 
         Raises:
             ParamsFullError: the bytes held would pass ``max_bytes``; nothing is counted then.
@@ -43,12 +46,15 @@ class ParamStore:
 
     def release(self, nbytes: int) -> None:
         self.streaming_bytes -= nbytes
+        self.freed_bytes += nbytes
 
     def commit(self, key: str, data: bytes) -> int:
         """Stores ``data`` under ``key``, replacing (and freeing) what was there; returns the
         key's new version. The caller releases the reservation that covered ``data``."""
         old = self._blobs.pop(key, None)
-        self.stored_bytes -= len(old) if old is not None else 0
+        if old is not None:
+            self.stored_bytes -= len(old)
+            self.freed_bytes += len(old)
         self._blobs[key] = data
         self.stored_bytes += len(data)
         version = self._versions[key] = self._versions.get(key, 0) + 1

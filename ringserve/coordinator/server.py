@@ -14,10 +14,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ringserve import membership
+from ringserve import _malloc, membership
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
-from ringserve.coordinator.service import CoordinatorService, view_bytes
+from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
 from ringserve.security import Security
 from ringserve.transport import server_options
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringserve.coordinator")
 
 SERVICE_NAME = "ringserve.v1.Coordinator"
+# With release_memory: the heap's free pages go back to the system this often, and as soon as
+# this many parameter bytes were given up (a malloc_trim costs some 6 ms of the loop).
+TRIM_EVERY_S = 10.0
+TRIM_AFTER_FREED_BYTES = 16 << 20
 
 
 def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
@@ -38,8 +42,12 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
     so a worker, whose WatchView stream is always open, is never idle; an idle connection that is
     closed costs a real client only a reconnect on its next call.
     """
+    options = dict(server_options(config.max_message_bytes))
+    # The data plane's window (four messages) would let each of thousands of streams park up to
+    # 256 MiB in gRPC's buffers, outside every cap; parameter chunks are 1 MiB.
+    options["grpc.http2.lookahead_bytes"] = 4 * PARAM_CHUNK_BYTES
     return [
-        *server_options(config.max_message_bytes),
+        *options.items(),
         ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
         ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
         # Calls that arrived before the Python server asked for them wait in gRPC's core. Past
@@ -85,8 +93,15 @@ class Coordinator:
             print(coord.address)   # 127.0.0.1:<free port>
     """
 
-    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+        release_memory: bool = False,
+    ) -> None:
+        """``release_memory``: give freed heap pages back to the system now and then, so that a
+        flood's memory does not stay with the process. Process-wide, hence only for a process of
+        its own (``ringserve coordinator``); a worker's process keeps its buffers."""
         self.config = config or CoordinatorConfig()
+        self._release_memory = release_memory
         self.security = Security.load(self.config)
         self.service = CoordinatorService(self.config, clock, security=self.security)
         self._server: grpc.aio.Server | None = None
@@ -130,9 +145,15 @@ class Coordinator:
         return self
 
     async def _tick(self) -> None:
+        trimmed_at, freed = time.monotonic(), 0
         while True:
             await asyncio.sleep(self.config.tick_s)
             self.service.apply(membership.Tick())
+            if self._release_memory:
+                now, freed_now = time.monotonic(), self.service.params.freed_bytes
+                if freed_now - freed >= TRIM_AFTER_FREED_BYTES or now - trimmed_at >= TRIM_EVERY_S:
+                    _malloc.trim()
+                    trimmed_at, freed = now, freed_now
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._ticker is not None:
