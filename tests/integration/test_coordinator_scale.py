@@ -4,6 +4,8 @@ process, swarms of workers over real gRPC (tests/swarm.py), and the harness watc
 from __future__ import annotations
 
 import asyncio
+import re
+import sys
 import time
 
 import pytest
@@ -23,6 +25,8 @@ async def _form_fail_and_recover(scale: Scale, *, settle: float, timeout: float)
     assert status.view_size == scale.n and len(status.members) == scale.n
     summary = await scale.stub.Status(pb.StatusRequest(summary_only=True), timeout=5)
     assert summary.view_size == scale.n and not summary.members and not summary.view.members
+    page = await scale.stub.Status(pb.StatusRequest(offset=10, limit=5), timeout=5)
+    assert [m.member.rank for m in page.members] == [10, 11, 12, 13, 14] and len(page.view.members) == scale.n
 
     silenced, began = await scale.silence(0.1)
     assert len(silenced) == scale.n // 10
@@ -35,6 +39,30 @@ async def _form_fail_and_recover(scale: Scale, *, settle: float, timeout: float)
     assert [v.view_id for v in scale.views] == [1, 2]
     report = await scale.report()
     assert report["unknown"] == 0 and report["errors"] == 0
+
+
+async def _status_table(address: str, *args: str) -> list[str]:
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ringserve.cli", "status", "--coordinator", address, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(cli.communicate(), 60)
+    assert cli.returncode == 0, err.decode()
+    return out.decode().splitlines()
+
+
+@pytest.mark.timeout(90)
+async def test_the_status_command_summarizes_a_large_world_and_lists_every_worker_on_request() -> None:
+    async with Scale(100, procs=1, interval=0.5, timeout=4.0, settle=0.3) as scale:
+        await scale.start_swarms()
+        await scale.wait_view(lambda v: len(v.members) == 100, 10)
+        rows = re.compile(r"\s+\d+\s+sim-\d+:\d+")
+        table = await _status_table(scale.address)
+        assert table[0].startswith("view 1, 100 workers") and table[1].startswith("heartbeats of the 20 listed")
+        assert len([line for line in table if rows.match(line)]) == 20
+        assert table[-1] == "... 80 more (--all lists every worker)"
+        everyone = await _status_table(scale.address, "--all")
+        assert len([line for line in everyone if rows.match(line)]) == 100
 
 
 @pytest.mark.timeout(90)
