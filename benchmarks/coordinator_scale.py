@@ -9,7 +9,8 @@ connection, and Join, hold a WatchView stream and heartbeat every heartbeat inte
 - coordinator CPU per heartbeat: its process CPU time over a steady window, divided by the
   heartbeats answered in it (ticks and everything else included);
 - heartbeat latency, p50 and p99, as the simulated workers saw it in that window;
-- Status: the time of a full answer (every member) and of the CLI's (summary and 20 members);
+- Status: the time of a full answer (every member) and of the CLI's (summary and 20 members),
+  and of the whole ``ringserve status`` command (a new Python process);
 - failures: 10% of the workers go silent at once; the time from then to the view without them,
   and whether that was one view; and that no live worker was ever declared dead.
 
@@ -58,6 +59,13 @@ async def measure(n: int, *, interval: float, timeout: float, settle: float, ste
             began = time.monotonic()
             await scale.stub.Status(request, timeout=10)
             status_s.append(time.monotonic() - began)
+        began = time.monotonic()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ringserve.cli", "status", "--coordinator", scale.address,
+            stdout=asyncio.subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert await cli.wait() == 0
+        status_command_s = time.monotonic() - began
         last_view = scale.views[-1].view_id
         silenced, began = await scale.silence(0.1)
         gone = set(silenced)
@@ -78,6 +86,7 @@ async def measure(n: int, *, interval: float, timeout: float, settle: float, ste
             "heartbeat_p99_ms": 1e3 * percentile(latencies, 0.99),
             "status_full_s": status_s[0],
             "status_cli_s": status_s[1],
+            "status_command_s": status_command_s,
             "failure_view_s": failure.at - began,
             "failure_views": len(views_after),
             "failure_one_view": len(views_after) == 1 and set(failure.failed) == gone,

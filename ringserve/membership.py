@@ -8,11 +8,13 @@ member), and newcomers follow in join order, or in the order of their rank hints
 Rules, in order of precedence:
 
 - **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
-  removed at once, and a view without it is published at once. Silence is checked on ``Tick``;
-  the workers found silent on one tick leave in one view, and with them those silent for more than
-  ``heartbeat_timeout_s - failure_window_s``: workers that died together (a host, a rack) had
-  their last heartbeats spread over a heartbeat interval, and would otherwise expire over as many
-  ticks, each a view of its own that every rank must install.
+  removed, and a view without it is published at once; a worker is never declared dead before it
+  has been silent for the full timeout. Silence is checked on ``Tick``. Workers that died together
+  (a host, a rack) sent their last heartbeats over an interval, and would expire over as many
+  ticks, each a view that every rank must install. So when some have expired while others are
+  nearly silent (for more than ``heartbeat_timeout_s - failure_window_s``), the view waits, at
+  most ``failure_window_s``, until each of those has either spoken again or expired too, and then
+  removes all the expired ones at once.
 - **Rendezvous**: the first view forms once ``min_workers`` have joined and membership has been
   stable for ``settle_s``.
 - **Admission**: once a world runs, newcomers wait until a member asks for them to be admitted (an
@@ -92,8 +94,8 @@ class Rules:
     max_workers: int
     settle_s: float
     heartbeat_timeout_s: float
-    # Workers silent for more than heartbeat_timeout_s - failure_window_s leave in the same view
-    # as one found silent for the full timeout (0: only those past the full timeout).
+    # How long the view without expired workers may wait for those nearly expired (silent for
+    # more than heartbeat_timeout_s - failure_window_s) to speak or expire too (0: never waits).
     failure_window_s: float = 0.0
 
 
@@ -136,6 +138,8 @@ class State:
     suspects: frozenset[str] = frozenset()
     claims: dict[str, Claim] = field(default_factory=dict)
     first_claim_at: float = INF
+    # When workers were first found expired while others were nearly so (see _expire).
+    expiring_since: float = INF
     # Whether the next view may differ from the current one: set by every change of membership,
     # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
     # sort every worker again.
@@ -267,21 +271,22 @@ def seen(state: State) -> dict[str, float]:
 
 
 def _expire(state: State, now: float) -> tuple[State, list[Action]]:
-    """Folds the heartbeats in, and removes the silent workers, all in one view."""
+    """Folds the heartbeats in, and removes the workers silent past the timeout, all in one view,
+    once none is left nearly silent (or failure_window_s has passed since some expired)."""
     last_seen = seen(state)
     if state.beats is not None:
         state = replace(state, last_seen=last_seen, beats=None)
     deadline = state.rules.heartbeat_timeout_s
     if not any(now - at > deadline for at in last_seen.values()):
         return state, []
-    cutoff = deadline - state.rules.failure_window_s
-    silent = [wid for wid, at in last_seen.items() if now - at > cutoff]
-    state = _remove_all(state, silent, now, failed=True)
-    return state, [
-        Removed(wid, f"silent for more than {deadline:g} s" if now - last_seen[wid] > deadline
-                else f"silent for {now - last_seen[wid]:.1f} s when others were found dead")
-        for wid in silent
-    ]
+    expiring_since = min(state.expiring_since, now)
+    if now - expiring_since < state.rules.failure_window_s:
+        nearly = deadline - state.rules.failure_window_s
+        if any(nearly < now - at <= deadline for at in last_seen.values()):
+            return replace(state, expiring_since=expiring_since), []
+    silent = [wid for wid, at in last_seen.items() if now - at > deadline]
+    state = replace(_remove_all(state, silent, now, failed=True), expiring_since=INF)
+    return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
 
 
 def is_known(state: State, worker_id: str) -> bool:

@@ -410,9 +410,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 
 def failure_window(config: CoordinatorConfig) -> float:
-    """How much short of the full timeout a worker may have been silent and still leave in the
-    same view as one found dead. Workers that died together sent their last heartbeats over one
+    """How long a view without expired workers waits for the nearly silent ones to speak or
+    expire too (see membership). Workers that died together sent their last heartbeats over one
     interval, and those arrived with latencies that vary under load: two intervals cover both.
-    Never so much that a worker silent for less than two intervals goes with them."""
+    Only workers that missed two heartbeats count as nearly silent."""
     interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
     return max(0.0, min(2 * interval, timeout - 2 * interval))

@@ -414,11 +414,52 @@ def test_workers_that_died_together_leave_in_one_view_even_with_their_heartbeats
         m.at(t, *(Heartbeat(i) for i in ids))
         m.at(t)
     m.at(14.0, Heartbeat("a"))
+    published_at = None
     for tick in range(1, 21):
         m.at(14.0 + tick * 0.1)
+        if published_at is None and len(m.views) == 2:
+            published_at = 14.0 + tick * 0.1
+    # b expired at 14.0; the view waited for c and d, nearly silent then, to expire too (14.6).
+    assert published_at is not None and 14.6 < published_at < 14.75
     assert [v.view_id for v in m.views] == [1, 2]
     assert m.ids() == ["a"] and m.view.failed == ("b", "c", "d")
     assert [r.worker_id for r in m.removed] == ["b", "c", "d"]
+
+
+def test_a_nearly_silent_worker_that_speaks_again_holds_the_failure_view_back_but_stays_in_it() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=2.0))
+    m.join(0.0, "a", "b", "c")
+    m.at(0.5)
+    m.at(9.0, Heartbeat("a"), Heartbeat("b"), Heartbeat("c"))
+    m.at(9.6, Heartbeat("a"), Heartbeat("c"))  # b is dead; c is slow from here on
+    m.at(12.0, Heartbeat("a"))
+    m.at(14.1)
+    assert m.views[-1].view_id == 1  # b has expired, but c (silent 4.5 s) might be dying too
+    m.at(14.3, Heartbeat("c"))
+    m.at(14.3)
+    assert m.view.view_id == 2 and m.ids() == ["a", "c"] and m.view.failed == ("b",)
+
+
+def test_the_failure_view_waits_no_longer_than_the_failure_window() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=1.0))
+    m.join(0.0, "a", "b", "c", "d", "e", "z")
+    m.at(0.5)
+    # Workers dying one after the other, each nearly silent before the previous one expires.
+    last = {"b": 9.0, "c": 9.0, "a": 9.5, "d": 9.95, "e": 10.4}
+    for t in sorted(set(last.values())):
+        m.at(t, *(Heartbeat(w) for w, at in last.items() if at >= t), Heartbeat("z"))
+    published = {}
+    for tick in range(1, 21):
+        now = 14.0 + tick * 0.1
+        m.at(now, Heartbeat("z"))
+        m.at(now)
+        published.setdefault(len(m.views), now)
+    # b and c expired at 14.1; the view waited 1 s for a and d, and no longer for e.
+    assert 15.05 < published[2] < 15.15 and m.views[1].failed == ("a", "b", "c", "d")
+    assert 15.35 < published[3] < 15.55 and m.views[2].failed == ("e",)
+    assert m.ids() == ["z"]
 
 
 def test_without_a_failure_window_only_workers_past_the_full_timeout_are_removed() -> None:
