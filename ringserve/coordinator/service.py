@@ -86,6 +86,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()
         self._watches_by_worker: dict[str, int] = {}
+        self.watch_streams = 0
         self._encoded = _EncodedView(self._state.view)
         # Workers waiting to be admitted, recomputed only when the workers or the view change
         # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
@@ -107,10 +108,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     @property
     def view(self) -> membership.ViewInfo:
         return self._state.view
-
-    @property
-    def watch_streams(self) -> int:
-        return sum(self._watches_by_worker.values())
 
     def _encode(self) -> _EncodedView:
         if self._encoded.view is not self._state.view:
@@ -279,6 +276,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 f"(max_watches_per_worker).",
             )
         self._watches_by_worker[worker_id] = mine + 1
+        self.watch_streams += 1
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._watchers.add(queue)
         try:
@@ -288,6 +286,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield await queue.get()
         finally:
             self._watchers.discard(queue)
+            self.watch_streams -= 1
             left = self._watches_by_worker[worker_id] - 1
             if left:
                 self._watches_by_worker[worker_id] = left
