@@ -77,6 +77,8 @@ class CoordinatorCollector(Collector):
             "view": ("gauge", "The current view id."),
             "view_size": ("gauge", "Workers in the current view."),
             "workers_waiting": ("gauge", "Workers joined but not yet in a view."),
+            "watch_streams": ("gauge", "WatchView streams open (capped by max_watch_streams)."),
+            "param_bytes": ("gauge", "Parameter bytes held, stored and streaming (capped by max_param_bytes)."),
         }
         for name, (kind, doc) in docs.items():
             family: Any = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(

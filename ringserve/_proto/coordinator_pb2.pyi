@@ -174,8 +174,14 @@ class GetParamsRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("summary_only", "offset", "limit")
+    SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    summary_only: bool
+    offset: int
+    limit: int
+    def __init__(self, summary_only: _Optional[bool] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
     __slots__ = ("member", "seconds_since_heartbeat", "counters")
@@ -188,7 +194,7 @@ class MemberStatus(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers")
+    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers", "view_size")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +202,7 @@ class StatusResponse(_message.Message):
     PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
     view: View
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     uptime_s: float
@@ -203,4 +210,5 @@ class StatusResponse(_message.Message):
     pending_workers: int
     min_workers: int
     max_workers: int
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+    view_size: int
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., view_size: _Optional[int] = ...) -> None: ...

@@ -142,7 +142,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """The current view, each member's counters, uptime and the number of views so far.
+        """The current view, each member's counters (all, a page, or none), uptime and the number of
+        views so far.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -101,15 +101,16 @@ class ControlClient:
         answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
         return int(answer.admitted)  # type: ignore[attr-defined]
 
-    async def status(self) -> pb.StatusResponse:
-        """The coordinator's status.
+    async def status(self, *, limit: int = 0, offset: int = 0, summary_only: bool = False) -> pb.StatusResponse:
+        """The coordinator's status; ``limit`` members from rank ``offset`` on (0: all).
 
         Raises:
             TLSHandshakeError: the coordinator and this client do not agree on TLS.
             CoordinatorUnreachableError: no answer within rpc_timeout_s.
         """
+        request = pb.StatusRequest(summary_only=summary_only, offset=offset, limit=limit)
         try:
-            return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+            return await self._call("Status", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
         except CoordinatorUnreachableError as exc:
             found = await asyncio.to_thread(diagnose, self.address, self._security, PROBE_TIMEOUT_S)
             if found is not None:
