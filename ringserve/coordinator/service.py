@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import membership
+from ringserve import commits, membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
@@ -81,6 +81,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
         self._warned: set[tuple[int, str]] = set()
         self.view_changed = asyncio.Event()
+        # The job's committed high-water mark, from the workers' heartbeats (see commits.py).
+        self.mark = commits.Mark()
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -185,10 +187,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._counters[request.worker_id] = request.counters
             self._stalled[request.worker_id] = (request.view_id, frozenset(request.stalled))
             warnings = self._stall_warnings(request.view_id, set(request.stalled))
-        return pb.HeartbeatResponse(
+            if request.HasField("committed_step"):
+                self._record_commit(request)
+        answer = pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state),
             stall_warnings=warnings,
         )
+        if self.mark.commit is not None:
+            answer.mark_step, answer.mark_lineage = self.mark.commit.step, self.mark.commit.lineage
+        return answer
+
+    def _record_commit(self, request: pb.HeartbeatRequest) -> None:
+        view = self._state.view
+        rank = view.rank_of(request.worker_id) if request.view_id == view.view_id else None
+        member = self._state.workers.get(request.worker_id)
+        holder = commits.Holder(
+            worker_id=request.worker_id, address=member.address if member else "",
+            view_id=request.view_id, rank=-1 if rank is None else rank,
+        )
+        before = self.mark.commit
+        self.mark = commits.record(self.mark, holder, commits.Commit(request.committed_lineage, request.committed_step))
+        if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
+            log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
 
     def _stall_warnings(self, view_id: int, keys: set[str]) -> list[str]:
         """Horovod's stall inspector: for each collective some ranks have waited on too long, the
@@ -282,6 +302,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 key=request.key, offset=offset, total_bytes=len(data),
                 data=data[offset : offset + PARAM_CHUNK_BYTES],
             )
+
+    async def CommitMark(self, request: pb.CommitMarkRequest, context: grpc.aio.ServicerContext) -> pb.CommitMarkResponse:
+        mark = self.mark
+        if mark.commit is None:
+            return pb.CommitMarkResponse(known=False)
+        return pb.CommitMarkResponse(
+            known=True, step=mark.commit.step, lineage=mark.commit.lineage,
+            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank)
+                     for h in mark.holders],
+        )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         now = self._clock()

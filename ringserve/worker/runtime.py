@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ringserve import _malloc, wire
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
+from ringserve.commits import Commit, Mark
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     NotInitializedError,
@@ -77,6 +78,11 @@ class Worker:
         self.pending_workers = 0
         self._pinned: int | None = None
         self._security = Security()
+        # The commit this worker's elastic state holds once synced (reported with heartbeats),
+        # and the job's mark from the last heartbeat answer (a fallback when the coordinator
+        # cannot be asked at a sync).
+        self.committed: Commit | None = None
+        self._heard_mark: Commit | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -577,7 +583,7 @@ class Worker:
             view_id = session.view_id if session is not None else 0
             stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
             try:
-                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled)
+                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled, self.committed)
             except RingserveError as exc:
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
@@ -586,6 +592,8 @@ class Worker:
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
             self.pending_workers = answer.pending_workers if answer.view_id == current else 0
+            if answer.HasField("mark_step"):
+                self._heard_mark = max(self._heard_mark or Commit(0, 0), Commit(answer.mark_lineage, answer.mark_step))
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
@@ -632,6 +640,21 @@ class Worker:
     def latest_view(self) -> int:
         """The newest view this worker has heard of (it may not be a member)."""
         return self._latest_view
+
+    async def commit_mark(self) -> Mark:
+        """The job's committed high-water mark, asked of the coordinator now.
+
+        When the coordinator cannot answer within rpc_timeout_s (it is restarting), the mark its
+        last heartbeat answer carried, without holders, and a warning: a sync must not wait on
+        the coordinator, and that mark is at most a heartbeat old.
+        """
+        assert self._control is not None
+        try:
+            return await self._control.commit_mark(self.worker_id)
+        except RingserveError as exc:
+            log.warning("%s: could not ask the coordinator for the job's last commit (%s); using %s from a heartbeat",
+                        self.tag, exc, self._heard_mark or "none")
+            return Mark(self._heard_mark)
 
     async def admit_waiting(self) -> int:
         """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
