@@ -93,8 +93,9 @@ class CheckpointStore:
         else:
             os.makedirs(self._root, exist_ok=True)
 
-    def write(self, commit: Commit, data: bytes) -> str:
-        """Writes ``data`` as the checkpoint of ``commit`` atomically; returns its path."""
+    def write(self, commit: Commit, state: bytes) -> str:
+        """Writes the pickled ``state`` as the checkpoint of ``commit``, atomically; returns its path."""
+        data = encode(commit, state)
         final = self._join(file_name(commit))
         temp = self._join(f".{file_name(commit)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
         if self._fs is not None:
@@ -204,7 +205,7 @@ class CheckpointWriter:
             if self._closed:
                 raise RuntimeError("The checkpoint writer is closed.")
             if self._pending is None or commit > self._pending.commit:
-                self._pending = _Snapshot(commit, encode(commit, state))
+                self._pending = _Snapshot(commit, state)
                 self._cond.notify_all()
 
     def _take(self) -> _Snapshot | None:

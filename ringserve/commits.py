@@ -50,7 +50,7 @@ class Holder:
 
     def describe(self) -> str:
         where = f"rank {self.rank} of view {self.view_id}" if self.rank >= 0 else f"a worker of view {self.view_id}"
-        return f"{where} (worker {self.worker_id[:8]} at {self.address})"
+        return f"{where}, worker {self.worker_id[:8]} at {self.address}"
 
 
 @dataclass(frozen=True)

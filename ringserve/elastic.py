@@ -143,16 +143,16 @@ class State:
         try:
             self.check_host_updates()
         except HostsUpdatedInterrupt:
-            self._confirmed()
+            self._confirmed(world_changes=True)
             raise
-        self._confirmed()
+        self._confirmed(world_changes=False)
 
-    def _confirmed(self) -> None:
+    def _confirmed(self, *, world_changes: bool) -> None:
         """The commit-time allreduce finished: every rank of the view entered it after saving, so
         all of them hold this commit. Reported to the coordinator (heartbeats), and written to
         the checkpoint directory by rank 0 every checkpoint_every commits."""
         ctx = api.context()
-        ctx.worker.committed = Commit(self.lineage, self.commits)
+        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes)
         cfg = ctx.config
         if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:
@@ -209,7 +209,7 @@ class State:
         """
         root = self._agree_root()
         self.take(root)
-        api.context().worker.committed = Commit(self.lineage, self.commits)
+        api.context().worker.report_committed(Commit(self.lineage, self.commits), now=True)
 
     def _agree_root(self) -> int:
         ctx = api.context()
@@ -243,7 +243,7 @@ class State:
         durable, detail, holders = shared
         if not holders and mark.commit == lost.mark:
             holders = mark.holders
-        named = [h.describe() for h in holders]
+        named = [h.describe() for h in sorted(holders, key=lambda h: (h.view_id, h.rank))]
         resume = commits.after_loss(lost, durable)
         if resume is None:
             error = StateLostError(step=lost.mark.step, holders=named, view=worker.view_id, best=lost.best.step, detail=detail)

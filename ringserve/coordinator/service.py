@@ -24,6 +24,7 @@ log = logging.getLogger("ringserve.coordinator")
 PARAM_CHUNK_BYTES = 1 << 20
 # Claimed view numbers above this are refused; the world can then still number 2**32 more views.
 MAX_VIEW_ID = (1 << 64) - (1 << 32)
+RECENT_VIEWS = 8
 
 
 def view_to_proto(view: membership.ViewInfo) -> pb.View:
@@ -81,8 +82,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
         self._warned: set[tuple[int, str]] = set()
         self.view_changed = asyncio.Event()
-        # The job's committed high-water mark, from the workers' heartbeats (see commits.py).
+        # The job's committed high-water mark, from the workers' heartbeats (see commits.py),
+        # and the last few views, to name a holder's rank in the view it reported from (its
+        # report can trail the view that admits the next members).
         self.mark = commits.Mark()
+        self._recent_views: dict[int, membership.ViewInfo] = {}
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -94,6 +98,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
+                self._recent_views[action.view.view_id] = action.view
+                for old in sorted(self._recent_views)[:-RECENT_VIEWS]:
+                    del self._recent_views[old]
                 log.info(
                     "view %d formed with %d workers: %s", action.view.view_id,
                     len(action.view.members), [m.address for m in action.view.members],
@@ -198,8 +205,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return answer
 
     def _record_commit(self, request: pb.HeartbeatRequest) -> None:
-        view = self._state.view
-        rank = view.rank_of(request.worker_id) if request.view_id == view.view_id else None
+        view = self._recent_views.get(request.view_id)
+        rank = view.rank_of(request.worker_id) if view is not None else None
         member = self._state.workers.get(request.worker_id)
         holder = commits.Holder(
             worker_id=request.worker_id, address=member.address if member else "",

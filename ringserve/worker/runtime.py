@@ -83,6 +83,8 @@ class Worker:
         # cannot be asked at a sync).
         self.committed: Commit | None = None
         self._heard_mark: Commit | None = None
+        self._heartbeat_now = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ class Worker:
                 from ringserve.metrics import MetricsServer, WorkerCollector
 
                 self._metrics = MetricsServer(WorkerCollector(self.counters, self._labels), cfg.bind_host, cfg.metrics_port)
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self._watch_loop(), name="ringserve-watch"),
                 loop.create_task(self._heartbeat_loop(), name="ringserve-heartbeat"),
@@ -574,7 +576,10 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None
         while True:
-            await asyncio.sleep(self._heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._heartbeat_interval_s):
+                    await self._heartbeat_now.wait()
+            self._heartbeat_now.clear()
             c = self.counters
             counters = cpb.WorkerCounters(
                 collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
@@ -640,6 +645,17 @@ class Worker:
     def latest_view(self) -> int:
         """The newest view this worker has heard of (it may not be a member)."""
         return self._latest_view
+
+    def report_committed(self, commit: Commit, *, now: bool = False) -> None:
+        """Sets the commit this worker's elastic state holds, reported with the next heartbeat.
+
+        ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
+        the coordinator must know who holds what before the new view's members are admitted
+        with nothing (callable from any thread).
+        """
+        self.committed = commit
+        if now and self._loop is not None and not self._closed:
+            self._loop.call_soon_threadsafe(self._heartbeat_now.set)
 
     async def commit_mark(self) -> Mark:
         """The job's committed high-water mark, asked of the coordinator now.

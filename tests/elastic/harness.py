@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -62,16 +63,17 @@ class Run:
 
 
 def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: int = 2, max_np: int = 0,
-          restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0, worker: str = WORKER) -> Run:
+          restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0, worker: str = WORKER,
+          max_restarts: int = 10, env: dict[str, str] | None = None) -> Run:
     log = tmp / "commits.jsonl"
     cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(workers), "--min-np", str(min_np),
            "--max-np", str(max_np or workers), "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if restart:
-        cmd.append("--restart-failed")
+        cmd += ["--restart-failed", "--max-restarts", str(max_restarts)]
     cmd += [sys.executable, worker, str(log), str(steps), str(pause_s)]
     if fault:
         cmd.append(fault)
-    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60"}
+    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", **(env or {})}
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     return Run(log=log, launcher=launcher)
 
@@ -124,3 +126,33 @@ def start_worker(address: str, log: Path, steps: int, pause_s: float) -> subproc
            "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, WORKER, str(log), str(steps), str(pause_s)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+RESUMED = re.compile(r"resuming from (?:the checkpoint of )?commit (\d+)")
+
+
+def resumed_steps(out: str) -> set[int]:
+    """The commits a world resumed from after losing every holder of the last one, as logged."""
+    return {int(m.group(1)) for m in RESUMED.finditer(out)}
+
+
+def check_no_silent_regression(records: list[dict], out: str) -> list[tuple[int, int]]:
+    """Asserts that the job's committed step never went back, except to just after a commit the
+    output says a world resumed from; returns each such drop as (from step, to step).
+
+    A step may repeat (survivors redo the step that one rank committed alone before the view
+    broke), never go below the furthest committed so far unless a resume was logged.
+    """
+    allowed = resumed_steps(out)
+    furthest = -1
+    drops = []
+    for r in sorted(records, key=lambda r: r["time"]):
+        if r["step"] < furthest:
+            assert r["step"] - 1 in allowed, (
+                f"the job's committed step went back from {furthest} to {r['step']} (view {r['view']}) "
+                f"with no resume logged (resumes logged from {sorted(allowed)})"
+            )
+            drops.append((furthest, r["step"]))
+            furthest = r["step"]
+        furthest = max(furthest, r["step"])
+    return drops
