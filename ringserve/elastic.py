@@ -152,7 +152,10 @@ class State:
         all of them hold this commit. Reported to the coordinator (heartbeats), and written to
         the checkpoint directory by rank 0 every checkpoint_every commits."""
         ctx = api.context()
-        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes)
+        # At once where it matters: before the world changes (the next view may admit workers
+        # holding nothing), and at the first commit (until then the mark says 0, which no
+        # fresh process could be found to fall short of). Else with the next heartbeat.
+        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes or self.commits == 1)
         cfg = ctx.config
         if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:

@@ -35,24 +35,13 @@ def kill_every_holder_while_a_fresh_worker_syncs(tmp_path: Path, steps: int, wor
     run = harness.start(tmp_path, workers=3, min_np=2, steps=steps, pause_s=0.03, worker=worker,
                         env={"HOLD_FRESH_SYNC": str(hold), **(env or {})})
     run.wait_for_step(10, 120)
-    # All three must train together first (a slow starter could join late and be the fresh one).
-    deadline = time.time() + 60
-    while not any(len({r["pid"] for r in run.records() if r["view"] == v}) == 3 for v in {r["view"] for r in run.records()}):
-        assert time.time() < deadline, "the three workers never trained in one view"
-        time.sleep(0.05)
+    harness.wait_for_world(run, 3, 60)  # else a slow starter could join late, and be the fresh one
     run.signal("kill -9", signal.SIGKILL)
-    deadline = time.time() + 60
-    while not hold.exists():
-        assert time.time() < deadline, "the restarted worker never came to take the state"
-        time.sleep(0.02)
-    fresh = int(hold.read_text())
-    holders = [pid for pid in run.workers() if pid != fresh]
+    fresh = harness.wait_for_fresh_syncs(hold, 1, 60)
+    holders = [pid for pid in run.workers() if pid not in fresh]
     assert len(holders) == 2, f"expected the two holders besides the fresh worker {fresh}: {run.workers()}"
     before = max(r["step"] for r in run.records())
-    killed_at = time.time()
-    for pid in holders:
-        os.kill(pid, signal.SIGKILL)
-    run.faults += [(killed_at, "kill -9 pair", pid) for pid in holders]
+    killed_at = harness.kill_together(run, holders)
     Path(f"{hold}.go").touch()
     return run, before, killed_at
 
