@@ -10,7 +10,6 @@ import os
 import pickle
 import re
 import signal
-import time
 from pathlib import Path
 
 import harness
