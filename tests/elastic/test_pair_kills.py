@@ -73,7 +73,7 @@ def kill_pairs(tmp_path: Path, *, delays: list[float], steps: int, checkpoint: b
 def test_a_pair_kill_of_every_holder_with_a_checkpoint_directory_resumes_from_it_and_training_finishes(
     tmp_path: Path,
 ) -> None:
-    result = kill_pairs(tmp_path, delays=[0.3, 0.0, 1.5], steps=150, checkpoint=True, doom_holders=True)
+    result = kill_pairs(tmp_path, delays=[0.3, 0.0, 1.5], steps=250, checkpoint=True, doom_holders=True)
     assert result["code"] == 0 and result["resumes"], result
 
 

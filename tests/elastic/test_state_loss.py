@@ -78,7 +78,7 @@ def sha(w: np.ndarray) -> str:
 def test_with_a_checkpoint_directory_the_world_resumes_from_the_last_commit_and_says_so(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     run, before, killed_at = kill_every_holder_while_a_fresh_worker_syncs(
-        tmp_path, steps=150, env={"RINGSERVE_CHECKPOINT_DIR": str(ckpt), "RINGSERVE_CHECKPOINT_KEEP": "100000"})
+        tmp_path, steps=250, env={"RINGSERVE_CHECKPOINT_DIR": str(ckpt), "RINGSERVE_CHECKPOINT_KEEP": "100000"})
     code, out = run.finish(120)
     assert code == 0, out[-4000:]
     resumed = harness.resumed_steps(out)
@@ -87,7 +87,7 @@ def test_with_a_checkpoint_directory_the_world_resumes_from_the_last_commit_and_
     assert re.search(rf"every worker holding commit {before} died \(rank \d of view \d+, .*; rank \d of view", out)
     assert f"resuming from the checkpoint of commit {before} in {ckpt}" in out
     records = run.records()
-    harness.check_invariants(records, 150)
+    harness.check_invariants(records, 250)
     assert min(r["step"] for r in records if r["time"] > killed_at) == before + 1
     assert harness.check_no_silent_regression(records, out) == []
     # The durable copy is the state the holders committed, and the resumed world went on from it:
@@ -112,13 +112,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     assert sorted(os.listdir(ckpt)) == [file_name(Commit(0, 24)), file_name(Commit(0, 28))]
 
 
+@pytest.mark.slow  # torch's import in every restarted process: about 30 s on two loaded cores
 def test_a_torch_state_resumes_from_its_checkpoint_with_model_and_optimizer(tmp_path: Path) -> None:
+    # Enough steps that the two survivors are still training when the restarted worker, slow to
+    # import torch, is admitted.
     ckpt = tmp_path / "ckpt"
     run, before, killed_at = kill_every_holder_while_a_fresh_worker_syncs(
-        tmp_path, steps=60, worker=harness.TORCH_WORKER, env={"RINGSERVE_CHECKPOINT_DIR": str(ckpt)})
+        tmp_path, steps=400, worker=harness.TORCH_WORKER, env={"RINGSERVE_CHECKPOINT_DIR": str(ckpt)})
     code, out = run.finish(150)
     assert code == 0, out[-4000:]
     assert harness.resumed_steps(out) == {before}, out[-4000:]
     records = run.records()
-    harness.check_invariants(records, 60)
+    harness.check_invariants(records, 400)
     assert min(r["step"] for r in records if r["time"] > killed_at) == before + 1
