@@ -43,6 +43,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    StateLostError,
     UsageError,
 )
 from ringserve.worker.runtime import Worker
@@ -63,6 +64,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingChangedError",
     "RingserveError",
+    "StateLostError",
     "UsageError",
     "Worker",
     "WorkerConfig",

@@ -232,13 +232,10 @@ class State:
         """Rank 0 looks for a durable copy and tells everyone; all resume from it, or all raise."""
         ctx = api.context()
         worker, cfg = ctx.worker, ctx.config
-        found: tuple[Commit, bytes, str] | None = None
+        found: tuple[Commit, object] | None = None
         news: tuple[Commit | None, str, tuple[commits.Holder, ...]] | None = None
         if worker.rank == 0:
-            detail = "no durable copy: RINGSERVE_CHECKPOINT_DIR (WorkerConfig.checkpoint_dir) is not set"
-            if cfg.checkpoint_dir:
-                found = CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep).newest()
-                detail = f"no checkpoint could be read in {cfg.checkpoint_dir}"
+            found, detail = self._newest_durable(cfg.checkpoint_dir, cfg.checkpoint_keep)
             holders = mark.holders if mark.commit == lost.mark else ()
             news = (found[0] if found else None, detail, holders)
         shared = api.broadcast_object(news, root=0, name="ringserve.elastic.durable")
@@ -256,7 +253,7 @@ class State:
         if resume.durable:
             source = f"the checkpoint of {resume.commit} in {cfg.checkpoint_dir}"
             if found is not None:
-                self.load_snapshot(pickle.loads(found[1]))
+                self.load_snapshot(found[1])
                 self.commits = resume.commit.step
                 self.restore()
         else:
@@ -264,6 +261,25 @@ class State:
         log.warning("%s: %s; resuming from %s", worker.tag, died, source)
         self.lineage = resume.lineage
         return resume.root
+
+
+    @staticmethod
+    def _newest_durable(location: str, keep: int) -> tuple[tuple[Commit, object] | None, str]:
+        """Rank 0's newest readable checkpoint, unpickled, or None and why there is none.
+
+        Unpickled here, before the others hear of it: a copy that fails to load must make every
+        rank fail alike, not leave the others waiting in a broadcast from rank 0.
+        """
+        if not location:
+            return None, "no durable copy: RINGSERVE_CHECKPOINT_DIR (WorkerConfig.checkpoint_dir) is not set"
+        found = CheckpointStore(location, keep).newest()
+        if found is None:
+            return None, f"no checkpoint could be read in {location}"
+        commit, data, path = found
+        try:
+            return (commit, pickle.loads(data)), ""
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same: no usable copy
+            return None, f"the checkpoint {path} could not be unpickled ({type(exc).__name__}: {exc})"
 
 
 class ObjectState(State):
@@ -335,8 +351,9 @@ def run(func: F) -> F:
 
     On a RecoverableError the state goes back to its last commit; on HostsUpdatedInterrupt it is
     kept. Either way the wrapper waits (up to elastic_timeout_s) for a view that includes this
-    worker and is newer than the one that ended, syncs the state from rank 0 and runs ``func``
-    again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit
+    worker and is newer than the one that ended, syncs the state from the rank holding the
+    furthest commit (or, if the view lost every holder of the job's last commit, from the newest
+    checkpoint) and runs ``func`` again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit
     and runs again in the same view, up to CORRUPT_RETRIES times without a commit in between. A
     worker that got SIGTERM leaves at its commit and exits with code 0. When it returns or
     raises, it waits (up to checkpoint_timeout_s) for the last checkpoint to be written.
