@@ -152,6 +152,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "view": self._state.view.view_id,
             "view_size": len(self._state.view.members),
             "workers_waiting": membership.waiting(self._state),
+            "committed_step": self.mark.commit.step if self.mark.commit is not None else -1,
+            "committed_lineage": self.mark.commit.lineage if self.mark.commit is not None else 0,
         }
 
     # -- RPCs --------------------------------------------------------------------------------
