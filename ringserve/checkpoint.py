@@ -12,7 +12,11 @@ A write is atomic: the bytes go to a hidden temporary name in the same directory
 a file, and a writer killed mid-write leaves only a temporary file that no reader looks at.
 
 The store is a local directory or, when the location has a scheme (``s3://``, ``gs://``,
-``memory://``, ``file://``), any filesystem fsspec knows; fsspec is imported only then.
+``memory://``, ``file://``), any filesystem fsspec knows; fsspec is imported only then. The
+location ``coordinator://`` keeps the newest copy in the coordinator's parameter store instead
+(``CoordinatorStore``): no shared storage needed, and under ``ringserve run`` the coordinator
+lives in the launcher, which outlives every worker; but it lives in the coordinator's memory
+only, within whatever size the coordinator allows a blob.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import posixpath
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +177,45 @@ class CheckpointStore:
                     os.unlink(path)
 
 
+COORDINATOR = "coordinator://"
+COORDINATOR_KEY = "ringserve.elastic.checkpoint"
+
+
+class CoordinatorStore:
+    """The newest checkpoint as one blob in the coordinator's parameter store (latest wins).
+
+    Args:
+        put: stores a blob under a key (a worker's put_params, called from the writer thread).
+        get: the blob under a key, or None when there is none or it cannot be had.
+    """
+
+    def __init__(self, put: Callable[[str, bytes], object], get: Callable[[str], bytes | None]) -> None:
+        self.location = COORDINATOR
+        self._put = put
+        self._get = get
+
+    def prepare(self) -> None:
+        return None
+
+    def write(self, commit: Commit, state: bytes) -> str:
+        self._put(COORDINATOR_KEY, encode(commit, state))
+        return f"{COORDINATOR}{COORDINATOR_KEY}"
+
+    def newest(self) -> tuple[Commit, bytes, str] | None:
+        data = self._get(COORDINATOR_KEY)
+        if not data:
+            return None
+        try:
+            commit, state = decode(data)
+        except (ValueError, KeyError) as exc:
+            log.warning("skipping the checkpoint in the coordinator's parameter store: %s", exc)
+            return None
+        return commit, state, f"{COORDINATOR}{COORDINATOR_KEY}"
+
+    def prune(self) -> None:
+        return None  # one blob, replaced by every write
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     commit: Commit
@@ -187,7 +231,7 @@ class CheckpointWriter:
     training (a store that cannot be written at all fails ``prepare``, at the first submit).
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: CheckpointStore | CoordinatorStore) -> None:
         self.store = store
         self.written: Commit | None = None
         self.failures = 0

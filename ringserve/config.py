@@ -181,8 +181,10 @@ class WorkerConfig(SecuritySettings):
         checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
             confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,
             with fsspec installed), so that a world that loses every worker holding the last
-            commit resumes from the newest copy instead of failing with StateLostError. Empty:
-            no durable copies. Files are pickles: point it only at storage the job trusts.
+            commit resumes from the newest copy instead of failing with StateLostError.
+            ``coordinator://`` keeps the newest copy in the coordinator's parameter store (in
+            its memory; under ``ringserve run`` it outlives every worker). Empty: no durable
+            copies. Files are pickles: point it only at storage the job trusts.
         checkpoint_every: write one commit in this many (1: every commit). The write runs on a
             thread of its own; when commits come faster than writes, only the newest is written.
         checkpoint_keep: how many of the newest checkpoints are kept; older ones are deleted.

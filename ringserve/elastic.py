@@ -42,13 +42,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringserve import api, commits
-from ringserve.checkpoint import CheckpointStore, CheckpointWriter
+from ringserve.checkpoint import COORDINATOR, CheckpointStore, CheckpointWriter, CoordinatorStore
 from ringserve.commits import Commit
 from ringserve.errors import (
     STATE_LOST_EXIT_CODE,
     CorruptFrameError,
     HostsUpdatedInterrupt,
     RecoverableError,
+    RingserveError,
     StateLostError,
 )
 from ringserve.worker.runtime import Worker
@@ -159,7 +160,7 @@ class State:
         cfg = ctx.config
         if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:
-                self._writer = CheckpointWriter(CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep))
+                self._writer = CheckpointWriter(_store(cfg.checkpoint_dir, cfg.checkpoint_keep))
             self._writer.submit(Commit(self.lineage, self.commits), pickle.dumps(self.snapshot(), protocol=5))
 
     def close_checkpoints(self, timeout_s: float) -> None:
@@ -272,7 +273,7 @@ class State:
         """
         if not location:
             return None, "no durable copy: RINGSERVE_CHECKPOINT_DIR (WorkerConfig.checkpoint_dir) is not set"
-        found = CheckpointStore(location, keep).newest()
+        found = _store(location, keep).newest()
         if found is None:
             return None, f"no checkpoint could be read in {location}"
         commit, data, path = found
@@ -280,6 +281,22 @@ class State:
             return (commit, pickle.loads(data)), ""
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same: no usable copy
             return None, f"the checkpoint {path} could not be unpickled ({type(exc).__name__}: {exc})"
+
+
+def _store(location: str, keep: int) -> CheckpointStore | CoordinatorStore:
+    """The checkpoint store a location names; ``coordinator://`` goes through this worker."""
+    if location != COORDINATOR:
+        return CheckpointStore(location, keep)
+    ctx = api.context()
+
+    def get(key: str) -> bytes | None:
+        try:
+            return ctx.call(lambda w: w.get_params(key))
+        except RingserveError as exc:  # NOT_FOUND (nothing written yet) or unreachable: no copy here
+            log.warning("%s: no checkpoint from the coordinator's parameter store: %s", ctx.worker.tag, exc)
+            return None
+
+    return CoordinatorStore(put=lambda key, data: ctx.call(lambda w: w.put_params(key, data)), get=get)
 
 
 class ObjectState(State):

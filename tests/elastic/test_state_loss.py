@@ -102,6 +102,18 @@ def test_with_a_checkpoint_directory_the_world_resumes_from_the_last_commit_and_
     np.testing.assert_allclose(after, w - 0.05 * np.mean(grads, axis=0), rtol=0, atol=1e-12)
 
 
+def test_with_the_coordinators_parameter_store_as_the_durable_copy_the_world_resumes_from_it(tmp_path: Path) -> None:
+    run, before, killed_at = kill_every_holder_while_a_fresh_worker_syncs(
+        tmp_path, steps=250, env={"RINGSERVE_CHECKPOINT_DIR": "coordinator://"})
+    code, out = run.finish(120)
+    assert code == 0, out[-4000:]
+    assert harness.resumed_steps(out) == {before}, out[-4000:]
+    assert f"resuming from the checkpoint of commit {before} in coordinator://" in out
+    records = run.records()
+    harness.check_invariants(records, 250)
+    assert min(r["step"] for r in records if r["time"] > killed_at) == before + 1
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     run = harness.start(tmp_path, workers=2, steps=30, pause_s=0.01, restart=False,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.checkpoint import CheckpointStore, CheckpointWriter, decode, encode, file_name
+from ringserve.checkpoint import CheckpointStore, CheckpointWriter, CoordinatorStore, decode, encode, file_name
 from ringserve.commits import Commit
 
 
@@ -127,3 +127,15 @@ def test_a_location_that_cannot_be_created_fails_when_the_writer_starts(tmp_path
     blocker.write_bytes(b"")
     with pytest.raises(OSError):
         CheckpointWriter(CheckpointStore(str(blocker / "ckpts")))
+
+
+def test_the_coordinator_store_keeps_one_blob_the_newest_write() -> None:
+    blobs: dict[str, bytes] = {}
+    store = CoordinatorStore(put=blobs.__setitem__, get=blobs.get)
+    assert store.newest() is None
+    store.write(Commit(0, 1), b"one")
+    store.write(Commit(0, 2), b"two")
+    found = store.newest()
+    assert found is not None and found[:2] == (Commit(0, 2), b"two") and len(blobs) == 1
+    blobs[next(iter(blobs))] = b"not a checkpoint"
+    assert store.newest() is None
