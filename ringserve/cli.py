@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ringserve.config import CoordinatorConfig, WorkerConfig
-from ringserve.errors import RingserveError
+from ringserve.errors import STATE_LOST_EXIT_CODE, RingserveError
 
 
 def _coordinator_args(p: argparse.ArgumentParser) -> None:
@@ -128,8 +128,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     outcome = launch(ns.np, command, coordinator=config, elastic=elastic,
                      restart_failed=ns.restart_failed, max_restarts=ns.max_restarts)
     if outcome.failed_rank is not None:
+        lost = " (StateLostError: the job's committed state is lost)" if outcome.code == STATE_LOST_EXIT_CODE else ""
         print(
-            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}; "
+            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}{lost}; "
             f"the other ranks were stopped.",
             file=sys.stderr,
         )
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: the world goes on while at least this many workers live (default -np)")
     p.add_argument("--max-np", type=int, default=None, help="elastic: at most this many workers in a view")
     p.add_argument("--restart-failed", action="store_true",
-                   help="start a failed worker again; it rejoins at the next commit (elastic)")
+                   help="start a failed worker again; it rejoins at the next commit (elastic). A worker that "
+                        "exits with 65 (StateLostError) is never restarted: the run ends with 65")
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")

@@ -242,6 +242,18 @@ class WorkerConfig(SecuritySettings):
             themselves (see worker/shared.py). Off: every payload travels over gRPC.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
+            confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,
+            with fsspec installed), so that a world that loses every worker holding the last
+            commit resumes from the newest copy instead of failing with StateLostError.
+            ``coordinator://`` keeps the newest copy in the coordinator's parameter store (in
+            its memory; under ``ringserve run`` it outlives every worker). Empty: no durable
+            copies. Files are pickles: point it only at storage the job trusts.
+        checkpoint_every: write one commit in this many (1: every commit). The write runs on a
+            thread of its own; when commits come faster than writes, only the newest is written.
+        checkpoint_keep: how many of the newest checkpoints are kept; older ones are deleted.
+        checkpoint_timeout_s: when elastic training ends, how long it waits for the last
+            checkpoint to be written.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -271,12 +283,16 @@ class WorkerConfig(SecuritySettings):
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 1
+    checkpoint_keep: int = 2
+    checkpoint_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
-                  "peer_idle_timeout_s")
+                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(

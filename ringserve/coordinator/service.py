@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import membership
+from ringserve import commits, membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
@@ -31,6 +31,7 @@ PUTS_AT_ONCE = 2
 PUT_STALL_S = 10.0
 # Claimed view numbers above this are refused; the world can then still number 2**32 more views.
 MAX_VIEW_ID = (1 << 64) - (1 << 32)
+RECENT_VIEWS = 8
 
 
 def view_to_proto(view: membership.ViewInfo) -> pb.View:
@@ -104,6 +105,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
         self._warned: set[tuple[int, str]] = set()
         self.view_changed = asyncio.Event()
+        # The job's committed high-water mark, from the workers' heartbeats (see commits.py),
+        # and the last few views, to name a holder's rank in the view it reported from (its
+        # report can trail the view that admits the next members).
+        self.mark = commits.Mark()
+        self._recent_views: dict[int, membership.ViewInfo] = {}
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -130,6 +136,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
+                self._recent_views[action.view.view_id] = action.view
+                for old in sorted(self._recent_views)[:-RECENT_VIEWS]:
+                    del self._recent_views[old]
                 log.info("view %d formed with %d workers", action.view.view_id, len(action.view.members))
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("view %d: %s", action.view.view_id, [m.address for m in action.view.members])
@@ -189,6 +198,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "workers_waiting": membership.waiting(self._state),
             "watch_streams": self.watch_streams,
             "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
+            "committed_step": self.mark.commit.step if self.mark.commit is not None else -1,
+            "committed_lineage": self.mark.commit.lineage if self.mark.commit is not None else 0,
         }
 
     # -- RPCs --------------------------------------------------------------------------------
@@ -233,10 +244,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             warnings = self._stall_warnings(request.view_id, set(request.stalled))
             if request.linked_view and membership.checking(self._state):
                 self.apply(membership.Linked(request.worker_id, request.linked_view))
-        return pb.HeartbeatResponse(
+            if request.HasField("committed_step"):
+                self._record_commit(request)
+        answer = pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
             stall_warnings=warnings,
         )
+        if self.mark.commit is not None:
+            answer.mark_step, answer.mark_lineage = self.mark.commit.step, self.mark.commit.lineage
+        return answer
+
+    def _record_commit(self, request: pb.HeartbeatRequest) -> None:
+        view = self._recent_views.get(request.view_id)
+        rank = view.rank_of(request.worker_id) if view is not None else None
+        member = self._state.workers.get(request.worker_id)
+        holder = commits.Holder(
+            worker_id=request.worker_id, address=member.address if member else "",
+            view_id=request.view_id, rank=-1 if rank is None else rank,
+        )
+        before = self.mark.commit
+        self.mark = commits.record(self.mark, holder, commits.Commit(request.committed_lineage, request.committed_step))
+        if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
+            log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
 
     def _stall_warnings(self, view_id: int, keys: set[str]) -> list[str]:
         """Horovod's stall inspector: for each collective some ranks have waited on too long, the
@@ -378,6 +407,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 key=request.key, offset=offset, total_bytes=len(data),
                 data=data[offset : offset + PARAM_CHUNK_BYTES],
             )
+
+    async def CommitMark(self, request: pb.CommitMarkRequest, context: grpc.aio.ServicerContext) -> pb.CommitMarkResponse:
+        mark = self.mark
+        if mark.commit is None:
+            return pb.CommitMarkResponse(known=False)
+        return pb.CommitMarkResponse(
+            known=True, step=mark.commit.step, lineage=mark.commit.lineage,
+            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank)
+                     for h in mark.holders],
+        )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         """The view and the members' health: all of them by default, a page of them with

@@ -17,6 +17,9 @@
 commit, the wrapper waits for the next view, syncs the state from the rank holding the furthest
 commit (rank 0, the longest-lived member, unless a survivor committed once more) and calls the
 function again. Joiners are admitted at a commit and receive the state before their first step.
+With ``RINGSERVE_CHECKPOINT_DIR`` set, rank 0 also writes committed states there (model,
+optimizer and extras, pickled), and a world that lost every worker holding the last commit
+resumes from the newest one; without it, that world fails with StateLostError.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ringserve.elastic import ObjectState, State, run, sync_root
+from ringserve.elastic import ObjectState, State, run
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
 
@@ -65,14 +68,23 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self._optimizer_saved)
 
-    def sync(self) -> None:
-        root = sync_root(self.commits)
+    def take(self, root: int) -> None:
         if self.model is not None:
             functions.broadcast_parameters(self.model.state_dict(), root_rank=root)
         if self.optimizer is not None:
             functions.broadcast_optimizer_state(self.optimizer, root_rank=root)
-        payload = functions.broadcast_object((self.commits, self._saved), root_rank=root)
+        payload = functions.broadcast_object((self.commits, self.lineage, self._saved), root_rank=root)
         assert isinstance(payload, tuple)
-        self.commits, self._saved = payload
+        self.commits, self.lineage, self._saved = payload
         super().restore()
         self.save()
+
+    def snapshot(self) -> object:
+        """The saved extras, model state_dict and optimizer state_dict (tensors pickle as they are)."""
+        return {"values": self._saved, "model": self._model_saved, "optimizer": self._optimizer_saved}
+
+    def load_snapshot(self, snapshot: object) -> None:
+        assert isinstance(snapshot, dict)
+        self._saved = snapshot["values"]
+        self._model_saved = snapshot["model"]
+        self._optimizer_saved = snapshot["optimizer"]
