@@ -415,6 +415,8 @@ class Worker:
                 f"The peer stream {what} within {self._gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
             ))
         finally:
+            if ring is not None:
+                ring.close()  # unmapped once the collectives are done with its payloads
             self._gate.leave(admitted)
             # Only the real predecessor's stream ending says anything about the ring.
             if admitted.verified and admitted.hello is not None:

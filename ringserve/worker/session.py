@@ -79,6 +79,10 @@ class Inbox:
             raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")
         fut.set_result(frame)
 
+    def untaken(self) -> int:
+        """How many frames arrived here and were never taken."""
+        return sum(1 for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None)
+
     def foreign(self, descriptor: str) -> dict[int, str]:
         """The authors of frames already here whose descriptor differs from ``descriptor``."""
         frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
@@ -164,6 +168,9 @@ class Session:
         self._starved: BaseException | None = None
         self._active = 0
         self._opened: dict[str, float] = {}
+        # Frames that reached a collective which then finished without taking them: always 0
+        # for programs whose ranks agree (the simulator checks it).
+        self.unused = 0
         if link is None and channel is not None and place.size > 1:
             link = StreamLink(channel, self.successor_address, counters, drain_timeout_s=drain_timeout_s, lane=ring)
         elif ring is not None and (link is None or link.lane is not ring):
@@ -211,7 +218,9 @@ class Session:
         return sorted(k for k, t in self._opened.items() if now - t > older_than_s)
 
     def release(self, key: str) -> None:
-        self._inboxes.pop(key, None)
+        inbox = self._inboxes.pop(key, None)
+        if inbox is not None and inbox.error is None:
+            self.unused += inbox.untaken()
         self._opened.pop(key, None)
         self._active -= 1
         if self._active == 0 and self.retired is not None and self._link is not None:
