@@ -15,7 +15,7 @@ from ringserve._proto.peer_pb2 import CODEC_NONE
 from ringserve.codecs import Codec
 from ringserve.errors import ProtocolError
 from ringserve.ring import combine_into, finish_into
-from ringserve.worker.session import Received
+from ringserve.worker.inbox import Received
 
 
 def payload_of(frame: Received, dtype: np.dtype, count: int, key: str) -> np.ndarray:
