@@ -91,15 +91,16 @@ def in_turn(calls: list[Callable[[Session, int], Any]]) -> Callable[[Session, in
 # -- the shipped collectives, simulated --------------------------------------------------------------
 
 
-def allreduce_cases(world: int, rng: random.Random, *, exhaustive: bool) -> list[tuple[str, np.dtype, int, int]]:
+CHUNKS = (1, 4, 1000)
+
+
+def allreduce_cases(world: int, rng: random.Random) -> list[tuple[str, np.dtype, int, int]]:
     """(op, dtype, length, chunk elements): every dtype and every op, every length of lengths_for.
 
-    The quick set gives each dtype two ops (every op is met) and each length one op; the
-    exhaustive set (marked slow) runs every combination with every chunk size.
+    Each dtype gets two ops (so every op is met) and each length one op; the slow test below runs
+    every combination with every chunk size.
     """
-    chunks = (1, 4, 1000)
-    if exhaustive:
-        return [(op, np.dtype(d), n, c) for op in REDUCE_OPS for d in DTYPES for n in lengths_for(world) for c in chunks]
+    chunks = CHUNKS
     cases = []
     for i, dtype in enumerate(DTYPES):
         for op in (REDUCE_OPS[i % 4], REDUCE_OPS[(i + 1) % 4]):
@@ -109,7 +110,7 @@ def allreduce_cases(world: int, rng: random.Random, *, exhaustive: bool) -> list
     return cases
 
 
-async def check_allreduce(world: int, cases: list[tuple[str, np.dtype, int, int]], seed: int, **ring: Any) -> None:
+async def check_allreduce(world: int, cases: list[tuple[str, np.dtype, int, int]], seed: int, timeout_s: float = 20.0) -> None:
     inputs = [rank_data(world, n, dtype, case_seed(world, i)) for i, (_, dtype, n, _) in enumerate(cases)]
 
     def one(i: int, op: str, chunk: int) -> Callable[[Session, int], Any]:
@@ -119,7 +120,7 @@ async def check_allreduce(world: int, cases: list[tuple[str, np.dtype, int, int]
         return call
 
     results = await simulate(world, in_turn([one(i, op, chunk) for i, (op, _, _, chunk) in enumerate(cases)]),
-                             seed=seed, **ring)
+                             seed=seed, timeout_s=timeout_s)
     for i, (op, dtype, length, chunk) in enumerate(cases):
         outs = [results[r][i] for r in range(world)]
         where = f"{op} {dtype} world={world} length={length} chunk={chunk}"
@@ -129,14 +130,16 @@ async def check_allreduce(world: int, cases: list[tuple[str, np.dtype, int, int]
 
 @pytest.mark.parametrize("world", WORLDS)
 async def test_allreduce_of_every_dtype_op_and_length_gives_every_rank_numpys_answer_in_the_same_bytes(world: int) -> None:
-    cases = allreduce_cases(world, random.Random(world), exhaustive=False)
-    await check_allreduce(world, cases, seed=case_seed("allreduce", world))
+    await check_allreduce(world, allreduce_cases(world, random.Random(world)), seed=case_seed("allreduce", world))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", REDUCE_OPS)
 @pytest.mark.parametrize("world", WORLDS)
-async def test_allreduce_of_every_combination_of_dtype_op_length_and_chunk_size_is_exact(world: int) -> None:
-    await check_allreduce(world, allreduce_cases(world, random.Random(world), exhaustive=True), seed=world)
+async def test_allreduce_of_every_combination_of_dtype_op_length_and_chunk_size_is_exact(world: int, op: str, dtype: np.dtype) -> None:
+    cases = [(op, np.dtype(dtype), n, c) for n in lengths_for(world) for c in CHUNKS]
+    await check_allreduce(world, cases, seed=case_seed(world, op, str(dtype)), timeout_s=120)
 
 
 @pytest.mark.parametrize("world", WORLDS)
