@@ -72,7 +72,7 @@ class Link:
         self._ending = False
         self._closed = False
         self._task: asyncio.Task[None] | None = None
-        self._on_failure: OnFailure = lambda exc, why: None
+        self._on_failure: OnFailure = _ignore
 
     # -- the sending side ------------------------------------------------------------------
 
@@ -82,6 +82,7 @@ class Link:
             hello.shared_ring.CopyFrom(self.lane.offer())
         self._on_failure = on_failure
         self._task = asyncio.get_running_loop().create_task(self._pump(hello), name=f"ringserve-link-v{hello.view_id}")
+        self._task.add_done_callback(self._ended)
 
     @property
     def has_room(self) -> bool:
@@ -148,6 +149,7 @@ class Link:
     def close(self) -> None:
         """Stops at once: queued frames are dropped, and waiting senders are let go."""
         self._closed = True
+        self._on_failure = _ignore  # the session is closing: nothing to tell it (and no cycle left)
         if self._task is not None:
             self._task.cancel()
         if self.lane is not None:
@@ -167,9 +169,13 @@ class Link:
         """Waits for the link to end. Cancelling the caller does not cancel the link, and is not
         swallowed: a deadline over several links holds for all of them."""
         task = self._task
-        if task is None:
-            return
-        await asyncio.wait([task])
+        if task is not None:
+            await asyncio.wait([task])
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """Forgets the finished pump: a cancelled one's traceback holds the link, and the link would
+        hold it back, a cycle that kept the channel (and gRPC's poller thread) until the next GC."""
+        self._task = None
         if not task.cancelled():
             task.exception()  # logged by _pump, and the session failed with it: seen, not raised twice
 
@@ -225,6 +231,14 @@ class Link:
         finally:
             if self.lane is not None:
                 self.lane.close()
+            # The session holds the link, and the callback holds the session: break the cycle, so
+            # that both (and the channel, whose poller thread waits for its last user) go at once
+            # when the worker drops them, not at the next garbage collection.
+            self._on_failure = _ignore
+
+
+def _ignore(exc: BaseException, why: str) -> None:
+    pass
 
 
 class StreamLink(Link):

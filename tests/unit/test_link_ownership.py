@@ -7,8 +7,10 @@ Sessions here are linked by in-memory links (tests/ringsim.py); nothing opens a 
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from ringserve import wire
 from ringserve.errors import RingChangedError
 from ringserve.observe import Counters
 from ringserve.worker import collectives, shared
-from ringserve.worker.link import SEND_WINDOW
+from ringserve.worker.link import SEND_WINDOW, Link
 from ringserve.worker.memlink import MemoryLink
 from ringserve.worker.session import Place, Session
 from ringserve.worker.shared import InboundRing, OutboundRing
@@ -142,3 +144,33 @@ async def test_sessions_that_shared_memory_leave_no_mapping_behind() -> None:
     assert sum(s.counters.shared_bytes_sent for s in sessions) > 0
     await shut(sessions)
     assert all(lane is not None and lane.closed for lane in lanes)
+
+
+class Sink(Link):
+    """A link whose peer takes every frame at once."""
+
+    async def _run(self, hello: wire.FrameHeader) -> None:
+        while await self._next() is not None:
+            pass
+
+
+@pytest.mark.parametrize("how", ["retired", "closed"])
+async def test_a_session_and_its_link_are_freed_when_dropped_without_waiting_for_the_garbage_collector(how: str) -> None:
+    # The worker's gRPC poller thread stays until the last channel is freed: a session and link
+    # kept alive by a reference cycle kept it running after shutdown.
+    gc.disable()
+    try:
+        counters = Counters()
+        session = Session(Place(view_id=1, rank=0, size=2, addresses=("a", "b")), None, counters, 1.0,
+                          link=Sink(counters))
+        await asyncio.sleep(0)
+        if how == "retired":
+            session.retire(RingChangedError(1, 2, "test"))
+        else:
+            session.close(RingChangedError(1, 2, "test"))
+        await session.wait_closed()
+        refs = [weakref.ref(session), weakref.ref(session._link)]  # type: ignore[arg-type]
+        del session
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
