@@ -439,6 +439,8 @@ class Worker:
                 f"The peer stream {what} within {self._gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
             ))
         finally:
+            if ring is not None:
+                ring.close()  # unmapped once the collectives are done with its payloads
             self._gate.leave(admitted)
             if admitted.hello is not None:
                 link = (admitted.hello.view_id, admitted.hello.sender_rank)
