@@ -43,3 +43,33 @@ def tune() -> bool:
     if not ok:
         log.info("mallopt refused the allocator thresholds; the data path keeps glibc's defaults")
     return ok
+
+
+# A coordinator's large allocations (parameter blobs, 1 MiB chunks) are rare and must go back to
+# the system when freed. glibc's default threshold adapts upwards after each large free, after
+# which such blocks come from the heap, which a few live objects on top keep from shrinking.
+COORDINATOR_MMAP_THRESHOLD_BYTES = 256 << 10
+
+
+def return_large_frees() -> bool:
+    """For a coordinator process: blocks of 256 KiB and more get their own mapping, unmapped when
+    freed, so that memory taken by a flood of puts is given back. Process-wide, so only the
+    ``ringserve coordinator`` command applies it (a worker's process keeps ``tune``'s setting)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, COORDINATOR_MMAP_THRESHOLD_BYTES) == 1)
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+def trim() -> bool:
+    """Gives the heap's free pages back to the system (glibc's malloc_trim); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

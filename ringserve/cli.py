@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ringserve.config import CoordinatorConfig, WorkerConfig
-from ringserve.errors import RingserveError
+from ringserve.errors import STATE_LOST_EXIT_CODE, RingserveError
 
 
 def _coordinator_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,17 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
-                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 4096)")
+                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 8192)")
+    p.add_argument("--max-param-bytes", type=int, default=None,
+                   help="bytes of parameter blobs held at once, streaming ones included (default 1 GiB)")
+    p.add_argument("--max-watch-streams", type=int, default=None,
+                   help="WatchView streams open at once, all clients together (default 4096)")
+    p.add_argument("--max-watches-per-worker", type=int, default=None,
+                   help="WatchView streams open at once under one worker id (default 4)")
+    p.add_argument("--idle-connection-seconds", dest="idle_connection_s", type=float, default=None,
+                   help="close a client connection with no RPC in flight for this long (default 60)")
+    p.add_argument("--handshake-timeout-seconds", dest="handshake_timeout_s", type=float, default=None,
+                   help="close a connection that has not completed its handshake in time (default 10)")
     _security_args(p, server=True)
 
 
@@ -55,7 +65,9 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "metrics_port", "max_concurrent_rpcs", *_SECURITY_FIELDS)
+                 "heartbeat_timeout_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "max_watch_streams", "max_watches_per_worker", "idle_connection_s",
+                 "handshake_timeout_s", *_SECURITY_FIELDS)
 
 
 async def _serve(config: CoordinatorConfig) -> None:
@@ -65,7 +77,7 @@ async def _serve(config: CoordinatorConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Coordinator(config) as coord:
+    async with Coordinator(config, release_memory=True) as coord:
         mode = "plaintext"
         if coord.security.tls:
             mode = "mTLS" if coord.security.require_client_auth else "TLS"
@@ -77,9 +89,11 @@ async def _serve(config: CoordinatorConfig) -> None:
 
 
 def _cmd_coordinator(ns: argparse.Namespace) -> int:
+    from ringserve import _malloc
     from ringserve.loop import new_event_loop
 
     config = CoordinatorConfig.from_env(**_overrides(ns, _COORD_FIELDS))
+    _malloc.return_large_frees()
     loop = new_event_loop(use_uvloop=True)
     try:
         loop.run_until_complete(_serve(config))
@@ -114,8 +128,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     outcome = launch(ns.np, command, coordinator=config, elastic=elastic,
                      restart_failed=ns.restart_failed, max_restarts=ns.max_restarts)
     if outcome.failed_rank is not None:
+        lost = " (StateLostError: the job's committed state is lost)" if outcome.code == STATE_LOST_EXIT_CODE else ""
         print(
-            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}; "
+            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}{lost}; "
             f"the other ranks were stopped.",
             file=sys.stderr,
         )
@@ -126,11 +141,18 @@ def _format_status(status: object) -> str:
     from ringserve._proto import coordinator_pb2 as pb
 
     assert isinstance(status, pb.StatusResponse)
+    size = status.view_size or len(status.view.members)
     lines = [
-        f"view {status.view.view_id}, {len(status.view.members)} workers "
+        f"view {status.view.view_id}, {size} workers "
         f"(min {status.min_workers}, max {status.max_workers}, {status.pending_workers} waiting); "
         f"views formed {status.views_formed}; uptime {status.uptime_s:.1f} s",
     ]
+    if status.members:
+        beats = sorted(m.seconds_since_heartbeat for m in status.members)
+        lines.append(
+            f"heartbeats of the {len(beats)} listed: newest {beats[0]:.1f} s ago, "
+            f"median {beats[len(beats) // 2]:.1f} s, oldest {beats[-1]:.1f} s"
+        )
     header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
     lines.append(header)
     for m in status.members:
@@ -139,6 +161,8 @@ def _format_status(status: object) -> str:
             f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
             f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
         )
+    if len(status.members) < size:
+        lines.append(f"... {size - len(status.members)} more (--all lists every worker)")
     return "\n".join(lines)
 
 
@@ -160,7 +184,9 @@ def _cmd_status(ns: argparse.Namespace) -> int:
                                        **_overrides(ns, _SECURITY_FIELDS))
         client = ControlClient(config)
         try:
-            return await client.status()
+            # A table of 2,000 workers helps nobody: the first ones, unless --all (JSON: all).
+            limit = 0 if ns.all or ns.json else ns.limit
+            return await client.status(limit=limit)
         finally:
             await client.close()
 
@@ -196,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: the world goes on while at least this many workers live (default -np)")
     p.add_argument("--max-np", type=int, default=None, help="elastic: at most this many workers in a view")
     p.add_argument("--restart-failed", action="store_true",
-                   help="start a failed worker again; it rejoins at the next commit (elastic)")
+                   help="start a failed worker again; it rejoins at the next commit (elastic). A worker that "
+                        "exits with 65 (StateLostError) is never restarted: the run ends with 65")
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")
@@ -205,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the current view and each worker's counters")
     p.add_argument("--coordinator", required=True, help="host:port of the coordinator")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (every worker)")
+    p.add_argument("--all", action="store_true", help="list every worker, not only the first --limit")
+    p.add_argument("--limit", type=int, default=20, help="workers listed in the table (default 20)")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
     _security_args(p, server=False)
     p.set_defaults(func=_cmd_status)

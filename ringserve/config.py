@@ -119,6 +119,17 @@ class CoordinatorConfig(SecuritySettings):
         tls_*, token, token_file: see SecuritySettings.
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); long-lived streams count too.
+        max_param_bytes: the parameter blobs (PutParams) the coordinator holds, stored and still
+            streaming together, are at most this many bytes; beyond it PutParams answers
+            RESOURCE_EXHAUSTED. A blob put under a key already used replaces the old one.
+        max_watch_streams: WatchView streams open at once, all clients together; never more
+            than half of max_concurrent_rpcs, so that heartbeats and Status always find room.
+        max_watches_per_worker: WatchView streams open at once under one worker id (a worker
+            needs one; a reconnect briefly holds two).
+        idle_connection_s: a client connection with no RPC in flight for this long is closed
+            (gRPC's max_connection_idle); a worker's WatchView stream keeps its connection busy.
+        handshake_timeout_s: a connection that has not completed its TLS and HTTP/2 handshake
+            within this time is closed (a socket opened and left silent).
     """
 
     host: str = "127.0.0.1"
@@ -131,12 +142,25 @@ class CoordinatorConfig(SecuritySettings):
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
-    # Each worker holds one WatchView stream and a unary call or two at a time.
-    max_concurrent_rpcs: int = 4096
+    # Each worker holds one WatchView stream and a unary call or two at a time: 2,000 workers
+    # need about 4,000, and a flood of streams is capped by max_watch_streams well before this.
+    max_concurrent_rpcs: int = 8192
+    max_param_bytes: int = 1 << 30
+    max_watch_streams: int = 4096
+    max_watches_per_worker: int = 4
+    idle_connection_s: float = 60.0
+    handshake_timeout_s: float = 10.0
+
+    @property
+    def watch_stream_cap(self) -> int:
+        """max_watch_streams, within half of max_concurrent_rpcs."""
+        return max(1, min(self.max_watch_streams, self.max_concurrent_rpcs // 2))
 
     def __post_init__(self) -> None:
         _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
-                  "heartbeat_timeout_s", "tick_s", "max_message_bytes", "max_concurrent_rpcs")
+                  "heartbeat_timeout_s", "tick_s", "max_message_bytes", "max_concurrent_rpcs",
+                  "max_param_bytes", "max_watch_streams", "max_watches_per_worker",
+                  "idle_connection_s", "handshake_timeout_s")
         _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
@@ -218,6 +242,18 @@ class WorkerConfig(SecuritySettings):
             themselves (see worker/shared.py). Off: every payload travels over gRPC.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
+            confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,
+            with fsspec installed), so that a world that loses every worker holding the last
+            commit resumes from the newest copy instead of failing with StateLostError.
+            ``coordinator://`` keeps the newest copy in the coordinator's parameter store (in
+            its memory; under ``ringserve run`` it outlives every worker). Empty: no durable
+            copies. Files are pickles: point it only at storage the job trusts.
+        checkpoint_every: write one commit in this many (1: every commit). The write runs on a
+            thread of its own; when commits come faster than writes, only the newest is written.
+        checkpoint_keep: how many of the newest checkpoints are kept; older ones are deleted.
+        checkpoint_timeout_s: when elastic training ends, how long it waits for the last
+            checkpoint to be written.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -247,12 +283,16 @@ class WorkerConfig(SecuritySettings):
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 1
+    checkpoint_keep: int = 2
+    checkpoint_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
-                  "peer_idle_timeout_s")
+                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(

@@ -18,6 +18,13 @@ restores the last commit, waits for the next view, syncs the state from the new 
 longest-lived member) and calls the function again. At each commit the ranks agree, through one
 small allreduce, whether workers are waiting to join or asking to leave (SIGTERM); if so, they
 change the world right there, with nothing to roll back.
+
+No silent regression: each sync also asks the coordinator for the job's committed high-water mark
+(see ringserve/commits.py). When every worker that held the last commit died before anyone else
+received it, the view resumes from the newest durable copy (``RINGSERVE_CHECKPOINT_DIR``, written
+by rank 0 of each view) with a warning that names what was lost, or, without one, fails with
+StateLostError on every rank instead of starting again from a fresh process's state (the
+decision is commits.py's, its effects resume.py's).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
+import pickle
 import signal
 import sys
 import threading
@@ -33,8 +42,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ringserve import api
-from ringserve.errors import CorruptFrameError, HostsUpdatedInterrupt, RecoverableError
+from ringserve import api, resume
+from ringserve.checkpoint import CheckpointWriter
+from ringserve.commits import Commit
+from ringserve.errors import (
+    STATE_LOST_EXIT_CODE,
+    CorruptFrameError,
+    HostsUpdatedInterrupt,
+    RecoverableError,
+    StateLostError,
+)
 from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")
@@ -61,16 +78,52 @@ class _Leave:
             signal.signal(signal.SIGTERM, handler)
 
 
+class _StateLostExit:
+    """Makes a process that ends on an uncaught StateLostError exit with STATE_LOST_EXIT_CODE.
+
+    Python exits with 1 after any uncaught exception; ``ringserve run`` must tell this one apart,
+    so as to restart nobody (a restarted process would hold even less). The hook prints the
+    traceback as usual, leaves the world, and exits with the code. Caught, the error changes
+    nothing.
+    """
+
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        cls.installed = True
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            previous(kind, value, tb)
+            if isinstance(value, StateLostError):
+                try:
+                    api.shutdown()
+                finally:
+                    logging.shutdown()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(STATE_LOST_EXIT_CODE)
+
+        sys.excepthook = hook
+
+
 class State:
     """Base of elastic state: commit, restore, sync and reset callbacks.
 
-    Subclasses implement ``save`` (remember the current values), ``restore`` (go back to them)
-    and ``sync`` (take rank 0's values).
+    Subclasses implement ``save`` (remember the current values), ``restore`` (go back to them),
+    ``take`` (take a rank's saved values, with ``commits`` and ``lineage``), and, for durable
+    copies, ``snapshot`` and ``load_snapshot``. ``sync`` decides whose values the view takes.
     """
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
         self.commits = 0
+        # Goes up by one each time a world resumes from a durable copy (see commits.py).
+        self.lineage = 0
+        self._writer: CheckpointWriter | None = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Callbacks run after every change of the world (for instance to rescale a learning rate)."""
@@ -88,7 +141,33 @@ class State:
         """
         self.save()
         self.commits += 1
-        self.check_host_updates()
+        try:
+            self.check_host_updates()
+        except HostsUpdatedInterrupt:
+            self._confirmed(world_changes=True)
+            raise
+        self._confirmed(world_changes=False)
+
+    def _confirmed(self, *, world_changes: bool) -> None:
+        """The commit-time allreduce finished: every rank of the view entered it after saving, so
+        all of them hold this commit. Reported to the coordinator (heartbeats), and written to
+        the checkpoint directory by rank 0 every checkpoint_every commits."""
+        ctx = api.context()
+        # At once where it matters: before the world changes (the next view may admit workers
+        # holding nothing), and at the first commit (until then the mark says 0, which no
+        # fresh process could be found to fall short of). Else with the next heartbeat.
+        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes or self.commits == 1)
+        cfg = ctx.config
+        if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
+            if self._writer is None:
+                self._writer = CheckpointWriter(resume.store(cfg.checkpoint_dir, cfg.checkpoint_keep))
+            self._writer.submit(Commit(self.lineage, self.commits), pickle.dumps(self.snapshot(), protocol=5))
+
+    def close_checkpoints(self, timeout_s: float) -> None:
+        """Waits for the last checkpoint write, then stops the writer's thread."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close(timeout_s)
 
     def check_host_updates(self) -> None:
         """Raises HostsUpdatedInterrupt on every rank, or on none: the ranks agree by an allreduce.
@@ -114,20 +193,27 @@ class State:
     def restore(self) -> None:
         raise NotImplementedError
 
-    def sync(self) -> None:
+    def take(self, root: int) -> None:
+        """Every rank takes ``root``'s saved values, ``commits`` and ``lineage``, and restores them."""
         raise NotImplementedError
 
+    def snapshot(self) -> object:
+        """The saved values, picklable, for a durable copy."""
+        raise NotImplementedError
 
-def sync_root(commits: int) -> int:
-    """The rank whose state everyone takes: the lowest rank among those with the most commits.
+    def load_snapshot(self, snapshot: object) -> None:
+        """Makes ``snapshot`` (from ``snapshot()``) the saved values; ``restore`` then applies them."""
+        raise NotImplementedError
 
-    That is rank 0, the longest-lived member, unless a rank that survived with it committed once
-    more before the old view broke (a collective can finish on some ranks and fail on others):
-    taking the furthest commit means no committed step is ever lost.
-    """
-    counts = api.allgather(np.array([commits], dtype=np.int64), name="ringserve.elastic.commits")
-    return int(np.argmax(counts))
+    def sync(self) -> None:
+        """Makes every rank hold the same state: the furthest commit any member holds.
 
+        Raises:
+            StateLostError: no member holds the job's last commit and no durable copy exists.
+        """
+        root = resume.agree_root(self)
+        self.take(root)
+        api.context().worker.report_committed(Commit(self.lineage, self.commits), now=True)
 
 class ObjectState(State):
     """Elastic state of picklable attributes, synced with broadcast_object.
@@ -157,16 +243,23 @@ class ObjectState(State):
         for name, value in copy.deepcopy(self._saved).items():
             setattr(self, name, value)
 
-    def sync(self) -> None:
-        root = sync_root(self.commits)
-        payload = api.broadcast_object((self.commits, self._saved), root=root, name="ringserve.elastic.sync")
+    def take(self, root: int) -> None:
+        payload = api.broadcast_object((self.commits, self.lineage, self._saved), root=root, name="ringserve.elastic.sync")
         assert isinstance(payload, tuple)
-        self.commits, self._saved = payload
+        self.commits, self.lineage, self._saved = payload
         self.restore()
 
+    def snapshot(self) -> object:
+        return self._saved
 
-def _leave_now() -> None:
+    def load_snapshot(self, snapshot: object) -> None:
+        assert isinstance(snapshot, dict)
+        self._saved = snapshot
+
+
+def _leave_now(state: State) -> None:
     log.warning("leaving the world after a commit, as SIGTERM asked")
+    state.close_checkpoints(api.context().config.checkpoint_timeout_s)
     api.shutdown()
     sys.exit(0)
 
@@ -191,53 +284,68 @@ def run(func: F) -> F:
 
     On a RecoverableError the state goes back to its last commit; on HostsUpdatedInterrupt it is
     kept. Either way the wrapper waits (up to elastic_timeout_s) for a view that includes this
-    worker and is newer than the one that ended, syncs the state from rank 0 and runs ``func``
-    again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit
+    worker and is newer than the one that ended, syncs the state from the rank holding the
+    furthest commit (or, if the view lost every holder of the job's last commit, from the newest
+    checkpoint) and runs ``func`` again. A CorruptFrameError (checksums on) ends no view: every rank restores its last commit
     and runs again in the same view, up to CORRUPT_RETRIES times without a commit in between. A
-    worker that got SIGTERM leaves at its commit and exits with code 0.
+    worker that got SIGTERM leaves at its commit and exits with code 0. When it returns or
+    raises, it waits (up to checkpoint_timeout_s) for the last checkpoint to be written.
 
     Raises:
         RendezvousTimeoutError: no new view came within elastic_timeout_s (for instance, the
             survivors stayed below min_workers).
+        StateLostError: every worker holding the job's last commit died and no durable copy
+            exists (raised on every rank). Left uncaught, it ends the process with exit code
+            STATE_LOST_EXIT_CODE (65), which ``ringserve run`` recognizes: it restarts nobody
+            and ends the run with that code.
     """
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         _Leave.install()
-        ctx = api.context()
-        worker = ctx.worker
-        corrupt, corrupt_at = 0, -1  # damaged frames since the commit numbered corrupt_at
-        while True:
-            view = worker.latest_view
-            same_view = False
-            try:
-                # Pinned before the sync, so that the sync's collectives and the steps after it
-                # all run in the one view (RingChangedError here if we are in none).
-                view = worker.view_id
-                worker.pin_view(view)
-                state.sync()
-                return func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt as exc:
-                if exc.leaving and _Leave.requested.is_set():
-                    _leave_now()
-                log.info("%s: the world changes at a commit (%s); waiting for a newer view", worker.tag, exc)
-            except CorruptFrameError as exc:
-                # Every rank aborted the collective and the ring is intact: no new view will come.
-                corrupt = corrupt + 1 if state.commits == corrupt_at else 1
-                corrupt_at = state.commits
-                if corrupt > CORRUPT_RETRIES:
-                    raise
-                log.warning("%s: %s; restoring the last commit and retrying in the same view (%d of %d)",
-                            worker.tag, exc, corrupt, CORRUPT_RETRIES)
-                state.restore()
-                same_view = True
-            except RecoverableError as exc:
-                log.warning("%s: %s; restoring the last commit", worker.tag, exc)
-                state.restore()
-            finally:
-                worker.pin_view(None)
-            if not same_view:
-                _wait_for_view_after(view)
-            state.on_reset()
+        _StateLostExit.install()
+        timeout_s = api.context().config.checkpoint_timeout_s
+        try:
+            return _run(func, state, args, kwargs)
+        finally:
+            state.close_checkpoints(timeout_s)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    worker = api.context().worker
+    corrupt, corrupt_at = 0, -1  # damaged frames since the commit numbered corrupt_at
+    while True:
+        view = worker.latest_view
+        same_view = False
+        try:
+            # Pinned before the sync, so that the sync's collectives and the steps after it
+            # all run in the one view (RingChangedError here if we are in none).
+            view = worker.view_id
+            worker.pin_view(view)
+            state.sync()
+            return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt as exc:
+            if exc.leaving and _Leave.requested.is_set():
+                _leave_now(state)
+            log.info("%s: the world changes at a commit (%s); waiting for a newer view", worker.tag, exc)
+        except CorruptFrameError as exc:
+            # Every rank aborted the collective and the ring is intact: no new view will come.
+            corrupt = corrupt + 1 if state.commits == corrupt_at else 1
+            corrupt_at = state.commits
+            if corrupt > CORRUPT_RETRIES:
+                raise
+            log.warning("%s: %s; restoring the last commit and retrying in the same view (%d of %d)",
+                        worker.tag, exc, corrupt, CORRUPT_RETRIES)
+            state.restore()
+            same_view = True
+        except RecoverableError as exc:
+            log.warning("%s: %s; restoring the last commit", worker.tag, exc)
+            state.restore()
+        finally:
+            worker.pin_view(None)
+        if not same_view:
+            _wait_for_view_after(view)
+        state.on_reset()
+

@@ -11,6 +11,8 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
         ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
         ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
+        ├── StateLostError            every worker holding the last commit died and no durable copy
+        │                             exists: the job cannot go on without going back; never retried
         ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
         ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
         ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
@@ -82,6 +84,41 @@ class HostsUpdatedInterrupt(RingserveError):
         self.joining = joining
         self.leaving = leaving
         super().__init__(f"The world changes at this commit: {joining} joining, {leaving} leaving.")
+
+
+# The exit code of a worker process that ends on an uncaught StateLostError (see
+# ringserve.elastic.run); ``ringserve run`` recognizes it, restarts nobody and ends the run with it.
+# 65 is sysexits' EX_DATAERR: the data (the committed state) is gone, retrying cannot bring it back.
+STATE_LOST_EXIT_CODE = 65
+
+
+class StateLostError(RingserveError):
+    """Every worker that held the job's last commit is gone, and no durable copy can replace it.
+
+    Not recoverable by restoring and retrying: the survivors hold only an older state (a fresh
+    process holds the initial one), and going on from it would silently undo committed training.
+    Raised on every rank of the view that found the loss.
+
+    Attributes:
+        step: the last commit the job is known to have made.
+        holders: who held it, as "rank R of view V (worker ID at ADDRESS)".
+        view: the view that found it lost.
+        best: the furthest commit any member of that view holds.
+    """
+
+    exit_code = STATE_LOST_EXIT_CODE
+
+    def __init__(self, *, step: int, holders: list[str], view: int, best: int, detail: str = "") -> None:
+        self.step = step
+        self.holders = list(holders)
+        self.view = view
+        self.best = best
+        held = "; ".join(self.holders) or "workers the coordinator no longer knows"
+        message = (
+            f"The job's committed state is lost: every worker holding commit {step} died ({held}), "
+            f"and no member of view {view} holds more than commit {best}"
+        )
+        super().__init__(f"{message}; {detail}" if detail else message + ".")
 
 
 class CoordinatorUnreachableError(RingserveError):

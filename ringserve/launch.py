@@ -4,6 +4,11 @@ The coordinator runs inside the launcher on a background loop. Each worker gets
 RINGSERVE_COORDINATOR and RINGSERVE_RANK_HINT (its process index, which becomes its rank in the
 first view). Output lines are prefixed with the rank. When one worker fails, the others are
 stopped (SIGTERM, then SIGKILL after a grace) and the launcher exits with that worker's code.
+
+A worker that exits with STATE_LOST_EXIT_CODE (65: an uncaught StateLostError, see
+ringserve.elastic.run) lost the job's committed state. Elastic or not, with --restart-failed or
+not, nobody is restarted (a fresh process holds even less): the others are stopped and the
+launcher exits with 65.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import IO, Any
 
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
-from ringserve.errors import InvalidArgumentError
+from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError
 from ringserve.launch_env import horovod_env
 from ringserve.loop import LoopThread
 
@@ -151,7 +156,8 @@ def launch(
     Returns:
         The Outcome. Not elastic: 0 when every worker exited 0, else the first failing worker's
         code and slot. Elastic: 0 when some worker finished with 0 (the stragglers are stopped
-        after a grace), else the last failure.
+        after a grace), else the last failure; STATE_LOST_EXIT_CODE as soon as a worker exits
+        with it.
     """
     if num_proc < 1:
         raise InvalidArgumentError(f"The number of processes ({num_proc}) must be at least 1.")
@@ -229,6 +235,10 @@ def _supervise_elastic(group: _Group, restarts_left: int) -> Outcome:
                 finished_at = finished_at or time.monotonic()
                 continue
             last_failure = Outcome(_exit_code(code), failed_rank=slot)
+            if code == STATE_LOST_EXIT_CODE:
+                group.note(f"worker {slot} lost the job's committed state (exit code {code}, StateLostError); "
+                           f"restarting nobody and ending the run")
+                return last_failure
             if finished_at is None and restarts_left > 0:
                 restarts_left -= 1
                 group.note(f"worker {slot} exited with code {code}; starting it again ({restarts_left} restarts left)")

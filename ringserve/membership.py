@@ -8,7 +8,13 @@ member), and newcomers follow in join order, or in the order of their rank hints
 Rules, in order of precedence:
 
 - **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
-  removed at once, and a view without it is published at once.
+  removed, and a view without it is published at once; a worker is never declared dead before it
+  has been silent for the full timeout. Silence is checked on ``Tick``. Workers that died together
+  (a host, a rack) sent their last heartbeats over an interval, and would expire over as many
+  ticks, each a view that every rank must install. So when some have expired while others are
+  nearly silent (for more than ``heartbeat_timeout_s - failure_window_s``), the view waits, at
+  most ``failure_window_s``, until each of those has either spoken again or expired too, and then
+  removes all the expired ones at once.
 - **Rendezvous**: the first view forms once ``min_workers`` have joined and membership has been
   stable for ``settle_s``.
 - **Admission**: once a world runs, newcomers wait until a member asks for them to be admitted (an
@@ -29,6 +35,7 @@ Rules, in order of precedence:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ringserve import links
 from ringserve.links import RingCheck
@@ -54,18 +61,37 @@ class ViewInfo:
     left: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
 
+    # Derived tables are computed once per view, on first use (cached_property writes the
+    # instance dict directly, which a frozen dataclass allows): a view of 2,000 members is asked
+    # for ranks by every request that names a worker.
+    @cached_property
+    def ranks(self) -> dict[str, int]:
+        """Each member's rank, by worker id."""
+        return {m.worker_id: rank for rank, m in enumerate(self.members)}
+
+    @cached_property
+    def placements(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``local(rank)`` of every member, computed in one pass over the members."""
+        hosts: dict[str, int] = {}
+        per_host: dict[str, int] = {}
+        local_ranks = []
+        for m in self.members:
+            hosts.setdefault(m.hostname, len(hosts))
+            local_ranks.append(per_host.get(m.hostname, 0))
+            per_host[m.hostname] = local_ranks[-1] + 1
+        return tuple(
+            (local_rank, per_host[m.hostname], hosts[m.hostname], len(hosts))
+            for local_rank, m in zip(local_ranks, self.members, strict=True)
+        )
+
     def rank_of(self, worker_id: str) -> int | None:
-        for rank, m in enumerate(self.members):
-            if m.worker_id == worker_id:
-                return rank
-        return None
+        return self.ranks.get(worker_id)
 
     def local(self, rank: int) -> tuple[int, int, int, int]:
-        """(local_rank, local_size, cross_rank, cross_size) of the member at ``rank``."""
-        host = self.members[rank].hostname
-        same = [i for i, m in enumerate(self.members) if m.hostname == host]
-        hosts = list(dict.fromkeys(m.hostname for m in self.members))
-        return same.index(rank), len(same), hosts.index(host), len(hosts)
+        """(local_rank, local_size, cross_rank, cross_size) of the member at ``rank``: its index
+        among the members on its host, their number, its host's index among the hosts in order of
+        first appearance, and the number of hosts."""
+        return self.placements[rank]
 
 
 @dataclass(frozen=True)
@@ -74,6 +100,9 @@ class Rules:
     max_workers: int
     settle_s: float
     heartbeat_timeout_s: float
+    # How long the view without expired workers may wait for those nearly expired (silent for
+    # more than heartbeat_timeout_s - failure_window_s) to speak or expire too (0: never waits).
+    failure_window_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,11 +114,24 @@ class Claim:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Beat:
+    """A heartbeat not yet folded into ``State.last_seen``. The beats since the last tick form a
+    linked list, newest first, so that recording one allocates one cell, whatever the number of
+    workers; a tick folds them into a new ``last_seen`` in one pass."""
+
+    worker_id: str
+    at: float
+    previous: _Beat | None
+
+
 @dataclass(frozen=True)
 class State:
     rules: Rules
     workers: dict[str, MemberInfo] = field(default_factory=dict)
+    # When each worker was last heard from, as of the last tick; ``seen`` adds the newer beats.
     last_seen: dict[str, float] = field(default_factory=dict)
+    beats: _Beat | None = None
     view: ViewInfo = ViewInfo(0, ())
     changed_at: float = -INF
     join_seq: int = 0
@@ -108,6 +150,12 @@ class State:
     held: dict[str, float] = field(default_factory=dict)
     cuts: dict[str, int] = field(default_factory=dict)
     bumps: tuple[float, ...] = ()
+    # When workers were first found expired while others were nearly so (see _expire).
+    expiring_since: float = INF
+    # Whether the next view may differ from the current one: set by every change of membership,
+    # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
+    # sort every worker again.
+    dirty: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,17 +237,22 @@ Action = PublishView | Removed | Probe
 
 
 def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
-    """Applies one event at time ``now`` and returns the new state and the actions to carry out."""
+    """Applies one event at time ``now`` and returns the new state and the actions to carry out.
+
+    A heartbeat costs the same whatever the number of workers: it is recorded, and nothing else
+    is looked at. Deadlines (silence, settling, recovery) are checked on ``Tick``.
+    """
     actions: list[Action] = []
+    if isinstance(event, Heartbeat):
+        if event.worker_id not in state.workers:
+            return state, []
+        return replace(state, beats=_Beat(event.worker_id, now, state.beats)), []
     if isinstance(event, Join):
         state = _join(state, event, now)
     elif isinstance(event, Leave):
         if event.worker_id in state.workers:
             state = _remove(state, event.worker_id, now, failed=False)
             actions.append(Removed(event.worker_id, "left"))
-    elif isinstance(event, Heartbeat):
-        if event.worker_id in state.workers:
-            state = replace(state, last_seen={**state.last_seen, event.worker_id: now})
     elif isinstance(event, Suspect):
         member = state.workers.get(event.worker_id)
         if member is not None and event.worker_id not in state.suspects:
@@ -218,12 +271,10 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     elif isinstance(event, Admit):
         current = event.view_id in (0, state.view.view_id)
         if current and state.view.rank_of(event.requester_id) is not None:
-            state = replace(state, admit=True, bump=True)
-    deadline = state.rules.heartbeat_timeout_s
-    for wid, seen in list(state.last_seen.items()):
-        if now - seen > deadline:
-            state = _remove(state, wid, now, failed=True)
-            actions.append(Removed(wid, f"silent for more than {deadline:g} s"))
+            state = replace(state, admit=True, bump=True, dirty=True)
+    elif isinstance(event, Tick):
+        state, removed = _expire(state, now)
+        actions.extend(removed)
     if state.check is not None or state.held:
         state, cut = _check_ring(state, now)
         actions.extend(cut)
@@ -239,13 +290,47 @@ def checking(state: State) -> bool:
     return state.check is not None
 
 
+def seen(state: State) -> dict[str, float]:
+    """When each worker was last heard from, heartbeats since the last tick included."""
+    if state.beats is None:
+        return state.last_seen
+    last_seen = dict(state.last_seen)
+    beat: _Beat | None = state.beats
+    while beat is not None:
+        # Newest first: a worker's first beat in the list is its latest; a beat of a worker
+        # removed since does not bring it back.
+        if beat.at > last_seen.get(beat.worker_id, INF):
+            last_seen[beat.worker_id] = beat.at
+        beat = beat.previous
+    return last_seen
+
+
+def _expire(state: State, now: float) -> tuple[State, list[Action]]:
+    """Folds the heartbeats in, and removes the workers silent past the timeout, all in one view,
+    once none is left nearly silent (or failure_window_s has passed since some expired)."""
+    last_seen = seen(state)
+    if state.beats is not None:
+        state = replace(state, last_seen=last_seen, beats=None)
+    deadline = state.rules.heartbeat_timeout_s
+    if not any(now - at > deadline for at in last_seen.values()):
+        return state, []
+    expiring_since = min(state.expiring_since, now)
+    if now - expiring_since < state.rules.failure_window_s:
+        nearly = deadline - state.rules.failure_window_s
+        if any(nearly < now - at <= deadline for at in last_seen.values()):
+            return replace(state, expiring_since=expiring_since), []
+    silent = [wid for wid, at in last_seen.items() if now - at > deadline]
+    state = replace(_remove_all(state, silent, now, failed=True), expiring_since=INF)
+    return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
+
+
 def is_known(state: State, worker_id: str) -> bool:
     return worker_id in state.workers
 
 
 def waiting(state: State) -> int:
     """Workers that joined but are not in the current view."""
-    in_view = {m.worker_id for m in state.view.members}
+    in_view = state.view.ranks
     return len([w for w in state.workers if w not in in_view])
 
 
@@ -265,7 +350,7 @@ def _partitioned(state: State, suspect: str, now: float) -> tuple[State, list[Ac
     if links.storming(state.bumps, now, timeout):
         return _cut(state, suspect, now, f"reported by its peers again after {links.MAX_BUMPS} new rings")
     bumps = tuple(t for t in state.bumps if now - t < links.STORM_WINDOW * timeout) + (now,)
-    return replace(state, bump=True, bumps=bumps, check=RingCheck(0, INF)), []
+    return replace(state, bump=True, dirty=True, bumps=bumps, check=RingCheck(0, INF)), []
 
 
 def _linked(state: State, event: Linked) -> State:
@@ -285,7 +370,10 @@ def _linked(state: State, event: Linked) -> State:
 def _check_ring(state: State, now: float) -> tuple[State, list[Action]]:
     """Lets held workers in again once their time is up, and drops a worker if a link stayed down."""
     if state.held:
-        state = replace(state, held={w: t for w, t in state.held.items() if t > now})
+        held = {w: t for w, t in state.held.items() if t > now}
+        if len(held) != len(state.held):
+            # A worker held out may be admitted again: the next view may differ.
+            state = replace(state, held=held, dirty=True)
     check = state.check
     if check is None or check.view_id != state.view.view_id or now < check.deadline:
         return state, []
@@ -341,22 +429,30 @@ def _join(state: State, event: Join, now: float) -> State:
         join_seq=state.join_seq + (0 if old else 1),
         claims=claims,
         first_claim_at=first_claim_at,
+        dirty=True,
     )
 
 
 def _remove(state: State, worker_id: str, now: float, *, failed: bool) -> State:
-    workers = {k: v for k, v in state.workers.items() if k != worker_id}
-    seen = {k: v for k, v in state.last_seen.items() if k != worker_id}
-    claims = {k: v for k, v in state.claims.items() if k != worker_id}
+    return _remove_all(state, [worker_id], now, failed=failed)
+
+
+def _remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool) -> State:
+    """Removes several workers with one copy of each table, however many they are."""
+    gone = frozenset(worker_ids)
+    workers = {k: v for k, v in state.workers.items() if k not in gone}
+    last_seen = {k: v for k, v in state.last_seen.items() if k not in gone}
+    claims = {k: v for k, v in state.claims.items() if k not in gone} if state.claims else state.claims
     return replace(
         state,
         workers=workers,
-        last_seen=seen,
+        last_seen=last_seen,
         claims=claims,
         changed_at=now,
-        suspects=state.suspects - {worker_id},
-        left=state.left if failed else state.left | {worker_id},
-        failed=state.failed | {worker_id} if failed else state.failed,
+        suspects=state.suspects - gone,
+        left=state.left if failed else state.left | gone,
+        failed=state.failed | gone if failed else state.failed,
+        dirty=True,
     )
 
 
@@ -410,10 +506,16 @@ def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:
 
 
 def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
+    if not state.dirty:
+        return state, []
     if state.claims:
         recovered = _recover(state, now)
         if recovered is not None:
             return recovered
+    elif not state.bump and now - state.changed_at < state.rules.settle_s and not _lost_any(state):
+        # Still settling, and nobody to drop: the answer is "not yet" without sorting everyone
+        # (a view of 2,000 forms after as many joins).
+        return state, []
     desired = _desired(state)
     current_ids = [m.worker_id for m in state.view.members]
     desired_ids = [m.worker_id for m in desired]
@@ -421,20 +523,25 @@ def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
         if state.bump:
             return _publish(state, desired)
         # An admit request that finds nobody to let in lapses: a later joiner waits for the next.
-        return (replace(state, admit=False) if state.admit else state), []
+        return replace(state, admit=False, dirty=False), []
     lost = set(current_ids) - set(desired_ids)
     enough = len(desired) >= state.rules.min_workers
     if lost and not enough:
         # The world fell below its minimum: end it now, so that nobody waits on a dead ring.
         if not state.view.members:
-            return state, []
+            return replace(state, dirty=False), []
         return _publish(state, ())
     if not enough:
-        return state, []
+        return replace(state, dirty=False), []
     settled = now - state.changed_at >= state.rules.settle_s
     if not lost and not settled and not state.bump:
         return state, []
     return _publish(state, desired)
+
+
+def _lost_any(state: State) -> bool:
+    """Whether a member of the current view has been removed since it was published."""
+    return any(w in state.view.ranks for w in state.left | state.failed)
 
 
 def _publish(state: State, members: tuple[MemberInfo, ...]) -> tuple[State, list[Action]]:

@@ -88,30 +88,38 @@ class WorkerCounters(_message.Message):
     def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id", "counters", "stalled", "linked_view")
+    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINKED_VIEW_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
     counters: WorkerCounters
     stalled: _containers.RepeatedScalarFieldContainer[str]
+    committed_step: int
+    committed_lineage: int
     linked_view: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., linked_view: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("view_id", "known", "pending_workers", "stall_warnings")
+    __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALL_WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    MARK_STEP_FIELD_NUMBER: _ClassVar[int]
+    MARK_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     view_id: int
     known: bool
     pending_workers: int
     stall_warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    mark_step: int
+    mark_lineage: int
+    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("worker_id", "view_id")
@@ -174,8 +182,14 @@ class GetParamsRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("summary_only", "offset", "limit")
+    SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    summary_only: bool
+    offset: int
+    limit: int
+    def __init__(self, summary_only: _Optional[bool] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
     __slots__ = ("member", "seconds_since_heartbeat", "counters")
@@ -188,7 +202,7 @@ class MemberStatus(_message.Message):
     def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers")
+    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers", "view_size")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +210,7 @@ class StatusResponse(_message.Message):
     PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
     view: View
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     uptime_s: float
@@ -203,4 +218,35 @@ class StatusResponse(_message.Message):
     pending_workers: int
     min_workers: int
     max_workers: int
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ...) -> None: ...
+    view_size: int
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., view_size: _Optional[int] = ...) -> None: ...
+
+class CommitMarkRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class CommitHolder(_message.Message):
+    __slots__ = ("worker_id", "address", "view_id", "rank")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    view_id: int
+    rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class CommitMarkResponse(_message.Message):
+    __slots__ = ("known", "step", "lineage", "holders")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    step: int
+    lineage: int
+    holders: _containers.RepeatedCompositeFieldContainer[CommitHolder]
+    def __init__(self, known: _Optional[bool] = ..., step: _Optional[int] = ..., lineage: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[CommitHolder, _Mapping]]] = ...) -> None: ...

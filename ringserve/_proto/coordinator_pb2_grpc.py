@@ -80,6 +80,11 @@ class CoordinatorStub:
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.CommitMark = channel.unary_unary(
+                '/ringserve.v1.Coordinator/CommitMark',
+                request_serializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -142,7 +147,17 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """The current view, each member's counters, uptime and the number of views so far.
+        """The current view, each member's counters (all, a page, or none), uptime and the number of
+        views so far.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitMark(self, request, context):
+        """The job's committed high-water mark: the furthest commit any synced worker reported, and
+        which workers held it. Elastic workers ask at every sync, so that a world that lost every
+        holder of the committed state finds out instead of starting again from a fresh process.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +210,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=ringserve_dot_v1_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'CommitMark': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMark,
+                    request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +460,33 @@ class Coordinator:
             '/ringserve.v1.Coordinator/Status',
             ringserve_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
             ringserve_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMark(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringserve.v1.Coordinator/CommitMark',
+            ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.SerializeToString,
+            ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.FromString,
             options,
             channel_credentials,
             insecure,

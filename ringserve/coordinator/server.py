@@ -14,10 +14,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ringserve import membership
+from ringserve import _malloc, membership
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
-from ringserve.coordinator.service import CoordinatorService
+from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
 from ringserve.security import Security
 from ringserve.transport import server_options
 
@@ -27,6 +27,61 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringserve.coordinator")
 
 SERVICE_NAME = "ringserve.v1.Coordinator"
+# With release_memory: the heap's free pages go back to the system this often, and as soon as
+# this many parameter bytes were given up (a malloc_trim costs some 6 ms of the loop).
+TRIM_EVERY_S = 10.0
+TRIM_AFTER_FREED_BYTES = 16 << 20
+
+
+def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
+    """The shared server options, and the connection limits of a server facing thousands of
+    clients, some hostile.
+
+    No ``grpc.max_connection_age_ms``: it would end every connection at that age, and with it a
+    worker's WatchView stream, which must last the job. Idleness in gRPC means no RPC in flight,
+    so a worker, whose WatchView stream is always open, is never idle; an idle connection that is
+    closed costs a real client only a reconnect on its next call.
+    """
+    options = dict(server_options(config.max_message_bytes))
+    # The data plane's window (four messages) would let each of thousands of streams park up to
+    # 256 MiB in gRPC's buffers, outside every cap; parameter chunks are 1 MiB.
+    options["grpc.http2.lookahead_bytes"] = 4 * PARAM_CHUNK_BYTES
+    return [
+        *options.items(),
+        ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+        # Calls that arrived before the Python server asked for them wait in gRPC's core. Past
+        # 1,000 of them (its default) it cancels new ones: 2,000 workers joining at once lost
+        # about a hundred joins to that. The concurrency cap bounds them instead (when it is
+        # the larger; a cap below gRPC's defaults must not turn its refusals into cancels).
+        ("grpc.server.max_pending_requests", max(1000, config.max_concurrent_rpcs)),
+        ("grpc.server.max_pending_requests_hard_limit", max(3000, config.max_concurrent_rpcs)),
+    ]
+
+
+class _Handlers:
+    """Stands in for the server while the generated code registers the servicer, so that the
+    handlers can be changed before they reach the real one."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers = dict(handlers)
+
+
+def _add_service(service: CoordinatorService, server: grpc.aio.Server) -> None:
+    """The generated registration, except that WatchView sends views as the bytes encoded once
+    per view (one serialization for 2,000 watchers instead of 2,000)."""
+    captured = _Handlers()
+    pb_grpc.add_CoordinatorServicer_to_server(service, captured)
+    handlers = captured.handlers
+    handlers["WatchView"] = handlers["WatchView"]._replace(response_serializer=view_bytes)  # type: ignore[attr-defined]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
 
 
 class Coordinator:
@@ -38,8 +93,15 @@ class Coordinator:
             print(coord.address)   # 127.0.0.1:<free port>
     """
 
-    def __init__(self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: CoordinatorConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+        release_memory: bool = False,
+    ) -> None:
+        """``release_memory``: give freed heap pages back to the system now and then, so that a
+        flood's memory does not stay with the process. Process-wide, hence only for a process of
+        its own (``ringserve coordinator``); a worker's process keeps its buffers."""
         self.config = config or CoordinatorConfig()
+        self._release_memory = release_memory
         self.security = Security.load(self.config)
         self.service = CoordinatorService(self.config, clock, security=self.security)
         self._server: grpc.aio.Server | None = None
@@ -53,11 +115,11 @@ class Coordinator:
 
     async def start(self) -> Coordinator:
         server = grpc.aio.server(
-            options=server_options(self.config.max_message_bytes),
+            options=coordinator_server_options(self.config),
             interceptors=self.security.server_interceptors(),
             maximum_concurrent_rpcs=self.config.max_concurrent_rpcs,
         )
-        pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        _add_service(self.service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         # Reflection lets grpcurl and other tools explore the coordinator without the protos.
@@ -83,9 +145,15 @@ class Coordinator:
         return self
 
     async def _tick(self) -> None:
+        trimmed_at, freed = time.monotonic(), 0
         while True:
             await asyncio.sleep(self.config.tick_s)
             self.service.apply(membership.Tick())
+            if self._release_memory:
+                now, freed_now = time.monotonic(), self.service.params.freed_bytes
+                if freed_now - freed >= TRIM_AFTER_FREED_BYTES or now - trimmed_at >= TRIM_EVERY_S:
+                    _malloc.trim()
+                    trimmed_at, freed = now, freed_now
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._ticker is not None:

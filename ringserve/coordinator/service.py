@@ -8,45 +8,62 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import membership
+from ringserve import commits, membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
 
 PARAM_CHUNK_BYTES = 1 << 20
+# Puts whose chunks are read at once; the others wait their turn unread (HTTP/2 flow control holds
+# their data back at the client). Thirty-two puts read at once kept the loop 0.8 s at a time from
+# heartbeats, and 200 members were declared dead.
+PUTS_AT_ONCE = 2
+# A put being read that sends nothing for this long is ended, so that two stalled clients cannot
+# hold every put back.
+PUT_STALL_S = 10.0
 # Claimed view numbers above this are refused; the world can then still number 2**32 more views.
 MAX_VIEW_ID = (1 << 64) - (1 << 32)
+RECENT_VIEWS = 8
 
 
 def view_to_proto(view: membership.ViewInfo) -> pb.View:
-    members = []
-    for rank, m in enumerate(view.members):
-        local_rank, local_size, cross_rank, cross_size = view.local(rank)
-        members.append(
-            pb.Member(
-                worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
-                local_rank=local_rank, local_size=local_size,
-                cross_rank=cross_rank, cross_size=cross_size,
-            )
+    """The view's message, in one pass over its members (their local ranks come from one table)."""
+    members = [
+        pb.Member(
+            worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
+            local_rank=local_rank, local_size=local_size, cross_rank=cross_rank, cross_size=cross_size,
         )
+        for rank, (m, (local_rank, local_size, cross_rank, cross_size)) in enumerate(
+            zip(view.members, view.placements, strict=True)
+        )
+    ]
     return pb.View(
         view_id=view.view_id, members=members,
         left_worker_ids=view.left, failed_worker_ids=view.failed,
     )
 
 
-@dataclass
-class _Blob:
-    total: int
-    data: bytearray = field(default_factory=bytearray)
+class _EncodedView:
+    """A view's message, built and serialized once and shared by every watcher and Status call:
+    at 2,000 members it is some 150 KB, sent to 2,000 watchers."""
+
+    def __init__(self, view: membership.ViewInfo) -> None:
+        self.view = view
+        self.message = view_to_proto(view)
+        self.data = self.message.SerializeToString()
+
+
+def view_bytes(message: bytes | pb.View) -> bytes:
+    """WatchView's response serializer: views arrive already encoded."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -65,12 +82,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             max_workers=config.max_workers,
             settle_s=config.settle_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
+            failure_window_s=failure_window(config),
         )
         self._state = membership.State(rules=rules)
-        self._watchers: set[asyncio.Queue[membership.ViewInfo]] = set()
+        self._watchers: set[asyncio.Queue[bytes]] = set()
+        self._watches_by_worker: dict[str, int] = {}
+        self.watch_streams = 0
+        self._encoded = _EncodedView(self._state.view)
+        # Workers waiting to be admitted, recomputed only when the workers or the view change
+        # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
+        self._waiting: tuple[tuple[object, object, object] | None, int] = (None, 0)
         self._counters: dict[str, pb.WorkerCounters] = {}
-        self._params: dict[str, bytes] = {}
-        self._param_versions: dict[str, int] = {}
+        self.params = ParamStore(config.max_param_bytes)
+        self._puts = asyncio.Semaphore(PUTS_AT_ONCE)
         self.views_formed = 0
         self._probes: set[asyncio.Task[None]] = set()
         # A dead process refuses the probe at once; the timeout only matters for a stopped or cut
@@ -81,10 +105,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
         self._warned: set[tuple[int, str]] = set()
         self.view_changed = asyncio.Event()
+        # The job's committed high-water mark, from the workers' heartbeats (see commits.py),
+        # and the last few views, to name a holder's rank in the view it reported from (its
+        # report can trail the view that admits the next members).
+        self.mark = commits.Mark()
+        self._recent_views: dict[int, membership.ViewInfo] = {}
 
     @property
     def view(self) -> membership.ViewInfo:
         return self._state.view
+
+    def _encode(self) -> _EncodedView:
+        if self._encoded.view is not self._state.view:
+            self._encoded = _EncodedView(self._state.view)
+        return self._encoded
+
+    def _admissible(self) -> int:
+        """membership.admissible, counted again only when a table it reads has changed (a heartbeat
+        must not cost work proportional to the number of workers)."""
+        state = self._state
+        tables, count = self._waiting
+        if tables is None or any(a is not b for a, b in zip(tables, (state.workers, state.view, state.held), strict=True)):
+            count = membership.admissible(state)
+            self._waiting = ((state.workers, state.view, state.held), count)
+        return count
 
     def apply(self, event: membership.Event) -> None:
         """Feeds one event to the state machine and carries out its actions."""
@@ -92,12 +136,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
-                log.info(
-                    "view %d formed with %d workers: %s", action.view.view_id,
-                    len(action.view.members), [m.address for m in action.view.members],
-                )
+                self._recent_views[action.view.view_id] = action.view
+                for old in sorted(self._recent_views)[:-RECENT_VIEWS]:
+                    del self._recent_views[old]
+                log.info("view %d formed with %d workers", action.view.view_id, len(action.view.members))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("view %d: %s", action.view.view_id, [m.address for m in action.view.members])
+                # Encoded once, here; every watcher's queue holds the same bytes.
+                data = _EncodedView(action.view).data if action.view is not self._state.view else self._encode().data
                 for queue in self._watchers:
-                    queue.put_nowait(action.view)
+                    queue.put_nowait(data)
                 self.view_changed.set()
                 self.view_changed = asyncio.Event()
             elif isinstance(action, membership.Probe):
@@ -148,6 +196,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "view": self._state.view.view_id,
             "view_size": len(self._state.view.members),
             "workers_waiting": membership.waiting(self._state),
+            "watch_streams": self.watch_streams,
+            "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
+            "committed_step": self.mark.commit.step if self.mark.commit is not None else -1,
+            "committed_lineage": self.mark.commit.lineage if self.mark.commit is not None else 0,
         }
 
     # -- RPCs --------------------------------------------------------------------------------
@@ -192,10 +244,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             warnings = self._stall_warnings(request.view_id, set(request.stalled))
             if request.linked_view and membership.checking(self._state):
                 self.apply(membership.Linked(request.worker_id, request.linked_view))
-        return pb.HeartbeatResponse(
-            view_id=self._state.view.view_id, known=known, pending_workers=membership.admissible(self._state),
+            if request.HasField("committed_step"):
+                self._record_commit(request)
+        answer = pb.HeartbeatResponse(
+            view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
             stall_warnings=warnings,
         )
+        if self.mark.commit is not None:
+            answer.mark_step, answer.mark_lineage = self.mark.commit.step, self.mark.commit.lineage
+        return answer
+
+    def _record_commit(self, request: pb.HeartbeatRequest) -> None:
+        view = self._recent_views.get(request.view_id)
+        rank = view.rank_of(request.worker_id) if view is not None else None
+        member = self._state.workers.get(request.worker_id)
+        holder = commits.Holder(
+            worker_id=request.worker_id, address=member.address if member else "",
+            view_id=request.view_id, rank=-1 if rank is None else rank,
+        )
+        before = self.mark.commit
+        self.mark = commits.record(self.mark, holder, commits.Commit(request.committed_lineage, request.committed_step))
+        if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
+            log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
 
     def _stall_warnings(self, view_id: int, keys: set[str]) -> list[str]:
         """Horovod's stall inspector: for each collective some ranks have waited on too long, the
@@ -224,16 +294,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.warning("view %d: stalled collective %s", view_id, text)
         return warnings
 
-    async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.View]:
-        queue: asyncio.Queue[membership.ViewInfo] = asyncio.Queue()
+    async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Yields views already encoded (see ``view_bytes``), within the caps on streams."""
+        worker_id = request.worker_id
+        total, mine = self.watch_streams, self._watches_by_worker.get(worker_id, 0)
+        if total >= self._config.watch_stream_cap:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"The coordinator already serves {total} WatchView streams, its cap (max_watch_streams, "
+                f"at most half of max_concurrent_rpcs).",
+            )
+        if mine >= self._config.max_watches_per_worker:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Worker id {worker_id!r} already holds {mine} WatchView streams, the cap per worker "
+                f"(max_watches_per_worker).",
+            )
+        self._watches_by_worker[worker_id] = mine + 1
+        self.watch_streams += 1
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._watchers.add(queue)
         try:
             if self._state.view.view_id:
-                yield view_to_proto(self._state.view)
+                yield self._encode().data
             while True:
-                yield view_to_proto(await queue.get())
+                yield await queue.get()
         finally:
             self._watchers.discard(queue)
+            self.watch_streams -= 1
+            left = self._watches_by_worker[worker_id] - 1
+            if left:
+                self._watches_by_worker[worker_id] = left
+            else:
+                del self._watches_by_worker[worker_id]
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
@@ -255,32 +348,57 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
-        blobs: dict[str, _Blob] = {}
-        async for chunk in request_iterator:
-            blob = blobs.setdefault(chunk.key, _Blob(chunk.total_bytes))
-            if chunk.offset != len(blob.data) or chunk.total_bytes != blob.total:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"Chunk of {chunk.key!r} at offset {chunk.offset} does not follow the "
-                    f"{len(blob.data)} bytes received so far of {blob.total}.",
-                )
-            blob.data += chunk.data
-            if len(blob.data) > blob.total:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{chunk.key!r} is longer than its total.")
-        version = 0
-        for key, blob in blobs.items():
-            if len(blob.data) != blob.total:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{key!r} ended after {len(blob.data)} of {blob.total} bytes.",
-                )
-        for key, blob in blobs.items():
-            self._params[key] = bytes(blob.data)
-            version = self._param_versions[key] = self._param_versions.get(key, 0) + 1
-        return pb.PutParamsResponse(version=version)
+        """Stores blobs streamed in chunks. Each blob's declared total is counted against the cap
+        from its first chunk on, so that puts at once are admitted whole or refused at once,
+        instead of all growing until every one of them is refused halfway."""
+        parts: dict[str, list[bytes]] = {}
+        received: dict[str, int] = {}
+        totals: dict[str, int] = {}
+        try:
+            async with self._puts:
+                stream = aiter(request_iterator)
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(anext(stream), PUT_STALL_S)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        await context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED, f"The put sent nothing for {PUT_STALL_S:g} s."
+                        )
+                    key = chunk.key
+                    if key not in totals:
+                        try:
+                            self.params.reserve(chunk.total_bytes, key)
+                        except ParamsFullError as exc:
+                            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                        totals[key], parts[key], received[key] = chunk.total_bytes, [], 0
+                    if chunk.offset != received[key] or chunk.total_bytes != totals[key]:
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Chunk of {key!r} at offset {chunk.offset} does not follow the "
+                            f"{received[key]} bytes received so far of {totals[key]}.",
+                        )
+                    data = chunk.data
+                    if received[key] + len(data) > totals[key]:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key!r} is longer than its total.")
+                    parts[key].append(data)
+                    received[key] += len(data)
+            for key, total in totals.items():
+                if received[key] != total:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"{key!r} ended after {received[key]} of {total} bytes."
+                    )
+            version = 0
+            for key, pieces in parts.items():
+                version = self.params.commit(key, b"".join(pieces))
+                pieces.clear()
+            return pb.PutParamsResponse(version=version)
+        finally:
+            self.params.release(sum(totals.values()))
 
     async def GetParams(self, request: pb.GetParamsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ParamChunk]:
-        data = self._params.get(request.key)
+        data = self.params.get(request.key)
         if data is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"No parameters are stored under {request.key!r}.")
             return
@@ -290,25 +408,55 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 data=data[offset : offset + PARAM_CHUNK_BYTES],
             )
 
+    async def CommitMark(self, request: pb.CommitMarkRequest, context: grpc.aio.ServicerContext) -> pb.CommitMarkResponse:
+        mark = self.mark
+        if mark.commit is None:
+            return pb.CommitMarkResponse(known=False)
+        return pb.CommitMarkResponse(
+            known=True, step=mark.commit.step, lineage=mark.commit.lineage,
+            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank)
+                     for h in mark.holders],
+        )
+
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        """The view and the members' health: all of them by default, a page of them with
+        ``offset`` and ``limit``, none with ``summary_only`` (the view then lists no members)."""
         now = self._clock()
-        view = self._state.view
-        members = []
-        for rank, m in enumerate(view.members):
-            seen = self._state.last_seen.get(m.worker_id, now)
-            members.append(
-                pb.MemberStatus(
-                    member=view_to_proto(view).members[rank],
-                    seconds_since_heartbeat=now - seen,
-                    counters=self._counters.get(m.worker_id, pb.WorkerCounters()),
-                )
-            )
-        return pb.StatusResponse(
-            view=view_to_proto(view),
-            members=members,
+        encoded = self._encode()
+        view = encoded.view
+        answer = pb.StatusResponse(
             uptime_s=now - self._started,
             views_formed=self.views_formed,
             pending_workers=membership.waiting(self._state),
             min_workers=self._config.min_workers,
             max_workers=self._config.max_workers,
+            view_size=len(view.members),
         )
+        if request.summary_only:
+            answer.view.view_id = view.view_id
+            answer.view.left_worker_ids.extend(view.left)
+            answer.view.failed_worker_ids.extend(view.failed)
+            return answer
+        answer.view.CopyFrom(encoded.message)
+        last_seen = membership.seen(self._state)
+        stop = len(view.members) if not request.limit else request.offset + request.limit
+        no_counters = pb.WorkerCounters()
+        for rank in range(request.offset, min(stop, len(view.members))):
+            worker_id = view.members[rank].worker_id
+            answer.members.append(
+                pb.MemberStatus(
+                    member=encoded.message.members[rank],
+                    seconds_since_heartbeat=now - last_seen.get(worker_id, now),
+                    counters=self._counters.get(worker_id, no_counters),
+                )
+            )
+        return answer
+
+
+def failure_window(config: CoordinatorConfig) -> float:
+    """How long a view without expired workers waits for the nearly silent ones to speak or
+    expire too (see membership). Workers that died together sent their last heartbeats over one
+    interval, and those arrived with latencies that vary under load: two intervals cover both.
+    Only workers that missed two heartbeats count as nearly silent."""
+    interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
+    return max(0.0, min(2 * interval, timeout - 2 * interval))

@@ -18,6 +18,9 @@
 commit, the wrapper waits for the next view, syncs the state from the rank holding the furthest
 commit (rank 0, the longest-lived member, unless a survivor committed once more) and calls the
 function again. Joiners are admitted at a commit and receive the state before their first step.
+With ``RINGSERVE_CHECKPOINT_DIR`` set, rank 0 also writes committed states there (model,
+optimizer and extras, pickled), and a world that lost every worker holding the last commit
+resumes from the newest one; without it, that world fails with StateLostError.
 Reset callbacks run after every change of the world.
 """
 
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ringserve.elastic import ObjectState, State, run, sync_root
+from ringserve.elastic import ObjectState, State, run
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
 from ringserve.torch.sampler import ElasticSampler
@@ -76,18 +79,30 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(self._optimizer_saved)
         self._restore_stateful()
 
-    def sync(self) -> None:
-        root = sync_root(self.commits)
+    def take(self, root: int) -> None:
         if self.model is not None:
             functions.broadcast_parameters(self.model.state_dict(), root_rank=root)
         if self.optimizer is not None:
             functions.broadcast_optimizer_state(self.optimizer, root_rank=root)
         self._sync_stateful(root)
-        payload = functions.broadcast_object((self.commits, self._saved), root_rank=root)
+        payload = functions.broadcast_object((self.commits, self.lineage, self._saved), root_rank=root)
         assert isinstance(payload, tuple)
-        self.commits, self._saved = payload
+        self.commits, self.lineage, self._saved = payload
         super().restore()
         self.save()
+
+    def snapshot(self) -> object:
+        """The saved extras, model and optimizer state_dicts, and the extras kept by their state_dict()
+        (tensors pickle as they are)."""
+        return {"values": self._saved, "model": self._model_saved, "optimizer": self._optimizer_saved,
+                "stateful": self._stateful_saved}
+
+    def load_snapshot(self, snapshot: object) -> None:
+        assert isinstance(snapshot, dict)
+        self._saved = snapshot["values"]
+        self._model_saved = snapshot["model"]
+        self._optimizer_saved = snapshot["optimizer"]
+        self._stateful_saved = snapshot.get("stateful", {})
 
     # -- extras kept by their state_dict() (added to the methods above, one line each) -------------
 

@@ -9,6 +9,7 @@ import grpc
 
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.commits import Commit, Holder, Mark
 from ringserve.config import WorkerConfig
 from ringserve.errors import CoordinatorUnreachableError, TLSHandshakeError
 from ringserve.handshake import PROBE_TIMEOUT_S, diagnose
@@ -86,11 +87,13 @@ class ControlClient:
 
     async def heartbeat(
         self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None,
-        linked_view: int = 0,
+        linked_view: int = 0, committed: Commit | None = None,
     ) -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(
             worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view
         )
+        if committed is not None:
+            request.committed_step, request.committed_lineage = committed.step, committed.lineage
         return await self._call("Heartbeat", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
 
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:
@@ -101,15 +104,25 @@ class ControlClient:
         answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
         return int(answer.admitted)  # type: ignore[attr-defined]
 
-    async def status(self) -> pb.StatusResponse:
-        """The coordinator's status.
+    async def commit_mark(self, worker_id: str) -> Mark:
+        """The job's committed high-water mark as the coordinator knows it now."""
+        answer = await self._call("CommitMark", pb.CommitMarkRequest(worker_id=worker_id), self._config.rpc_timeout_s)
+        assert isinstance(answer, pb.CommitMarkResponse)
+        if not answer.known:
+            return Mark()
+        holders = tuple(Holder(h.worker_id, h.address, h.view_id, h.rank) for h in answer.holders)
+        return Mark(Commit(answer.lineage, answer.step), holders)
+
+    async def status(self, *, limit: int = 0, offset: int = 0, summary_only: bool = False) -> pb.StatusResponse:
+        """The coordinator's status; ``limit`` members from rank ``offset`` on (0: all).
 
         Raises:
             TLSHandshakeError: the coordinator and this client do not agree on TLS.
             CoordinatorUnreachableError: no answer within rpc_timeout_s.
         """
+        request = pb.StatusRequest(summary_only=summary_only, offset=offset, limit=limit)
         try:
-            return await self._call("Status", pb.StatusRequest(), self._config.rpc_timeout_s)  # type: ignore[return-value]
+            return await self._call("Status", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
         except CoordinatorUnreachableError as exc:
             found = await asyncio.to_thread(diagnose, self.address, self._security, PROBE_TIMEOUT_S)
             if found is not None:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ringserve import _malloc, wire
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
+from ringserve.commits import Commit, Mark
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     ExcludedError,
@@ -89,6 +90,13 @@ class Worker:
         self._heartbeat_timeout_s = 5.0
         self._heard_at = 0.0  # when the last heartbeat that the coordinator answered was sent
         self._excluded: ExcludedError | None = None
+        # The commit this worker's elastic state holds once synced (reported with heartbeats),
+        # and the job's mark from the last heartbeat answer (a fallback when the coordinator
+        # cannot be asked at a sync).
+        self.committed: Commit | None = None
+        self._heard_mark: Commit | None = None
+        self._heartbeat_now = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -138,7 +146,7 @@ class Worker:
                 from ringserve.metrics import MetricsServer, WorkerCollector
 
                 self._metrics = MetricsServer(WorkerCollector(self.counters, self._labels), cfg.bind_host, cfg.metrics_port)
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self._watch_loop(), name="ringserve-watch"),
                 loop.create_task(self._heartbeat_loop(), name="ringserve-heartbeat"),
@@ -441,6 +449,8 @@ class Worker:
                 f"The peer stream {what} within {self._gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
             ))
         finally:
+            if ring is not None:
+                ring.close()  # unmapped once the collectives are done with its payloads
             self._gate.leave(admitted)
             if admitted.hello is not None:
                 link = (admitted.hello.view_id, admitted.hello.sender_rank)
@@ -668,7 +678,10 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         assert self._control is not None
         while self._failure is None:
-            await asyncio.sleep(self._heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._heartbeat_interval_s):
+                    await self._heartbeat_now.wait()
+            self._heartbeat_now.clear()
             c = self.counters
             counters = cpb.WorkerCounters(
                 collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
@@ -678,7 +691,9 @@ class Worker:
             stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
             sent_at = asyncio.get_running_loop().time()
             try:
-                answer = await self._control.heartbeat(self.worker_id, view_id, counters, stalled, self._linked_view())
+                answer = await self._control.heartbeat(
+                    self.worker_id, view_id, counters, stalled, self._linked_view(), self.committed
+                )
             except RingserveError as exc:
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
@@ -690,6 +705,8 @@ class Worker:
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
             self.pending_workers = answer.pending_workers if answer.view_id == current else 0
+            if answer.HasField("mark_step"):
+                self._heard_mark = max(self._heard_mark or Commit(0, 0), Commit(answer.mark_lineage, answer.mark_step))
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
@@ -766,6 +783,32 @@ class Worker:
     def latest_view(self) -> int:
         """The newest view this worker has heard of (it may not be a member)."""
         return self._latest_view
+
+    def report_committed(self, commit: Commit, *, now: bool = False) -> None:
+        """Sets the commit this worker's elastic state holds, reported with the next heartbeat.
+
+        ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
+        the coordinator must know who holds what before the new view's members are admitted
+        with nothing (callable from any thread).
+        """
+        self.committed = commit
+        if now and self._loop is not None and not self._closed:
+            self._loop.call_soon_threadsafe(self._heartbeat_now.set)
+
+    async def commit_mark(self) -> Mark:
+        """The job's committed high-water mark, asked of the coordinator now.
+
+        When the coordinator cannot answer within rpc_timeout_s (it is restarting), the mark its
+        last heartbeat answer carried, without holders, and a warning: a sync must not wait on
+        the coordinator, and that mark is at most a heartbeat old.
+        """
+        assert self._control is not None
+        try:
+            return await self._control.commit_mark(self.worker_id)
+        except RingserveError as exc:
+            log.warning("%s: could not ask the coordinator for the job's last commit (%s); using %s from a heartbeat",
+                        self.tag, exc, self._heard_mark or "none")
+            return Mark(self._heard_mark)
 
     async def admit_waiting(self) -> int:
         """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).

@@ -1,43 +1,33 @@
-"""One view's ring, as seen by one worker: the stream to the successor, the frames received from
+"""One view's ring, as seen by one worker: the link to the successor, the frames received from
 the predecessor sorted by collective, and the abort protocol for ranks that disagree.
 
 A session lives exactly as long as its view. Closing it fails every collective still waiting on it,
-and frames of any other view never reach it.
+and frames of any other view never reach it. How frames travel is the link's (see link.py): the
+session builds DATA and ABORT frames, and routes the frames that arrive.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 import numpy as np
 
 from ringserve import wire
-from ringserve._proto import peer_pb2
-from ringserve.errors import CorruptFrameError, MismatchError, PeerUnavailableError, ProtocolError, RingserveError
-from ringserve.observe import Counters, Span, Timeline
+from ringserve.errors import CorruptFrameError, MismatchError, ProtocolError, RingserveError
+from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
-from ringserve.transport import peer_error
+from ringserve.worker.inbox import MISMATCH, Inbox, Received
+from ringserve.worker.link import STREAM_METHOD, Link, StreamLink
 from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
-STREAM_METHOD = "/ringserve.v1.Peer/Stream"
-MISMATCH = "mismatch"  # the abort reason of ranks that disagree; any other reason is a corruption
-
-
-class Received(NamedTuple):
-    """A frame as it arrived: its header, a view of its payload, and its bytes for forwarding."""
-
-    header: wire.FrameHeader
-    payload: memoryview
-    raw: bytes
+__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session"]
 
 
 @dataclass(frozen=True)
@@ -55,81 +45,6 @@ class Place:
     cross_size: int = 1
 
 
-class Inbox:
-    """The frames of one collective, by (step, chunk), and how that collective failed if it did."""
-
-    def __init__(self) -> None:
-        self._slots: dict[tuple[int, int], asyncio.Future[Received]] = {}
-        self.error: BaseException | None = None
-        self._failed = asyncio.get_running_loop().create_future()
-        self.descriptor: str | None = None
-        self.known: dict[int, str] = {}
-        self.abort_reason = MISMATCH
-        self.abort_sent = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._starved: BaseException | None = None
-        self.span: Span | None = None
-
-    def deliver(self, key: tuple[int, int], frame: Received) -> None:
-        fut = self._slots.get(key)
-        if fut is None:
-            fut = self._slots[key] = asyncio.get_running_loop().create_future()
-        if fut.done():
-            raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")
-        fut.set_result(frame)
-
-    def foreign(self, descriptor: str) -> dict[int, str]:
-        """The authors of frames already here whose descriptor differs from ``descriptor``."""
-        frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
-        return {f.header.sender_rank: f.header.descriptor for f in frames if f.header.descriptor != descriptor}
-
-    async def take(self, key: tuple[int, int]) -> Received:
-        if self.error is not None:
-            raise self.error
-        fut = self._slots.get(key)
-        if fut is None:
-            if self._starved is not None:
-                raise self._starved
-            fut = self._slots[key] = asyncio.get_running_loop().create_future()
-        try:
-            return await fut
-        finally:
-            self._slots.pop(key, None)
-
-    def starve(self, exc: BaseException) -> None:
-        """No more frames will come: frames already here stay takeable, waiting for others fails."""
-        if self._starved is not None:
-            return
-        self._starved = exc
-        for key, fut in list(self._slots.items()):
-            if not fut.done():
-                fut.set_exception(exc)
-                del self._slots[key]
-
-    def fail(self, exc: BaseException) -> None:
-        if self.error is not None:
-            return
-        self.error = exc
-        for fut in self._slots.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._slots.clear()
-        self._failed.set_result(exc)
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def fail_later(self, delay_s: float, make_error: Callable[[], BaseException]) -> None:
-        """Fails the collective after delay_s unless something fails it sooner."""
-        if self._timer is None and self.error is None:
-            self._timer = asyncio.get_running_loop().call_later(
-                delay_s, lambda: self.fail(make_error())
-            )
-
-    async def failure(self) -> BaseException:
-        """Waits for fail() and returns its error."""
-        return await asyncio.shield(self._failed)
-
-
 class Session:
     """The ring of one view, for one worker."""
 
@@ -144,9 +59,11 @@ class Session:
         on_peer_failure: Callable[[int, int, str], None] | None = None,
         checksum: bool = False,
         ring: OutboundRing | None = None,
+        link: Link | None = None,
     ) -> None:
+        """``link`` moves this session's frames to the successor; without one, a ``channel`` to the
+        successor makes a StreamLink, with ``ring`` as its shared-memory lane."""
         self.place = place
-        self._ring = ring
         self.checksum = checksum
         self._damaged = ""  # a damaged frame named no open collective: the next one is aborted
         self.counters = counters
@@ -161,12 +78,17 @@ class Session:
         self._starved: BaseException | None = None
         self._active = 0
         self._opened: dict[str, float] = {}
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._sender: asyncio.Task[None] | None = None
-        if channel is not None and place.size > 1:
-            self._sender = asyncio.get_running_loop().create_task(
-                self._send_loop(channel), name=f"ringserve-send-v{place.view_id}"
-            )
+        # Frames that reached a collective which then finished without taking them: always 0
+        # for programs whose ranks agree (the simulator checks it).
+        self.unused = 0
+        if link is None and channel is not None and place.size > 1:
+            link = StreamLink(channel, self.successor_address, counters, drain_timeout_s=drain_timeout_s, lane=ring)
+        elif ring is not None and (link is None or link.lane is not ring):
+            ring.close()  # nobody to offer it to
+        self._link = link
+        if link is not None:
+            hello = wire.FrameHeader(kind=wire.HELLO, view_id=place.view_id, sender_rank=place.rank)
+            link.open(hello, self._link_failed)
 
     @property
     def view_id(self) -> int:
@@ -206,11 +128,13 @@ class Session:
         return sorted(k for k, t in self._opened.items() if now - t > older_than_s)
 
     def release(self, key: str) -> None:
-        self._inboxes.pop(key, None)
+        inbox = self._inboxes.pop(key, None)
+        if inbox is not None and inbox.error is None:
+            self.unused += inbox.untaken()
         self._opened.pop(key, None)
         self._active -= 1
-        if self._active == 0 and self.retired is not None:
-            self._queue.put_nowait(None)
+        if self._active == 0 and self.retired is not None and self._link is not None:
+            self._link.end()
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
         """The frame (slot, chunk) of a collective, after checking its author ran the same call.
@@ -224,24 +148,19 @@ class Session:
             raise await inbox.failure()
         return frame
 
-    def forward(self, frame: Received) -> None:
-        """Sends a received frame on to the successor as it is: the same header, the same payload.
+    def has_room(self) -> bool:
+        """Whether the link to the successor takes another DATA frame now (see link.py)."""
+        return self._link is None or self._link.has_room
 
-        A frame that came whole goes on as the same bytes, unless the successor shares memory
-        with us and the ring has room (one copy into the ring beats gRPC's copies); one whose
-        payload sits in the predecessor's ring is copied into ours, or into the frame.
-        """
-        if not frame.header.HasField("shm_slot") and (self._ring is None or not self._ring.attached):
-            self._put(frame.raw)
-            return
-        header = wire.FrameHeader()
-        header.CopyFrom(frame.header)
-        if header.HasField("shm_slot"):
-            header.ClearField("shm_slot")
-            header.shm_bytes = 0
-            self._emit(header, frame.payload)
-        else:
-            self._emit(header, frame.payload, frame.raw)
+    async def room(self) -> None:
+        """Waits until the link may have room; check has_room again."""
+        if self._link is not None:
+            await self._link.room()
+
+    def forward(self, frame: Received) -> None:
+        """Sends a received frame on to the successor as it is: the same header, the same payload."""
+        if self._link is not None:
+            self._link.forward(frame.header, frame.payload, frame.raw)
 
     def send(
         self,
@@ -274,7 +193,8 @@ class Session:
         )
         if self.checksum:
             header.crc32 = wire.frame_crc(header, payload)
-        self._emit(header, payload)
+        if self._link is not None:
+            self._link.send(header, payload)
 
     # -- the peer server's side ------------------------------------------------------------
 
@@ -327,8 +247,8 @@ class Session:
         if self.retired is not None or self.error is not None:
             return
         self.retired = exc
-        if self._active == 0:
-            self._queue.put_nowait(None)
+        if self._active == 0 and self._link is not None:
+            self._link.end()
 
     def predecessor_gone(self, exc: BaseException) -> None:
         """The stream from the predecessor ended: collectives waiting for more frames fail with exc."""
@@ -343,22 +263,19 @@ class Session:
             self.error = exc
         for inbox in self._inboxes.values():
             inbox.fail(exc)
-        if self._sender is not None:
-            self._sender.cancel()
-        if self._ring is not None:
-            self._ring.close()  # a sender cancelled before it ran never reaches its own close
+        if self._link is not None:
+            self._link.close()
 
     @property
     def drained(self) -> bool:
-        """True once the stream to the successor has ended (or there never was one)."""
-        return self._sender is None or self._sender.done()
+        """True once the link to the successor has ended (or there never was one)."""
+        return self._link is None or self._link.done
 
     async def wait_closed(self) -> None:
-        if self._sender is not None:
-            try:
-                await self._sender
-            except (asyncio.CancelledError, RingserveError):
-                pass
+        """Waits for the link to the successor to end. A cancelled caller stays cancelled (and the
+        link runs on), so one deadline covers the waits on several sessions."""
+        if self._link is not None:
+            await self._link.wait_closed()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -379,68 +296,12 @@ class Session:
                 inbox.starve(self._starved)
         return inbox
 
-    def _emit(self, header: wire.FrameHeader, payload: np.ndarray | memoryview | bytes, whole: bytes = b"") -> None:
-        """Sends a DATA frame, its payload through the shared ring when the successor shares it.
-
-        ``whole``: the frame already encoded with its payload, if it was (a frame forwarded).
-        """
-        slot = self._ring.put(payload) if self._ring is not None else None
-        if slot is None:
-            self._put(whole or wire.encode(header, payload))
-            return
-        header.shm_slot = slot
-        nbytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
-        header.shm_bytes = nbytes
-        self.counters.shared_bytes_sent += nbytes
-        self._put(wire.encode(header), nbytes)
-
-    def _put(self, frame: bytes, shared_bytes: int = 0) -> None:
-        self.counters.bytes_sent += len(frame) + shared_bytes
-        self._queue.put_nowait(frame)
-
-    async def _send_loop(self, channel: grpc.aio.Channel) -> None:
-        try:
-            await self._stream_to_successor(channel)
-        finally:
-            if self._ring is not None:
-                self._ring.close()
-
-    async def _stream_to_successor(self, channel: grpc.aio.Channel) -> None:
-        method = channel.stream_unary(STREAM_METHOD, response_deserializer=peer_pb2.StreamSummary.FromString)
-        call = method()
-        hello = wire.FrameHeader(kind=wire.HELLO, view_id=self.view_id, sender_rank=self.place.rank)
-        if self._ring is not None:
-            hello.shared_ring.CopyFrom(self._ring.offer())
-        try:
-            await call.write(wire.encode(hello))
-            while True:
-                frame = await self._queue.get()
-                if frame is None:
-                    break
-                await call.write(frame)
-            # A clean end, said in so many words: a process killed -9 also closes its socket
-            # cleanly, so the successor takes an end without BYE as the predecessor's failure.
-            # The answer comes once the successor has routed every frame.
-            await call.write(wire.encode(wire.FrameHeader(kind=wire.BYE, view_id=self.view_id, sender_rank=self.place.rank)))
-            await call.done_writing()
-            async with asyncio.timeout(self.drain_timeout_s):
-                await call
-        except TimeoutError:
-            self.close(PeerUnavailableError(
-                f"The peer at {self.successor_address} did not confirm the end of view {self.view_id} "
-                f"within {self.drain_timeout_s:g} s."
-            ))
-        except grpc.aio.AioRpcError as exc:
-            self.close(peer_error(exc, self.successor_address))
-            if self._on_peer_failure is not None and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                nxt = successor(self.place.rank, self.place.size)
-                self._on_peer_failure(self.view_id, nxt, f"the stream to it failed: {exc.code().name}")
-        except asyncio.InvalidStateError:
-            self.close(PeerUnavailableError(f"The stream to {self.successor_address} closed."))
-            if self._on_peer_failure is not None:
-                self._on_peer_failure(self.view_id, successor(self.place.rank, self.place.size), "its stream closed")
-        finally:
-            call.cancel()
+    def _link_failed(self, exc: BaseException, why: str) -> None:
+        """The link to the successor failed: every collective fails, and, if the successor looks
+        dead (``why``), the coordinator hears of it."""
+        self.close(exc)
+        if why and self._on_peer_failure is not None:
+            self._on_peer_failure(self.view_id, successor(self.place.rank, self.place.size), why)
 
     def _damage(self, frame: Received) -> str:
         """Why a DATA frame must not be used ("" if it may): a failed or a missing checksum."""
@@ -505,7 +366,8 @@ class Session:
             abort_final=final,
         )
         header.rank_descriptors.update(inbox.known)
-        self._put(wire.encode(header))
+        if self._link is not None:
+            self._link.control(wire.encode(header))
 
     def _on_abort(self, key: str, inbox: Inbox, header: wire.FrameHeader) -> None:
         # Lap 1 collects every rank's descriptor on its way round the ring; lap 2 (final) hands the

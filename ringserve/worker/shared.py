@@ -21,6 +21,10 @@ needed, given x86's ordering: a store is never seen before the loads that preced
 receiver's reads of the slot). Weakly ordered CPUs (ARM) give no such promise without a fence,
 which Python cannot issue, so the fast path is only offered on x86-64.
 
+Both sides unmap their ring when they close it: the sender when its link ends, the receiver when
+its stream ends and the last payload view handed out is dropped (a collective may still hold
+one), so a view change leaves no mappings behind.
+
 A receiver maps only what a verified predecessor offers, and only a sealed memfd of ringserve's
 (its name, its seals, its size and its token are all checked), so a hostile HELLO cannot make
 a worker write into any other file, nor shrink the ring under it (which would raise SIGBUS).
@@ -28,6 +32,7 @@ a worker write into any other file, nor shrink the ring under it (which would ra
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import functools
 import logging
@@ -133,11 +138,17 @@ class OutboundRing:
         return slot
 
     def close(self) -> None:
-        """Closes the memfd; the memory goes once the receiver unmaps it too."""
+        """Closes the memfd and unmaps the ring; the memory goes once the receiver unmaps it too."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
             self._attached = False
+            del self._states, self._bytes  # the views that pin the mapping
+            self._map.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
 
 
 class InboundRing:
@@ -149,6 +160,7 @@ class InboundRing:
         self._states = np.frombuffer(mapping, dtype=np.uint8, count=self.slots, offset=_STATES)
         self._leases: dict[int, weakref.ref[np.ndarray]] = {}
         self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the mapping: it frees nothing
+        self._closing = False
 
     @classmethod
     def attach(cls, offer: peer_pb2.SharedRing) -> InboundRing | None:
@@ -199,7 +211,33 @@ class InboundRing:
         self._leases[slot] = weakref.ref(view, functools.partial(self._free, slot))
         return memoryview(view)  # type: ignore[arg-type]
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
+    def close(self) -> None:
+        """Unmaps the ring now, or, while payload views are still alive, once the last is dropped."""
+        self._closing = True
+        if not self._leases:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self._map.closed:
+            return
+        self._states = np.zeros(0, dtype=np.uint8)  # drops the view that pins the mapping
+        try:
+            self._map.close()
+        except BufferError:  # a view of a payload outlived its lease (kept by a caller): the GC unmaps
+            pass
+
     def _free(self, slot: int, _: object = None) -> None:
         self._leases.pop(slot, None)
-        if os.getpid() == self._pid:
-            self._states[slot] = FREE
+        if not self._closing:
+            if os.getpid() == self._pid:
+                self._states[slot] = FREE
+        elif not self._leases:
+            # Called while the last view dies, which still pins the mapping: unmap just after.
+            try:
+                asyncio.get_running_loop().call_soon(self._unmap)
+            except RuntimeError:  # no loop (a test, a thread): the GC unmaps it
+                pass

@@ -92,3 +92,16 @@ def test_sigterm_to_the_launcher_stops_its_workers_too() -> None:
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_lost_the_state_is_not_restarted_and_ends_the_run_with_its_code() -> None:
+    # Exit 65 is what an uncaught StateLostError becomes (ringserve.elastic.run).
+    script = "import os, sys, time\nif os.environ['RINGSERVE_RANK_HINT'] == '0': sys.exit(65)\ntime.sleep(120)\n"
+    started = time.monotonic()
+    result = run(["run", "-np", "2", "--min-np", "1", "--restart-failed", sys.executable, "-c", script], timeout=80)
+    assert result.returncode == 65, result.stdout + result.stderr
+    assert "worker 0 lost the job's committed state" in result.stdout
+    assert "starting it again" not in result.stdout
+    assert "rank 0 exited with code 65 (StateLostError" in result.stderr
+    assert time.monotonic() - started < 40

@@ -377,3 +377,38 @@ async def test_a_restarted_coordinator_adopts_the_view_its_rejoining_workers_cla
         )
     view = await next_view(views)
     assert view.view_id == 12 and ids(view) == ["w0", "w1"]
+
+
+@pytest.mark.parametrize("coordinator", [{"min_workers": 2}], indirect=True, ids=["min_workers=2"])
+async def test_the_commit_mark_is_the_furthest_commit_synced_workers_reported_with_their_ranks(
+    watch: Callable[[], Views], stub: Stub
+) -> None:
+    views = watch()
+    a = await join(stub, "127.0.0.1:1001", rank_hint=0)
+    b = await join(stub, "127.0.0.1:1002", rank_hint=1)
+    await next_view(views)
+    assert not (await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)).known
+
+    async def beat(wid: str, step: int | None, lineage: int = 0) -> pb.HeartbeatResponse:
+        request = pb.HeartbeatRequest(worker_id=wid, view_id=1)
+        if step is not None:
+            request.committed_step, request.committed_lineage = step, lineage
+        return await stub.Heartbeat(request, timeout=5)
+
+    assert not (await beat(a, None)).HasField("mark_step")  # a fresh worker reports nothing
+    await beat(a, 0)
+    answer = await beat(b, 0)
+    assert answer.HasField("mark_step") and answer.mark_step == 0  # step 0 is a mark too
+    await beat(a, 7)
+    await beat(b, 7)
+    await beat(b, 6)  # an older report changes nothing
+    await beat("stranger", 99)  # an unknown worker's report is not taken
+    mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
+    assert (mark.known, mark.step, mark.lineage) == (True, 7, 0)
+    assert sorted((h.worker_id, h.rank, h.view_id, h.address) for h in mark.holders) == sorted(
+        [(a, 0, 1, "127.0.0.1:1001"), (b, 1, 1, "127.0.0.1:1002")]
+    )
+    answer = await beat(a, 3, lineage=1)  # a world resumed from a durable copy: a new lineage
+    assert (answer.mark_step, answer.mark_lineage) == (3, 1)
+    mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
+    assert [h.worker_id for h in mark.holders] == [a]

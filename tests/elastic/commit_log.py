@@ -1,5 +1,10 @@
 """What the chaos workers record: one JSON line per commit, ``{"pid", "time", "view", "step",
-"sha"}``, where sha is the sha256 of the replica's parameters and view the one it trained in."""
+"sha"}``, where sha is the sha256 of the replica's parameters and view the one it trained in.
+
+With HOLD_FRESH_SYNC=PATH in the environment, every fresh process that syncs after the job has
+committed (a restarted worker, admitted into a view with the workers holding the state) appends its
+pid to PATH and waits, before it takes the state, until PATH.go exists (30 s at most): a test can
+then kill every holder while fresh workers are in the view without the state."""
 
 from __future__ import annotations
 
@@ -40,3 +45,13 @@ class CommitLog:
 
     def digest(self) -> str:
         raise NotImplementedError
+
+    def take(self, root: int) -> None:
+        hold = os.environ.get("HOLD_FRESH_SYNC", "")
+        if hold and self.commits == 0 and os.path.getsize(self.log.name) and not os.path.exists(hold + ".go"):  # type: ignore[attr-defined]
+            with open(hold, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            deadline = time.time() + 30
+            while not os.path.exists(hold + ".go") and time.time() < deadline:
+                time.sleep(0.02)
+        super().take(root)  # type: ignore[misc]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -62,22 +65,24 @@ class Run:
 
 
 def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: int = 2, max_np: int = 0,
-          restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0, worker: str = WORKER) -> Run:
+          restart: bool = True, fault: str = "", heartbeat_timeout_s: float = 2.0, worker: str = WORKER,
+          max_restarts: int = 10, env: dict[str, str] | None = None) -> Run:
     log = tmp / "commits.jsonl"
     cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(workers), "--min-np", str(min_np),
            "--max-np", str(max_np or workers), "--heartbeat-timeout", str(heartbeat_timeout_s)]
     if restart:
-        cmd.append("--restart-failed")
+        cmd += ["--restart-failed", "--max-restarts", str(max_restarts)]
     cmd += [sys.executable, worker, str(log), str(steps), str(pause_s)]
     if fault:
         cmd.append(fault)
-    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60"}
+    env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", **(env or {})}
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     return Run(log=log, launcher=launcher)
 
 
-def check_invariants(records: list[dict], steps: int) -> dict[str, float]:
-    """Asserts the chaos invariants; returns figures (commits, rollbacks, views)."""
+def check_invariants(records: list[dict], steps: int | None) -> dict[str, float]:
+    """Asserts the chaos invariants; returns figures (commits, rollbacks, views). ``steps``: the
+    last step training must have reached (None: a run that ended on StateLostError)."""
     by_view_step: dict[tuple[int, int], set[str]] = defaultdict(set)
     by_pid: dict[int, list[int]] = defaultdict(list)
     for r in records:
@@ -89,7 +94,8 @@ def check_invariants(records: list[dict], steps: int) -> dict[str, float]:
         # Each commit moves one step on (or jumps forward when a worker takes a further commit
         # from another rank at a sync); it never goes back or repeats.
         assert all(b > a for a, b in zip(seq, seq[1:], strict=False)), f"worker {pid} committed steps {seq}: a step went back or repeated"
-    assert max(r["step"] for r in records) == steps, "training did not reach its last step"
+    if steps is not None:
+        assert max(r["step"] for r in records) == steps, "training did not reach its last step"
     # Why no check across views: a collective can finish on one rank and fail on the others (the
     # rank got every frame before a peer died). That rank commits the step alone; if it is then
     # dropped from the world, the survivors redo the step in their new world, rightly. What must
@@ -124,3 +130,67 @@ def start_worker(address: str, log: Path, steps: int, pause_s: float) -> subproc
            "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, WORKER, str(log), str(steps), str(pause_s)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+RESUMED = re.compile(r"resuming from (?:the checkpoint of )?commit (\d+)")
+
+
+def resumed_steps(out: str) -> set[int]:
+    """The commits a world resumed from after losing every holder of the last one, as logged."""
+    return {int(m.group(1)) for m in RESUMED.finditer(out)}
+
+
+def check_no_silent_regression(records: list[dict], out: str) -> list[tuple[int, int]]:
+    """Asserts that the job's committed step never went back, except to just after a commit the
+    output says a world resumed from; returns each such drop as (from step, to step).
+
+    A step may repeat (survivors redo the step that one rank committed alone before the view
+    broke), never go below the furthest committed so far unless a resume was logged.
+    """
+    allowed = resumed_steps(out)
+    furthest = -1
+    drops = []
+    for r in sorted(records, key=lambda r: r["time"]):
+        if r["step"] < furthest:
+            assert r["step"] - 1 in allowed, (
+                f"the job's committed step went back from {furthest} to {r['step']} (view {r['view']}) "
+                f"with no resume logged (resumes logged from {sorted(allowed)})"
+            )
+            drops.append((furthest, r["step"]))
+            furthest = r["step"]
+        furthest = max(furthest, r["step"])
+    return drops
+
+
+def wait_for_fresh_syncs(hold: Path, count: int, timeout_s: float) -> set[int]:
+    """The pids of fresh workers held before taking the state (HOLD_FRESH_SYNC, see commit_log.py),
+    once there are ``count`` of them."""
+    deadline = time.time() + timeout_s
+    while True:
+        pids = {int(line) for line in hold.read_text().splitlines() if line.strip()} if hold.exists() else set()
+        if len(pids) >= count:
+            return pids
+        assert time.time() < deadline, f"only {len(pids)} of {count} restarted workers came to take the state"
+        time.sleep(0.02)
+
+
+def kill_together(run: Run, pids: list[int]) -> float:
+    """SIGKILLs ``pids`` in the same millisecond; returns when."""
+    at = time.time()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    run.faults += [(at, f"kill -9 x{len(pids)}", pid) for pid in pids]
+    return at
+
+
+def wait_for_world(run: Run, workers: int, timeout_s: float) -> None:
+    """Waits until ``workers`` processes have committed in one view (a slow starter can miss the
+    first view and join later, fresh)."""
+    deadline = time.time() + timeout_s
+    while True:
+        records = run.records()
+        if any(len({r["pid"] for r in records if r["view"] == v}) >= workers for v in {r["view"] for r in records}):
+            return
+        assert time.time() < deadline, f"the {workers} workers never trained in one view"
+        time.sleep(0.05)

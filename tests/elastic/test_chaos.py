@@ -28,7 +28,9 @@ def report(name: str, run: harness.Run, records: list[dict]) -> None:
 
 def kill_randomly(tmp_path: Path, injections: int, seed: int, steps: int) -> None:
     rng = random.Random(seed)
-    run = harness.start(tmp_path, steps=steps, pause_s=0.03)
+    # Kills faster than restarts can take every worker holding the state: with a checkpoint
+    # directory the world then resumes from it (logged), and the run must still finish.
+    run = harness.start(tmp_path, steps=steps, pause_s=0.03, env={"RINGSERVE_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
     run.wait_for_step(3, 90)
     for _ in range(injections):
         time.sleep(rng.uniform(0.2, 1.2))
@@ -39,6 +41,7 @@ def kill_randomly(tmp_path: Path, injections: int, seed: int, steps: int) -> Non
     assert code == 0, out[-3000:]
     records = run.records()
     harness.check_invariants(records, steps)
+    harness.check_no_silent_regression(records, out)
     report(f"kill -9 x{injections}", run, records)
 
 
@@ -186,7 +189,8 @@ def test_a_killed_and_restarted_coordinator_adopts_the_running_world_and_trainin
 
 def test_torch_training_with_distributed_optimizer_survives_kill_9s_and_replicas_stay_equal(tmp_path: Path) -> None:
     rng = random.Random(7)
-    run = harness.start(tmp_path, steps=150, pause_s=0.02, worker=harness.TORCH_WORKER)
+    run = harness.start(tmp_path, steps=150, pause_s=0.02, worker=harness.TORCH_WORKER,
+                        env={"RINGSERVE_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
     run.wait_for_step(5, 120)
     for _ in range(3):
         time.sleep(rng.uniform(0.5, 1.5))
@@ -195,4 +199,5 @@ def test_torch_training_with_distributed_optimizer_survives_kill_9s_and_replicas
     assert code == 0, out[-3000:]
     records = run.records()
     harness.check_invariants(records, 150)
+    harness.check_no_silent_regression(records, out)
     report("torch kill -9 x3", run, records)

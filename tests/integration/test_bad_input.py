@@ -21,6 +21,7 @@ from ringserve import (
     RendezvousTimeoutError,
     Worker,
 )
+from ringserve._proto import coordinator_pb2 as pb
 
 # abort_grace_s is 1 s in the test config; a mismatch must be reported well within this.
 MISMATCH_DEADLINE_S = 5.0
@@ -258,5 +259,5 @@ async def test_a_worker_whose_world_never_forms_raises_rendezvous_timeout_error(
             await w.start()
     with pytest.raises(NotInitializedError):
         await w.barrier()
-    status = await coordinator.service.Status(None, None)  # the worker left on its way out
+    status = await coordinator.service.Status(pb.StatusRequest(), None)  # the worker left on its way out
     assert status.pending_workers == 0

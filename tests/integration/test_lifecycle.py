@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ringserve import Coordinator, RingChangedError, Worker
+from ringserve._proto import coordinator_pb2 as pb
 
 
 def other_tasks() -> list[asyncio.Task]:
@@ -32,7 +33,7 @@ async def test_close_can_be_called_twice_and_the_async_context_manager_closes(ma
             assert (w.rank, w.size) == (0, 1)
             assert (await w.allreduce(np.arange(3), op="sum")).tolist() == [0, 1, 2]
         await w.close()
-        status = await coord.service.Status(None, None)
+        status = await coord.service.Status(pb.StatusRequest(), None)
         assert list(status.view.members) == [] and status.pending_workers == 0
 
 
@@ -103,7 +104,7 @@ async def test_heartbeats_carry_each_workers_counters_to_the_coordinator_status(
     await world.each(lambda w: w.allreduce(np.ones(100), op="sum"))
     async with asyncio.timeout(10):
         while True:
-            status = await world.coordinator.service.Status(None, None)
+            status = await world.coordinator.service.Status(pb.StatusRequest(), None)
             if all(m.counters.collectives_done >= 1 for m in status.members):
                 break
             await asyncio.sleep(0.05)

@@ -12,6 +12,7 @@ import pytest
 
 import ringserve
 from ringserve import Coordinator, InvalidArgumentError, RecoverableError, ViewInstallError, Worker
+from ringserve._proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,7 +25,7 @@ async def test_an_out_of_range_shared_slots_setting_fails_init_at_once_naming_th
             await asyncio.to_thread(ringserve.init, coord.address)
         assert time.monotonic() - started < 1.0
         assert not ringserve.is_initialized()
-        assert (await coord.service.Status(None, None)).pending_workers == 0
+        assert (await coord.service.Status(pb.StatusRequest(), None)).pending_workers == 0
 
 
 async def test_a_timeline_in_a_directory_that_does_not_exist_yet_is_made_at_the_first_view(tmp_path, world_factory) -> None:

@@ -16,6 +16,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ringserve import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from ringserve.commits import Commit
 from ringserve.observe import load_trace
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,6 +63,12 @@ async def test_metrics_count_collectives_bytes_and_latency_by_op() -> None:
         coordinator = await asyncio.to_thread(scrape, coord.metrics.url)
         assert coordinator["ringserve_coordinator_views_formed_total"] == 1
         assert coordinator["ringserve_coordinator_view_size"] == 2
+        assert coordinator["ringserve_coordinator_committed_step"] == -1  # no elastic state has synced
+        workers[0].report_committed(Commit(1, 41), now=True)
+        await asyncio.sleep(0.5)
+        coordinator = await asyncio.to_thread(scrape, coord.metrics.url)
+        assert coordinator["ringserve_coordinator_committed_step"] == 41
+        assert coordinator["ringserve_coordinator_committed_lineage"] == 1
     finally:
         await asyncio.gather(*(w.close() for w in workers))
         await coord.stop()

@@ -285,7 +285,7 @@ async def test_a_message_over_the_coordinators_limit_is_refused_and_stores_nothi
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.PutParams(chunks(), timeout=5)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert coord.service._params == {}
+            assert coord.service.params.get("p") is None and coord.service.params.stored_bytes == 0
             assert (await stub.Status(pb.StatusRequest(), timeout=5)).min_workers == 1
 
 

@@ -12,6 +12,7 @@ import pytest
 from _secure import Pki
 
 from ringserve import Coordinator, TLSHandshakeError, Worker, WorkerConfig, cli, healthcheck
+from ringserve._proto import coordinator_pb2 as pb
 from ringserve.security import Security
 
 pytestmark = pytest.mark.timeout(30)
@@ -66,7 +67,7 @@ async def test_a_worker_whose_tls_does_not_match_the_coordinators_fails_start_at
         assert time.monotonic() - started < FAST_S
         assert info.value.refused_by == side
         assert str(info.value).startswith(expected(coord.address, side)) and cause in str(info.value)
-        assert (await coord.service.Status(None, None)).pending_workers == 0
+        assert (await coord.service.Status(pb.StatusRequest(), None)).pending_workers == 0
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _secure import TOKEN
 
-from ringserve import InvalidArgumentError, RingserveError, Worker, WorkerConfig, healthcheck, wire
+from ringserve import InvalidArgumentError, RingserveError, Worker, WorkerConfig, healthcheck, membership, wire
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.security import Security
@@ -40,7 +40,8 @@ async def _chunks() -> AsyncIterator[pb.ParamChunk]:
 CALLS: dict[str, Callable[[pb_grpc.CoordinatorStub, Any], Awaitable[Any]]] = {
     "Join": lambda s, md: s.Join(pb.JoinRequest(address="127.0.0.1:9", hostname="h", worker_id="w-new"), metadata=md, timeout=5),
     "Leave": lambda s, md: s.Leave(pb.LeaveRequest(worker_id=WORKER_ID), metadata=md, timeout=5),
-    "Heartbeat": lambda s, md: s.Heartbeat(pb.HeartbeatRequest(worker_id=WORKER_ID, view_id=1, stalled=["x#1"]), metadata=md, timeout=5),
+    "Heartbeat": lambda s, md: s.Heartbeat(pb.HeartbeatRequest(worker_id=WORKER_ID, view_id=1, stalled=["x#1"], committed_step=9),
+                                           metadata=md, timeout=5),
     "WatchView": lambda s, md: _one(s.WatchView(pb.WatchViewRequest(worker_id=WORKER_ID), metadata=md, timeout=5)),
     "ReportFailure": lambda s, md: s.ReportFailure(
         pb.ReportFailureRequest(reporter_id=WORKER_ID, view_id=1, suspect_rank=0, reason="test"), metadata=md, timeout=5),
@@ -48,6 +49,7 @@ CALLS: dict[str, Callable[[pb_grpc.CoordinatorStub, Any], Awaitable[Any]]] = {
     "PutParams": lambda s, md: s.PutParams(_chunks(), metadata=md, timeout=5),
     "GetParams": lambda s, md: _one(s.GetParams(pb.GetParamsRequest(key="p"), metadata=md, timeout=5)),
     "Status": lambda s, md: s.Status(pb.StatusRequest(), metadata=md, timeout=5),
+    "CommitMark": lambda s, md: s.CommitMark(pb.CommitMarkRequest(worker_id=WORKER_ID), metadata=md, timeout=5),
 }
 
 
@@ -70,8 +72,13 @@ async def send(call: Any, frames: list[bytes]) -> Any:
 
 def snapshot(service: Any) -> tuple[Any, ...]:
     """Everything the coordinator keeps: membership, parameters, counters and stall reports."""
-    return (service._state, dict(service._params), dict(service._param_versions), dict(service.counts),
-            dict(service._counters), dict(service._stalled), service.views_formed, len(service._probes))
+    state = service._state
+    # Membership as a caller could change it; the bookkeeping a tick redoes (folded heartbeats,
+    # whether a view needs another look) is left out, since ticks change it on their own.
+    members = (state.workers, membership.seen(state), state.view, state.suspects, state.claims, state.admit,
+               state.bump, state.check, state.held)
+    return (members, dict(service.params._blobs), dict(service.params._versions), dict(service.counts),
+            dict(service._counters), dict(service._stalled), service.views_formed, len(service._probes), service.mark)
 
 
 async def code_of(call: Awaitable[Any]) -> grpc.StatusCode:

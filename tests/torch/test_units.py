@@ -167,3 +167,33 @@ def test_calls_before_init_say_so() -> None:
 def test_importing_ringserve_does_not_import_torch() -> None:
     code = "import sys, ringserve; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_torch_state_snapshot_pickles_and_restores_model_optimizer_and_extras_into_another_replica() -> None:
+    import pickle
+
+    from ringserve.torch.elastic import TorchState
+
+    def replica(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, optimizer = replica(1)
+    for _ in range(2):  # momentum buffers and batch-norm statistics, not just weights
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    state = TorchState(model=model, optimizer=optimizer, epoch=3)
+    data = pickle.dumps(state.snapshot(), protocol=5)
+
+    other_model, other_optimizer = replica(2)
+    other = TorchState(model=other_model, optimizer=other_optimizer, epoch=0)
+    other.load_snapshot(pickle.loads(data))
+    other.restore()
+    assert other.epoch == 3  # type: ignore[attr-defined]
+    for (name, a), b in zip(model.state_dict().items(), other_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(torch.equal(a, other_optimizer.state[p]["momentum_buffer"])
+               for a, p in zip(momentum, other_model.parameters(), strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 from ringserve.membership import (
@@ -10,6 +11,7 @@ from ringserve.membership import (
     Heartbeat,
     Join,
     Leave,
+    MemberInfo,
     Probe,
     ProbeResult,
     PublishView,
@@ -402,3 +404,118 @@ def test_a_restarted_coordinator_ends_the_world_if_too_few_members_came_back() -
     rejoin(m, 0.0, "x", rank=0)
     m.at(5.0)
     assert (m.view.view_id, m.view.members) == (8, ())
+
+
+def test_workers_that_died_together_leave_in_one_view_even_with_their_heartbeats_spread_apart() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=1.0))
+    m.join(0.0, "a", "b", "c", "d")
+    m.at(0.5)
+    # b, c and d die at about t=10, their last heartbeats spread over the 1 s interval before.
+    for t, ids in [(9.0, "abcd"), (9.3, "abd"), (9.6, "ad"), (10.0, "a")]:
+        m.at(t, *(Heartbeat(i) for i in ids))
+        m.at(t)
+    m.at(14.0, Heartbeat("a"))
+    published_at = None
+    for tick in range(1, 21):
+        m.at(14.0 + tick * 0.1)
+        if published_at is None and len(m.views) == 2:
+            published_at = 14.0 + tick * 0.1
+    # b expired at 14.0; the view waited for c and d, nearly silent then, to expire too (14.6).
+    assert published_at is not None and 14.6 < published_at < 14.75
+    assert [v.view_id for v in m.views] == [1, 2]
+    assert m.ids() == ["a"] and m.view.failed == ("b", "c", "d")
+    assert [r.worker_id for r in m.removed] == ["b", "c", "d"]
+
+
+def test_a_nearly_silent_worker_that_speaks_again_holds_the_failure_view_back_but_stays_in_it() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=2.0))
+    m.join(0.0, "a", "b", "c")
+    m.at(0.5)
+    m.at(9.0, Heartbeat("a"), Heartbeat("b"), Heartbeat("c"))
+    m.at(9.6, Heartbeat("a"), Heartbeat("c"))  # b is dead; c is slow from here on
+    m.at(12.0, Heartbeat("a"))
+    m.at(14.1)
+    assert m.views[-1].view_id == 1  # b has expired, but c (silent 4.5 s) might be dying too
+    m.at(14.3, Heartbeat("c"))
+    m.at(14.3)
+    assert m.view.view_id == 2 and m.ids() == ["a", "c"] and m.view.failed == ("b",)
+
+
+def test_the_failure_view_waits_no_longer_than_the_failure_window() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=1.0))
+    m.join(0.0, "a", "b", "c", "d", "e", "z")
+    m.at(0.5)
+    # Workers dying one after the other, each nearly silent before the previous one expires.
+    last = {"b": 9.0, "c": 9.0, "a": 9.5, "d": 9.95, "e": 10.4}
+    for t in sorted(set(last.values())):
+        m.at(t, *(Heartbeat(w) for w, at in last.items() if at >= t), Heartbeat("z"))
+    published = {}
+    for tick in range(1, 21):
+        now = 14.0 + tick * 0.1
+        m.at(now, Heartbeat("z"))
+        m.at(now)
+        published.setdefault(len(m.views), now)
+    # b and c expired at 14.1; the view waited 1 s for a and d, and no longer for e.
+    assert 15.05 < published[2] < 15.15 and m.views[1].failed == ("a", "b", "c", "d")
+    assert 15.35 < published[3] < 15.55 and m.views[2].failed == ("e",)
+    assert m.ids() == ["z"]
+
+
+def test_without_a_failure_window_only_workers_past_the_full_timeout_are_removed() -> None:
+    m = Machine(min_workers=1, settle_s=0.1, heartbeat_timeout_s=5.0)
+    m.join(0.0, "a", "b")
+    m.at(0.1)
+    m.at(0.5, Heartbeat("a"))
+    m.at(5.2)
+    assert m.ids() == ["a"]  # b (silent 5.2 s) is gone; a (silent 4.7 s) stays
+    m.at(5.6)
+    assert m.ids() == [] and [len(v.members) for v in m.views] == [2, 1, 0]
+
+
+def test_a_heartbeat_copies_no_table_whatever_the_number_of_workers() -> None:
+    m = Machine(min_workers=1, max_workers=500, settle_s=0.1, heartbeat_timeout_s=5.0)
+    m.join(0.0, *(f"w{i}" for i in range(500)))
+    m.at(0.1)
+    assert len(m.ids()) == 500
+    before = m.state
+    after, actions = step(before, Heartbeat("w7"), 1.0)
+    assert actions == []
+    assert after.workers is before.workers and after.last_seen is before.last_seen
+    assert after.view is before.view
+    # The beat counts all the same: it is folded in on the next tick.
+    m.state = after
+    m.at(5.5)
+    assert m.ids() == ["w7"]
+
+
+def test_silence_is_judged_on_ticks_so_a_heartbeat_never_removes_anyone() -> None:
+    m = Machine(min_workers=1, settle_s=0.5, heartbeat_timeout_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(0.5)
+    assert m.at(10.0, Heartbeat("a")) == []
+    assert m.ids() == ["a", "b"]
+    actions = m.at(10.0)
+    assert actions == [Removed("b", "silent for more than 1 s"), PublishView(m.view)]
+    assert m.ids() == ["a"]
+
+
+def _local_by_definition(view: ViewInfo, rank: int) -> tuple[int, int, int, int]:
+    """local() as it was first written, quadratic: the reference the one-pass table must match."""
+    host = view.members[rank].hostname
+    same = [i for i, m in enumerate(view.members) if m.hostname == host]
+    hosts = list(dict.fromkeys(m.hostname for m in view.members))
+    return same.index(rank), len(same), hosts.index(host), len(hosts)
+
+
+def test_local_ranks_computed_in_one_pass_match_their_definition_on_random_views() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        size = rng.randint(0, 60)
+        hosts = [f"h{i}" for i in range(rng.randint(1, 8))]
+        members = tuple(MemberInfo(f"w{i}", f"a{i}", rng.choice(hosts), -1, i) for i in range(size))
+        view = ViewInfo(1, members)
+        assert list(view.placements) == [_local_by_definition(view, r) for r in range(size)]
+        assert all(view.rank_of(m.worker_id) == r for r, m in enumerate(members))

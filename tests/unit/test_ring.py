@@ -1,26 +1,29 @@
-"""The pure ring schedule, proved by an in-memory simulator of the ring for worlds 1..16.
+"""The shipped collectives, proved by a simulator of the ring for worlds 1..16, and ring.py's schedule.
 
-The simulator runs every rank as a generator that yields the (step, chunk) frame it waits for, and
-a seeded random scheduler interleaves the ranks, so the pipelined schedule is checked under many
-orders of arrival. Each simulated frame carries the segment its sender meant to send: a receiver
-asserts that it is the segment the schedule tells it to expect, which proves that the ranks' schedules
-agree. Nothing here opens a socket or an event loop.
+The simulator (tests/ringsim.py) runs the real collectives: their programs (programs.py) through
+the executor, on real sessions linked by in-memory links, under seeded random interleavings (random
+delays per frame, random send windows down to one frame, random start times). It checks every
+rank's result against numpy's answer, that all ranks hold the same bytes, that no frame was sent
+that nobody used, and that the ring never hangs. A broken program fails it (see the last tests of
+the simulated section). Nothing here opens a socket.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import zlib
-from collections.abc import Callable, Generator
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from reference import numpy_reduce
+from ringsim import simulate
 
-from ringserve.errors import InvalidArgumentError
+from ringserve import codecs, wire
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError
 from ringserve.ring import (
     REDUCE_OPS,
     allgather_step,
@@ -33,171 +36,15 @@ from ringserve.ring import (
     segment_bounds,
     successor,
 )
+from ringserve.worker import collectives, executor, programs
+from ringserve.worker.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
+from ringserve.worker.session import Session
+from ringserve.worker.values import Blocks, Raw
 
 WORLDS = list(range(1, 17))
-CHUNK_ELEMS = (1, 4, 1000)
-
-Key = tuple[int, int]
-Frame = tuple[Any, np.ndarray]
-Program = Generator[Key, Frame, Any]
-
-
-class SimRing:
-    """Frames in flight between ranks: each rank sends only to its successor, keyed by (step, chunk)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.inboxes: list[dict[Key, tuple[int, Any, np.ndarray]]] = [{} for _ in range(world)]
-        self.elems_sent = [0] * world
-        self.frames_sent = [0] * world
-
-    def send(self, src: int, key: Key, data: np.ndarray, tag: Any) -> None:
-        box = self.inboxes[successor(src, self.world)]
-        assert key not in box, f"rank {src} sent frame {key} twice"
-        # The real transport serialises at send time, so later writes to the buffer never leak.
-        box[key] = (src, tag, np.array(data, copy=True))
-        self.elems_sent[src] += data.size
-        self.frames_sent[src] += 1
-
-
-def simulate(world: int, program: Callable[[int, SimRing], Program], seed: int) -> tuple[list[Any], SimRing]:
-    """Runs ``program(rank, ring)`` for every rank under a seeded random interleaving.
-
-    Fails on a deadlock (no rank can make progress), on a frame that is not from the predecessor,
-    and on a frame that nobody consumed.
-    """
-    ring = SimRing(world)
-    rng = random.Random(seed)
-    gens = {r: program(r, ring) for r in range(world)}
-    waiting: dict[int, Key | None] = {r: None for r in range(world)}
-    started: set[int] = set()
-    results: list[Any] = [None] * world
-    while gens:
-        runnable = [r for r in gens if r not in started or waiting[r] in ring.inboxes[r]]
-        assert runnable, f"the ring deadlocked: ranks wait for {waiting}, frames queued {[sorted(b) for b in ring.inboxes]}"
-        r = rng.choice(runnable)
-        try:
-            if r not in started:
-                started.add(r)
-                waiting[r] = next(gens[r])
-            else:
-                src, tag, data = ring.inboxes[r].pop(waiting[r])  # type: ignore[arg-type]
-                assert src == predecessor(r, world), f"rank {r} got a frame from rank {src}"
-                waiting[r] = gens[r].send((tag, data))
-        except StopIteration as stop:
-            results[r] = stop.value
-            del gens[r]
-            waiting.pop(r)
-    leftover = {r: sorted(box) for r, box in enumerate(ring.inboxes) if box}
-    assert not leftover, f"frames were sent but never consumed: {leftover}"
-    return results, ring
-
-
-# -- the programs: ring.py's schedule, driven the way ringserve/worker/collectives.py drives it -----
-
-
-def ring_reduce(
-    rank: int,
-    ring: SimRing,
-    *,
-    bufs: list[np.ndarray],
-    op: str,
-    bounds: list[tuple[int, int]],
-    chunk_elems: int,
-    gather: bool,
-) -> Program:
-    """Reduce-scatter, then (with ``gather``) allgather ``bufs[rank]`` in place, chunk by chunk."""
-    world = ring.world
-    buf = bufs[rank]
-    if world == 1:
-        finish_into(buf, op, world)
-        return buf
-    send_seg, _ = reduce_scatter_step(rank, world, 0)
-    for c, (a, b) in enumerate(chunk_bounds(*bounds[send_seg], chunk_elems)):
-        ring.send(rank, (0, c), buf[a:b], tag=("rs", send_seg, a, b))
-    for step in range(world - 1):
-        _, recv_seg = reduce_scatter_step(rank, world, step)
-        for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
-            tag, data = yield (step, c)
-            assert tag == ("rs", recv_seg, a, b), f"rank {rank} step {step}: got {tag}, expected segment {recv_seg}"
-            combine_into(buf[a:b], data, op)
-            if step < world - 2:
-                # Pipelining: what arrives at step s is exactly what leaves at step s + 1.
-                assert reduce_scatter_step(rank, world, step + 1)[0] == recv_seg
-                ring.send(rank, (step + 1, c), buf[a:b], tag=("rs", recv_seg, a, b))
-                continue
-            assert recv_seg == rank, f"rank {rank} ends the reduce-scatter owning segment {recv_seg}"
-            finish_into(buf[a:b], op, world)
-            if gather:
-                assert allgather_step(rank, world, 0)[0] == recv_seg
-                ring.send(rank, (world - 1 + recv_seg, c), buf[a:b], tag=("ag", recv_seg, a, b))
-    if not gather:
-        return buf
-    for step in range(world - 1):
-        _, recv_seg = allgather_step(rank, world, step)
-        for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
-            # Allgather frames are keyed by segment, so a frame is forwarded with its key unchanged.
-            tag, data = yield (world - 1 + recv_seg, c)
-            assert tag == ("ag", recv_seg, a, b), f"rank {rank} allgather step {step}: got {tag}"
-            buf[a:b] = data
-            if step < world - 2:
-                assert allgather_step(rank, world, step + 1)[0] == recv_seg
-                ring.send(rank, (world - 1 + recv_seg, c), data, tag=("ag", recv_seg, a, b))
-    return buf
-
-
-def allgather_blocks(rank: int, ring: SimRing, *, blocks_in: list[np.ndarray], chunk_elems: int) -> Program:
-    """Blocks of different sizes around the ring; a block's size travels in its first frame."""
-    world = ring.world
-    block = blocks_in[rank]
-    blocks: list[np.ndarray | None] = [None] * world
-    blocks[rank] = block
-    if world == 1:
-        return blocks
-    for c, (a, b) in enumerate(chunk_bounds(0, block.size, chunk_elems)):
-        ring.send(rank, (rank, c), block[a:b], tag=(rank, block.size))
-    for step in range(world - 1):
-        _, origin = allgather_step(rank, world, step)
-        (got_origin, total), data = yield (origin, 0)
-        assert got_origin == origin, f"rank {rank} step {step}: got block {got_origin}, expected {origin}"
-        out = np.empty(total, dtype=block.dtype)
-        for c, (a, b) in enumerate(chunk_bounds(0, total, chunk_elems)):
-            if c:
-                (got_origin, _), data = yield (origin, c)
-                assert got_origin == origin
-            out[a:b] = data
-            if step < world - 2:
-                assert allgather_step(rank, world, step + 1)[0] == origin
-                ring.send(rank, (origin, c), data, tag=(origin, total))
-        blocks[origin] = out
-    return blocks
-
-
-def broadcast_chain(rank: int, ring: SimRing, *, root: int, data: np.ndarray, chunk_elems: int) -> Program:
-    """root -> root+1 -> ... -> root-1, and an empty frame from the last rank back to the root."""
-    world = ring.world
-    nxt = successor(rank, world)
-    if rank == root:  # only the root reads data
-        if world > 1:
-            for c, (a, b) in enumerate(chunk_bounds(0, data.size, chunk_elems)):
-                ring.send(rank, (0, c), data[a:b], tag=data.size)
-            tag, ack = yield (1, 0)
-            assert tag == "done" and ack.size == 0
-        return data
-    total, payload = yield (0, 0)
-    out = np.empty(total, dtype=payload.dtype)
-    for c, (a, b) in enumerate(chunk_bounds(0, total, chunk_elems)):
-        if c:
-            _, payload = yield (0, c)
-        out[a:b] = payload
-        if nxt != root:
-            ring.send(rank, (0, c), payload, tag=total)
-    if nxt == root:
-        ring.send(rank, (1, 0), payload[:0], tag="done")
-    return out
-
-
-# -- helpers ---------------------------------------------------------------------------------------
+DTYPES = list(wire.DTYPES)
+CODECS = ("fp16", "bf16", "int8")
+T = 10.0  # a collective's deadline: a hang fails the simulation well before pytest's timeout
 
 
 def lengths_for(world: int) -> list[int]:
@@ -209,13 +56,24 @@ def rank_data(world: int, length: int, dtype: np.dtype, seed: int) -> list[np.nd
     rng = np.random.default_rng(seed)
     if np.dtype(dtype).kind == "f":
         return [rng.standard_normal(length).astype(dtype) for _ in range(world)]
-    return [rng.integers(-1000, 1000, length).astype(dtype) for _ in range(world)]
+    info = np.iinfo(dtype)
+    low, high = max(info.min, -1000), min(info.max, 1000)
+    return [rng.integers(low, high, length).astype(dtype) for _ in range(world)]
 
 
-def assert_bit_identical(results: list[np.ndarray]) -> None:
+def assert_bit_identical(results: list[np.ndarray], where: str = "") -> None:
     first = results[0].tobytes()
     for r, out in enumerate(results):
-        assert out.tobytes() == first, f"rank {r} ended with different bytes than rank 0"
+        assert out.tobytes() == first, f"rank {r} ended with different bytes than rank 0 {where}"
+
+
+def assert_reduced(got: np.ndarray, xs: list[np.ndarray], op: str, where: str) -> None:
+    expected = numpy_reduce(xs, op)
+    if got.dtype.kind != "f" or op in ("min", "max"):
+        np.testing.assert_array_equal(got, expected, err_msg=where)
+    else:  # the ring adds in another order than numpy
+        tol = {2: 4e-3, 4: 1e-6, 8: 1e-12}[got.dtype.itemsize] * len(xs)
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=where)
 
 
 def case_seed(*parts: object) -> int:
@@ -223,125 +81,357 @@ def case_seed(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-CASES = [(world, length) for world in WORLDS for length in lengths_for(world)]
+def in_turn(calls: list[Callable[[Session, int], Any]]) -> Callable[[Session, int], Any]:
+    """One rank's part of several collectives, run one after the other on one ring."""
+    async def call(session: Session, rank: int) -> list[Any]:
+        return [await c(session, rank) for c in calls]
+    return call
 
 
-# -- the simulated collectives ---------------------------------------------------------------------
+# -- the shipped collectives, simulated --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", REDUCE_OPS)
-@pytest.mark.parametrize(("world", "length"), CASES)
-def test_ring_allreduce_gives_every_rank_the_same_bytes_equal_to_numpys_answer(world: int, length: int, op: str) -> None:
-    for dtype in (np.int64, np.float64):
-        xs = rank_data(world, length, dtype, seed=case_seed(world, length, op))
-        expected = numpy_reduce(xs, op)
-        bounds = segment_bounds(length, world)
-        for chunk in CHUNK_ELEMS:
-            bufs = [x.copy() for x in xs]
-            program = partial(ring_reduce, bufs=bufs, op=op, bounds=bounds, chunk_elems=chunk, gather=True)
-            results, _ = simulate(world, program, seed=case_seed(world, length, op, chunk))
-            assert_bit_identical(results)
-            where = f"{np.dtype(dtype)} world={world} length={length} chunk={chunk}"
-            if dtype is np.int64 or op in ("min", "max"):
-                np.testing.assert_array_equal(results[0], expected, err_msg=where)
-            else:
-                np.testing.assert_allclose(results[0], expected, rtol=1e-12, atol=1e-12, err_msg=where)
+CHUNKS = (1, 4, 1000)
 
 
-@pytest.mark.parametrize(("world", "length"), CASES)
-def test_ring_allreduce_sends_exactly_the_ring_optimum_of_elements(world: int, length: int) -> None:
-    xs = rank_data(world, length, np.int64, seed=1)
-    bounds = segment_bounds(length, world)
-    _, ring = simulate(world, partial(ring_reduce, bufs=xs, op="sum", bounds=bounds, chunk_elems=4, gather=True), seed=2)
-    # Rank r sends every segment but its own in the reduce-scatter and every segment but its
-    # successor's in the allgather: 2(N-1)/N x S per rank when N divides S, 2(N-1) x S in all.
-    assert sum(ring.elems_sent) == 2 * (world - 1) * length
-    for r, sent in enumerate(ring.elems_sent):
-        assert sent == 2 * length - (bounds[r][1] - bounds[r][0]) - (bounds[successor(r, world)][1] - bounds[successor(r, world)][0])
-        assert sent <= 2 * (world - 1) * math.ceil(length / world)
-        if length % world == 0:
-            assert sent == 2 * (world - 1) * length // world
+def allreduce_cases(world: int, rng: random.Random) -> list[tuple[str, np.dtype, int, int]]:
+    """(op, dtype, length, chunk elements): every dtype and every op, every length of lengths_for.
+
+    Each dtype gets two ops (so every op is met) and each length one op; the slow test below runs
+    every combination with every chunk size.
+    """
+    chunks = CHUNKS
+    cases = []
+    for i, dtype in enumerate(DTYPES):
+        for op in (REDUCE_OPS[i % 4], REDUCE_OPS[(i + 1) % 4]):
+            cases.append((op, np.dtype(dtype), rng.choice(lengths_for(world)), rng.choice(chunks)))
+    for length in lengths_for(world):
+        cases.append((rng.choice(REDUCE_OPS), np.dtype(np.int64), length, rng.choice(chunks)))
+    return cases
 
 
-@pytest.mark.parametrize(("world", "length"), CASES)
-def test_every_ring_step_carries_at_least_one_frame_even_for_empty_segments(world: int, length: int) -> None:
-    xs = rank_data(world, length, np.int64, seed=3)
-    bounds = segment_bounds(length, world)
-    _, ring = simulate(world, partial(ring_reduce, bufs=xs, op="sum", bounds=bounds, chunk_elems=1000, gather=True), seed=4)
-    # One frame per step at least is what lets each rank check its predecessor's arguments.
-    for sent in ring.frames_sent:
-        assert sent >= 2 * (world - 1)
+async def check_allreduce(world: int, cases: list[tuple[str, np.dtype, int, int]], seed: int, timeout_s: float = 20.0) -> None:
+    inputs = [rank_data(world, n, dtype, case_seed(world, i)) for i, (_, dtype, n, _) in enumerate(cases)]
+
+    def one(i: int, op: str, chunk: int) -> Callable[[Session, int], Any]:
+        async def call(session: Session, rank: int) -> np.ndarray:
+            x = inputs[i][rank]
+            return await collectives.allreduce(session, x, op=op, name=None, chunk_bytes=chunk * x.itemsize, timeout_s=T)
+        return call
+
+    results = await simulate(world, in_turn([one(i, op, chunk) for i, (op, _, _, chunk) in enumerate(cases)]),
+                             seed=seed, timeout_s=timeout_s)
+    for i, (op, dtype, length, chunk) in enumerate(cases):
+        outs = [results[r][i] for r in range(world)]
+        where = f"{op} {dtype} world={world} length={length} chunk={chunk}"
+        assert_bit_identical(outs, where)
+        assert_reduced(outs[0], inputs[i], op, where)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+async def test_allreduce_of_every_dtype_op_and_length_gives_every_rank_numpys_answer_in_the_same_bytes(world: int) -> None:
+    await check_allreduce(world, allreduce_cases(world, random.Random(world)), seed=case_seed("allreduce", world))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", REDUCE_OPS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_ring_reduce_scatter_gives_each_rank_its_rows_of_numpys_answer(world: int, op: str) -> None:
+async def test_allreduce_of_every_combination_of_dtype_op_length_and_chunk_size_is_exact(world: int, op: str, dtype: np.dtype) -> None:
+    cases = [(op, np.dtype(dtype), n, c) for n in lengths_for(world) for c in CHUNKS]
+    await check_allreduce(world, cases, seed=case_seed(world, op, str(dtype)), timeout_s=120)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+async def test_compressed_allreduce_gives_every_rank_the_same_bytes_within_the_codecs_bound(world: int) -> None:
+    length = 3 * world + 257  # some int8 blocks of 256 values, and a partial one
+    cases = [(c, np.dtype(d), fb) for c in CODECS for d in (np.float32, np.float64) for fb in (False, True)]
+    inputs = [rank_data(world, length, d, case_seed(world, i)) for i, (_, d, _) in enumerate(cases)]
+
+    def one(i: int, compression: str, feedback: bool) -> Callable[[Session, int], Any]:
+        async def call(session: Session, rank: int) -> tuple[np.ndarray, np.ndarray | None]:
+            x = inputs[i][rank]
+            residual = np.zeros(length, dtype=codecs.sum_dtype(x.dtype)) if feedback else None
+            out = await collectives.allreduce(session, x, op="average", name=None, chunk_bytes=40 * x.itemsize,
+                                              timeout_s=T, compression=compression, residual=residual)
+            return out, residual
+        return call
+
+    results = await simulate(world, in_turn([one(i, c, fb) for i, (c, _, fb) in enumerate(cases)]),
+                             seed=case_seed("codecs", world))
+    for i, (compression, dtype, feedback) in enumerate(cases):
+        outs = [results[r][i][0] for r in range(world)]
+        where = f"{compression} {dtype} feedback={feedback} world={world}"
+        assert_bit_identical(outs, where)
+        exact = numpy_reduce([x.astype(np.float64) for x in inputs[i]], "average")
+        # Each of the world partial sums is encoded once: a loose multiple of the codecs' bounds.
+        scale = max(np.abs(np.stack(inputs[i])).sum(axis=0).max(), 1.0) if length else 1.0
+        np.testing.assert_allclose(outs[0], exact, atol=0.02 * scale, err_msg=where)
+        if feedback:
+            # Error feedback: what every rank kept plus what it lost adds up to the exact sum.
+            lost = sum(results[r][i][1] for r in range(world))
+            np.testing.assert_allclose(outs[0].astype(np.float64) * world + lost, exact * world,
+                                       atol=1e-4 * scale * world, err_msg=where)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+async def test_reduce_scatter_gives_each_rank_its_rows_of_numpys_answer(world: int) -> None:
     cols = 3
-    for rows in sorted({0, 1, world - 1, world, 2 * world + 1}):
-        xs = [x.reshape(rows, cols) for x in rank_data(world, rows * cols, np.int64, seed=case_seed(world, rows, op))]
-        expected = np.array_split(numpy_reduce(xs, op), world)
-        bounds = segment_bounds(rows, world, cols)
-        for chunk in CHUNK_ELEMS:
-            bufs = [x.reshape(-1).copy() for x in xs]
-            program = partial(ring_reduce, bufs=bufs, op=op, bounds=bounds, chunk_elems=chunk, gather=False)
-            results, ring = simulate(world, program, seed=case_seed(world, rows, chunk))
-            for r in range(world):
-                a, b = bounds[r]
-                np.testing.assert_array_equal(
-                    results[r][a:b].reshape(-1, cols), expected[r], err_msg=f"rank {r} rows={rows} chunk={chunk}"
-                )
-            assert sum(ring.elems_sent) == (world - 1) * rows * cols
+    cases = [(rows, op) for rows, op in zip(sorted({1, world - 1, world, 2 * world + 1} - {0}), REDUCE_OPS * 2, strict=False)]
+    inputs = [[x.reshape(rows, cols) for x in rank_data(world, rows * cols, np.int32, case_seed(world, rows))]
+              for rows, _ in cases]
+
+    def one(i: int, op: str) -> Callable[[Session, int], Any]:
+        async def call(session: Session, rank: int) -> np.ndarray:
+            return await collectives.reduce_scatter(session, inputs[i][rank], op=op, name=None, chunk_bytes=8, timeout_s=T)
+        return call
+
+    results = await simulate(world, in_turn([one(i, op) for i, (_, op) in enumerate(cases)]), seed=case_seed("rs", world))
+    for i, (rows, op) in enumerate(cases):
+        expected = np.array_split(numpy_reduce(inputs[i], op), world)
+        for r in range(world):
+            np.testing.assert_array_equal(results[r][i], expected[r], err_msg=f"rank {r} rows={rows} {op}")
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_ring_allgather_of_blocks_of_different_sizes_concatenates_them_in_rank_order(world: int) -> None:
+async def test_allgather_of_blocks_of_different_sizes_concatenates_them_in_rank_order(world: int) -> None:
     rng = np.random.default_rng(world)
-    for pattern in ("zeros", "one_empty", "mixed"):
-        sizes = {
-            "zeros": [0] * world,
-            "one_empty": [0 if r == world // 2 else 3 for r in range(world)],
-            "mixed": [int(rng.integers(0, 9)) for _ in range(world)],
-        }[pattern]
-        blocks = [np.arange(s, dtype=np.float32) + 100 * r for r, s in enumerate(sizes)]
-        for chunk in CHUNK_ELEMS:
-            program = partial(allgather_blocks, blocks_in=blocks, chunk_elems=chunk)
-            results, ring = simulate(world, program, seed=case_seed(world, pattern, chunk))
-            for r, got in enumerate(results):
-                np.testing.assert_array_equal(np.concatenate(got), np.concatenate(blocks), err_msg=f"rank {r} {pattern}")
-            total = sum(sizes)
-            for r, sent in enumerate(ring.elems_sent):
-                assert sent == total - sizes[successor(r, world)]
+    patterns = {
+        "zeros": [0] * world,
+        "one_empty": [0 if r == world // 2 else 3 for r in range(world)],
+        "mixed": [int(rng.integers(0, 9)) for _ in range(world)],
+    }
+    dtypes = [np.dtype(DTYPES[(world + i) % len(DTYPES)]) for i in range(len(patterns))]
+    blocks = {name: [(np.arange(s * 2) % 100 + r).astype(dt).reshape(s, 2) for r, s in enumerate(sizes)]
+              for (name, sizes), dt in zip(patterns.items(), dtypes, strict=True)}
+
+    def one(name: str) -> Callable[[Session, int], Any]:
+        async def call(session: Session, rank: int) -> np.ndarray:
+            return await collectives.allgather(session, blocks[name][rank], name=name, chunk_bytes=5, timeout_s=T)
+        return call
+
+    async def objects(session: Session, rank: int) -> list[object]:
+        return await collectives.allgather_object(session, {"rank": rank}, name=None, chunk_bytes=7, timeout_s=T)
+
+    results = await simulate(world, in_turn([*(one(n) for n in patterns), objects]), seed=case_seed("ag", world))
+    for r in range(world):
+        for i, name in enumerate(patterns):
+            np.testing.assert_array_equal(results[r][i], np.concatenate(blocks[name]), err_msg=f"rank {r} {name}")
+        assert results[r][-1] == [{"rank": k} for k in range(world)]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_chain_broadcast_from_every_root_delivers_the_roots_bytes_to_every_rank(world: int) -> None:
-    for length in (0, 1, world + 2, 41):
+async def test_broadcast_from_every_root_gives_every_rank_the_roots_bytes(world: int) -> None:
+    lengths = [(0, 1, world + 2, 41)[root % 4] for root in range(world)]
+    data = [np.random.default_rng(root).standard_normal(n).astype(np.float32) for root, n in enumerate(lengths)]
+
+    def one(root: int) -> Callable[[Session, int], Any]:
+        async def call(session: Session, rank: int) -> np.ndarray:
+            mine = data[root] if rank == root else np.zeros_like(data[root])
+            return await collectives.broadcast(session, mine, root=root, name=None, chunk_bytes=12, timeout_s=T)
+        return call
+
+    async def obj(session: Session, rank: int) -> object:
+        value = {"from": 0, "blob": b"x" * 50} if rank == 0 else None
+        return await collectives.broadcast_object(session, value, root=0, name=None, chunk_bytes=16, timeout_s=T)
+
+    async def barrier(session: Session, rank: int) -> None:
+        await collectives.barrier(session, timeout_s=T)
+
+    results = await simulate(world, in_turn([*(one(root) for root in range(world)), obj, barrier]),
+                             seed=case_seed("bcast", world))
+    for r in range(world):
         for root in range(world):
-            data = np.random.default_rng(length).standard_normal(length).astype(np.float32)
-            for chunk in CHUNK_ELEMS:
-                program = partial(broadcast_chain, root=root, data=data, chunk_elems=chunk)
-                results, ring = simulate(world, program, seed=case_seed(world, length, root, chunk))
-                for r, got in enumerate(results):
-                    assert got.tobytes() == data.tobytes(), f"rank {r} root {root} length {length}"
-                assert sum(ring.elems_sent) == (world - 1) * length
+            assert results[r][root].tobytes() == data[root].tobytes(), f"rank {r} root {root}"
+        assert results[r][world] == {"from": 0, "blob": b"x" * 50}
 
 
-def test_the_simulator_detects_a_schedule_whose_ranks_disagree() -> None:
-    # A broken schedule (every rank expects the segment it sends) must fail the simulation, or the
-    # proofs above would prove nothing.
-    def broken(rank: int, ring: SimRing) -> Program:
-        ring.send(rank, (0, 0), np.zeros(1), tag=("rs", rank))
-        tag, _ = yield (0, 0)
-        assert tag == ("rs", rank), "mismatch"
+async def every_collective(session: Session, rank: int) -> list[Any]:
+    """One of each collective, some at once (two in flight on one ring), on small arrays."""
+    world = session.place.size
+    x = np.arange(2 * world + 3, dtype=np.float32) * (rank + 1)
+    opts: dict[str, Any] = {"chunk_bytes": 8, "timeout_s": T}
+    return [
+        await collectives.allreduce(session, x, op="sum", name="a", **opts),
+        await collectives.allreduce(session, x, op="sum", name="a", compression="int8", **opts),
+        *(await asyncio.gather(
+            collectives.broadcast(session, x, root=world - 1, name="b", **opts),
+            collectives.allgather(session, x[: rank + 1], name="c", **opts),
+            collectives.reduce_scatter(session, x, op="max", name="d", **opts),
+        )),
+    ]
 
-    with pytest.raises(AssertionError, match="mismatch"):
-        simulate(3, broken, seed=0)
 
-    def waits_forever(rank: int, ring: SimRing) -> Program:
-        yield (5, 0)
+def check_every_collective(world: int, results: list[list[Any]]) -> None:
+    xs = [np.arange(2 * world + 3, dtype=np.float32) * (r + 1) for r in range(world)]
+    for r, (total, coded, bcast, gathered, part) in enumerate(results):
+        np.testing.assert_array_equal(total, numpy_reduce(xs, "sum"))
+        assert coded.tobytes() == results[0][1].tobytes()
+        np.testing.assert_array_equal(bcast, xs[world - 1])
+        np.testing.assert_array_equal(gathered, np.concatenate([x[: k + 1] for k, x in enumerate(xs)]))
+        np.testing.assert_array_equal(part, np.array_split(numpy_reduce(xs, "max"), world)[r])
 
-    with pytest.raises(AssertionError, match="deadlocked"):
-        simulate(2, waits_forever, seed=0)
+
+@pytest.mark.parametrize("world", WORLDS)
+async def test_every_collective_with_checksums_runs_its_confirmation_lap_and_agrees(world: int) -> None:
+    results = await simulate(world, every_collective, seed=case_seed("crc", world), checksum=True)
+    check_every_collective(world, results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 16])
+async def test_every_collective_through_shared_memory_lanes_with_few_slots_is_exact(world: int) -> None:
+    # Two slots of 64 bytes: some payloads go through the lane, some (full lane, larger chunks) inline.
+    results = await simulate(world, every_collective, seed=case_seed("lanes", world), lanes=True)
+    check_every_collective(world, results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+async def test_ranks_that_disagree_all_fail_with_every_ranks_arguments(world: int) -> None:
+    async def call(session: Session, rank: int) -> np.ndarray:
+        x = np.zeros(4 if rank != 1 else 5, dtype=np.float32)
+        return await collectives.allreduce(session, x, op="sum", name="m", chunk_bytes=8, timeout_s=T)
+
+    with pytest.raises(MismatchError):
+        await simulate(world, call, seed=world, abort_grace_s=0.5)
+
+
+# -- a broken program fails the simulator ------------------------------------------------------------
+
+
+def broadcast_without_commit(ring: Ring, root: int, total: int, chunk_elems: int) -> Program:
+    """The drifted copy the old simulator ran: the commit lap's frames reach non-roots, unused."""
+    n, me = ring.size, ring.index
+    last = (me + 1) % n == root
+    if me == root:
+        if n > 1:
+            for c, (a, b) in enumerate(chunk_bounds(0, total, chunk_elems)):
+                yield programs.Give(0, c, root, a, b, total)
+            yield Recv(1, 0)
+            yield Signal(2)
+        return
+    size = yield Recv(0, 0)
+    assert size is not None
+    yield Phase("broadcast")
+    for c, (a, b) in enumerate(chunk_bounds(0, size, chunk_elems)):
+        if c:
+            yield Recv(0, c)
+        yield Place(root, a, b, size)
+        if not last:
+            yield FORWARD
+    if last:
+        yield Signal(1)
+
+
+def allgather_that_stops_forwarding_early(ring: Ring, bounds: list[tuple[int, int]], chunk_elems: int) -> Program:
+    """Ring allreduce in which rank 0 forwards nothing in the allgather: it ends with the right
+    result, but the ranks after it wait for segments that never come."""
+    for step in programs.ring_reduce(ring, bounds, chunk_elems, gather=True):
+        if not (isinstance(step, programs.Forward) and ring.index == 0):
+            yield step
+
+
+def reduce_scatter_from_the_wrong_segment(ring: Ring, bounds: list[tuple[int, int]], chunk_elems: int) -> Program:
+    """Ring allreduce whose first step sends the segment after the right one."""
+    seg = reduce_scatter_step(ring.index, ring.size, 0)[0]
+    shift = bounds[(seg + 1) % ring.size][0] - bounds[seg][0]  # segments of one size: the same chunks
+    for step in programs.ring_reduce(ring, bounds, chunk_elems, gather=True):
+        if isinstance(step, programs.Lead):
+            step = programs.Lead(step.slot, step.chunk, step.a + shift, step.b + shift)
+        yield step
+
+
+async def run_broadcast(program: Callable[..., Program], world: int) -> list[np.ndarray]:
+    data = np.arange(10, dtype=np.int32)
+
+    async def call(session: Session, rank: int) -> np.ndarray:
+        blocks: list[np.ndarray | None] = [data if rank == 0 else None] + [None] * (world - 1)
+        values = Blocks(data.dtype, blocks)
+        await executor.run(session, None, "broadcast", 1.0, program(executor.ring_of(session), 0, data.size, 3), values)
+        out = values.blocks[0]
+        assert out is not None
+        return out
+
+    return await simulate(world, call, seed=world)
+
+
+async def run_allreduce(program: Callable[..., Program], world: int) -> list[np.ndarray]:
+    xs = [np.arange(12, dtype=np.int64) * (r + 1) for r in range(world)]
+
+    async def call(session: Session, rank: int) -> np.ndarray:
+        buf = np.empty_like(xs[rank])
+        bounds = segment_bounds(buf.size, world)
+        await executor.run(session, None, "allreduce", 1.0, program(executor.ring_of(session), bounds, 2),
+                           Raw(xs[rank], buf, "sum", world))
+        np.testing.assert_array_equal(buf, numpy_reduce(xs, "sum"), err_msg=f"rank {rank}")
+        return buf
+
+    return await simulate(world, call, seed=world)
+
+
+async def test_the_simulator_fails_a_broadcast_that_lacks_the_commit_lap() -> None:
+    assert len(await run_broadcast(programs.broadcast_chain, 4)) == 4  # the shipped program passes
+    with pytest.raises(AssertionError, match="never took|after their collective had finished"):
+        await run_broadcast(broadcast_without_commit, 4)
+
+
+async def test_the_simulator_fails_an_allreduce_that_hangs_or_reduces_the_wrong_segment() -> None:
+    assert len(await run_allreduce(lambda r, b, c: programs.ring_reduce(r, b, c, gather=True), 3)) == 3
+    with pytest.raises(CollectiveTimeoutError):
+        await run_allreduce(allgather_that_stops_forwarding_early, 3)
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
+        await run_allreduce(reduce_scatter_from_the_wrong_segment, 3)
+
+
+# -- the programs themselves ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ring_allreduce_sends_exactly_the_ring_optimum_of_elements(world: int) -> None:
+    for length in lengths_for(world):
+        bounds = segment_bounds(length, world)
+        sent = [sent_elements(programs.ring_reduce(Ring.whole(r, world), bounds, 4, gather=True)) for r in range(world)]
+        # Rank r sends every segment but its own in the reduce-scatter and every segment but its
+        # successor's in the allgather: 2(N-1)/N x S per rank when N divides S, 2(N-1) x S in all.
+        assert sum(sent) == 2 * (world - 1) * length
+        for r, elems in enumerate(sent):
+            nxt = successor(r, world)
+            assert elems == 2 * length - (bounds[r][1] - bounds[r][0]) - (bounds[nxt][1] - bounds[nxt][0])
+            assert elems <= 2 * (world - 1) * math.ceil(length / world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_ring_step_carries_at_least_one_frame_even_for_empty_segments(world: int) -> None:
+    # One frame per step at least is what lets each rank check its predecessor's arguments.
+    for length in (0, 1, world):
+        bounds = segment_bounds(length, world)
+        for r in range(world):
+            frames = [s for s in programs.ring_reduce(Ring.whole(r, world), bounds, 1000, gather=True)
+                      if isinstance(s, programs.Lead | programs.Fold | programs.Own | programs.Forward)
+                      and getattr(s, "slot", 0) != programs.NO_SEND]
+            assert len(frames) >= 2 * (world - 1)
+
+
+def sent_elements(program: Program) -> int:
+    """Elements a program sends, run dry: every Recv answered with an empty origin_count."""
+    total, last = 0, 0
+    reply: int | None = None
+    try:
+        while True:
+            step = program.send(reply)
+            reply = None
+            if isinstance(step, Recv):
+                reply = 0
+            elif isinstance(step, programs.Lead | programs.Fold | programs.Take):
+                last = step.b - step.a
+                if not isinstance(step, programs.Take):
+                    total += last
+            elif isinstance(step, programs.Own):
+                last = step.b - step.a
+                total += last if step.slot != programs.NO_SEND else 0
+            elif isinstance(step, programs.Forward):
+                total += last
+    except StopIteration:
+        return total
 
 
 # -- the schedule's building blocks ----------------------------------------------------------------

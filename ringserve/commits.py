@@ -1,0 +1,150 @@
+"""The job's committed high-water mark, and what an elastic sync does about it. Pure: no I/O.
+
+Every synced worker reports, with its heartbeats, the commit its elastic state holds; the
+coordinator keeps the furthest one reported and which workers held it (``record``). That mark
+outlives the workers, so a view whose members all hold less knows that committed training was
+lost: every worker that held the mark died before anyone else received it (a restarted process
+holds only the initial state). ``plan_sync`` decides, from what each rank holds and the mark,
+whose state the view takes; ``after_loss`` decides, once the state is lost, whether a durable
+copy can replace it.
+
+Commits are numbered within a *lineage*. A world that resumes from a durable copy goes back to
+an older step, so it starts lineage ``mark.lineage + 1``: its commits rank above every commit of
+the lost line (``Commit`` orders by lineage, then step), and stale reports of the old line can
+never again make the mark look lost.
+
+What a worker reports is a commit every member of its view holds: the one it synced to, or one
+whose commit-time allreduce finished (every rank entered it after saving). A commit that only
+one rank finished before the view broke is never reported, so the survivors redoing that step
+is not mistaken for a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Commit:
+    """A commit's place in the job: its lineage, then its step (the number of commits)."""
+
+    lineage: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"commit {self.step}" + (f" (lineage {self.lineage})" if self.lineage else "")
+
+
+INITIAL = Commit(0, 0)  # what a fresh process holds: no commit yet
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A worker that reported holding a commit."""
+
+    worker_id: str
+    address: str
+    view_id: int
+    rank: int  # in view_id; -1 when unknown
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} of view {self.view_id}" if self.rank >= 0 else f"a worker of view {self.view_id}"
+        return f"{where}, worker {self.worker_id[:8]} at {self.address}"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The furthest commit reported so far (None: none yet) and the workers that reported it."""
+
+    commit: Commit | None = None
+    holders: tuple[Holder, ...] = ()
+
+
+# Holders named per commit, at most: the first to report it (a world of 2,000 names 32).
+MAX_HOLDERS = 32
+
+
+def record(mark: Mark, holder: Holder, held: Commit) -> Mark:
+    """The mark after ``holder`` reports holding ``held``.
+
+    A further commit replaces the mark and its holders; the same commit adds the holder (once per
+    worker, with its latest view and rank); an older one changes nothing. Holders that died stay
+    listed: naming them is the point.
+    """
+    if mark.commit is None or held > mark.commit:
+        return Mark(held, (holder,))
+    if held == mark.commit:
+        others = tuple(h for h in mark.holders if h.worker_id != holder.worker_id)
+        if len(others) >= MAX_HOLDERS:
+            # Enough to name: a heartbeat must not cost work proportional to the world's size.
+            return mark
+        return Mark(held, (*others, holder))
+    return mark
+
+
+@dataclass(frozen=True)
+class TakeRoot:
+    """Every rank takes the state of ``root``, the lowest rank holding the furthest commit."""
+
+    root: int
+
+
+@dataclass(frozen=True)
+class Lost:
+    """No member holds the job's mark: the commits after ``best`` are gone with their holders."""
+
+    mark: Commit
+    best: Commit
+    best_rank: int
+
+
+def plan_sync(held: Sequence[Commit], mark: Commit | None) -> TakeRoot | Lost:
+    """Whose state a view takes, from what each rank holds (in rank order) and the job's mark.
+
+    Args:
+        held: each rank's commit; a fresh process holds INITIAL.
+        mark: the furthest commit the job is known to have made (the ranks' agreed maximum of
+            what the coordinator told them), or None if none is known.
+
+    Returns:
+        TakeRoot when some member holds at least the mark (or no mark is known), else Lost.
+    """
+    if not held:
+        raise ValueError("A view has at least one rank.")
+    best_rank = min(range(len(held)), key=lambda r: (_neg(held[r]), r))
+    best = held[best_rank]
+    if mark is None or best >= mark:
+        return TakeRoot(best_rank)
+    return Lost(mark=mark, best=best, best_rank=best_rank)
+
+
+def _neg(c: Commit) -> tuple[int, int]:
+    return (-c.lineage, -c.step)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """After a loss, the view resumes from ``commit``: rank 0's durable copy (``durable``) or the
+    furthest state a member holds (rank ``root``), as the first commit of ``lineage``."""
+
+    commit: Commit
+    durable: bool
+    root: int
+    lineage: int
+
+
+def after_loss(lost: Lost, durable: Commit | None) -> Resume | None:
+    """What a view that lost the mark does, given the newest durable copy rank 0 found.
+
+    Returns:
+        Resume from the newer of the durable copy and the members' furthest state (a copy can be
+        newer than the mark, which trails the commits by a heartbeat); None when there is no
+        durable copy: the caller raises StateLostError on every rank.
+    """
+    if durable is None:
+        return None
+    lineage = lost.mark.lineage + 1
+    if durable >= lost.best:
+        return Resume(commit=durable, durable=True, root=0, lineage=lineage)
+    return Resume(commit=lost.best, durable=False, root=lost.best_rank, lineage=lineage)

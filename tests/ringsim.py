@@ -1,0 +1,92 @@
+"""A ring of simulated ranks in one event loop: the shipped collectives over in-memory links.
+
+Each rank is a real ``Session`` whose link to its successor is a ``MemoryLink``, so a collective
+runs exactly the code that ships: its program (programs.py), the executor, the values, the
+session's routing and abort protocol, and the link's encoding, lane and backpressure. Only the
+socket is missing. Each link delays each frame by a seeded random number of loop turns, has a
+random window (down to one frame), and each rank starts after a random delay, so one seed is one
+interleaving of the ranks, and a test runs many.
+
+``simulate`` fails (AssertionError) when a rank's collective fails, when the ring hangs, and when
+any frame was sent that no rank used: a frame left in a finished collective's inbox, or one that
+arrived after its collective had finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ringserve.errors import RingChangedError
+from ringserve.observe import Counters
+from ringserve.worker.link import SEND_WINDOW
+from ringserve.worker.memlink import MemoryLink
+from ringserve.worker.session import Place, Session
+from ringserve.worker.shared import OutboundRing
+
+Call = Callable[[Session, int], Awaitable[Any]]
+
+WINDOWS = (1, 2, 3, SEND_WINDOW)
+DELAYS = (0, 1, 3, 8)
+
+
+def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: bool = False,
+              lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0) -> list[Session]:
+    """``world`` sessions of view 1, each linked to its successor by a MemoryLink."""
+    sessions: list[Session] = []
+    addresses = tuple(f"sim-{r}" for r in range(world))
+    for r in range(world):
+        counters = Counters()
+        link = None
+        if world > 1:
+            lane = OutboundRing(lane_slots, slot_bytes) if lanes else None
+            link = MemoryLink(lambda r=r: sessions[(r + 1) % world], counters, rng=random.Random(rng.random()),
+                              max_delay=rng.choice(DELAYS), window=rng.choice(WINDOWS), lane=lane)
+        place = Place(view_id=1, rank=r, size=world, addresses=addresses)
+        sessions.append(Session(place, None, counters, abort_grace_s, link=link, checksum=checksum))
+    return sessions
+
+
+async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0, **ring: Any) -> list[Any]:
+    """Runs ``call(session, rank)`` on every rank of a simulated ring; returns the ranks' results."""
+    rng = random.Random(seed)
+    sessions = make_ring(world, rng, **ring)
+
+    async def rank(r: int) -> Any:
+        for _ in range(rng.randint(0, 5)):
+            await asyncio.sleep(0)
+        return await call(sessions[r], r)
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            # A TaskGroup: when one rank fails, the others are cancelled, not left running.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(rank(r)) for r in range(world)]
+    except TimeoutError:
+        raise AssertionError(f"the simulated ring of {world} hung (seed {seed})") from None
+    except BaseExceptionGroup as group_error:
+        raise group_error.exceptions[0] from None  # the first rank's failure, as a rank would see it
+    finally:
+        await shut(sessions)
+    results = [t.result() for t in tasks]
+    for r, s in enumerate(sessions):
+        assert not s._inboxes, f"rank {r} holds frames of collectives nobody opened: {sorted(s._inboxes)}"
+        assert s.unused == 0, f"rank {r} never took {s.unused} frame(s) that reached its collectives"
+        assert s.counters.frames_rejected == 0, (
+            f"rank {r} got {s.counters.frames_rejected} frame(s) after their collective had finished")
+    return list(results)
+
+
+async def shut(sessions: list[Session]) -> None:
+    """Ends every link cleanly (every frame sent is delivered first), then closes the sessions."""
+    for s in sessions:
+        s.retire(RingChangedError(1, 2, "the simulation is over"))
+    try:
+        async with asyncio.timeout(5):
+            for s in sessions:
+                await s.wait_closed()
+    finally:
+        for s in sessions:
+            s.close(RingChangedError(1, 2, "the simulation is over"))

@@ -1,0 +1,122 @@
+"""The committed high-water mark and the sync decision (ringserve/commits.py): pure, no loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringserve.commits import INITIAL, Commit, Holder, Lost, Mark, Resume, TakeRoot, after_loss, plan_sync, record
+
+
+def c(step: int, lineage: int = 0) -> Commit:
+    return Commit(lineage, step)
+
+
+def holder(worker: str, rank: int = 0, view: int = 1) -> Holder:
+    return Holder(worker_id=worker, address=f"127.0.0.1:{1000 + rank}", view_id=view, rank=rank)
+
+
+# -- the mark --------------------------------------------------------------------------------
+
+
+def test_the_first_report_sets_the_mark_and_its_holder() -> None:
+    mark = record(Mark(), holder("a"), c(5))
+    assert mark.commit == c(5) and [h.worker_id for h in mark.holders] == ["a"]
+
+
+def test_a_further_commit_replaces_the_holders_and_the_same_commit_adds_one() -> None:
+    mark = record(Mark(), holder("a"), c(5))
+    mark = record(mark, holder("b"), c(5))
+    assert [h.worker_id for h in mark.holders] == ["a", "b"]
+    mark = record(mark, holder("b", rank=1), c(6))
+    assert mark.commit == c(6) and [h.worker_id for h in mark.holders] == ["b"]
+
+
+def test_an_older_report_changes_nothing_and_a_holder_is_listed_once_with_its_latest_place() -> None:
+    mark = record(record(Mark(), holder("a", 0, view=1), c(5)), holder("b"), c(5))
+    assert record(mark, holder("c"), c(4)) == mark
+    mark = record(mark, holder("a", 2, view=3), c(5))
+    assert [(h.worker_id, h.view_id, h.rank) for h in mark.holders] == [("b", 1, 0), ("a", 3, 2)]
+
+
+def test_a_commit_of_a_newer_lineage_outranks_any_step_of_an_older_one() -> None:
+    mark = record(Mark(), holder("a"), c(110))
+    mark = record(mark, holder("b"), c(108, lineage=1))
+    assert mark.commit == c(108, lineage=1)
+    assert record(mark, holder("late"), c(110)) == mark  # a stale report of the lost line
+
+
+def test_a_holder_describes_its_rank_view_worker_and_address() -> None:
+    assert holder("abcdef0123456789", rank=2, view=7).describe() == "rank 2 of view 7, worker abcdef01 at 127.0.0.1:1002"
+    assert "a worker of view 7" in Holder("x", "h:1", 7, -1).describe()
+
+
+# -- the sync decision -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("held", "mark", "root"),
+    [
+        ([INITIAL] * 4, None, 0),  # the job's first sync: everyone fresh, rank 0's values
+        ([INITIAL] * 3, c(0), 0),  # nothing committed yet: nothing to lose
+        ([c(10), c(10), INITIAL], c(10), 0),  # rank 0, the longest-lived member
+        ([c(10), c(11), INITIAL], c(10), 1),  # a survivor that committed once more
+        ([INITIAL, c(7), c(7)], c(7), 1),  # the lowest rank among the furthest
+        ([c(3)], c(2), 0),  # the mark trails the commits by a heartbeat
+        ([c(5, lineage=1), c(9)], c(9), 0),  # a newer lineage wins over a higher step of an older one
+        ([INITIAL, INITIAL], None, 0),  # a restarted coordinator knows no mark: members decide
+    ],
+)
+def test_a_view_takes_the_lowest_rank_holding_the_furthest_commit_when_it_reaches_the_mark(
+    held: list[Commit], mark: Commit | None, root: int
+) -> None:
+    assert plan_sync(held, mark) == TakeRoot(root)
+
+
+@pytest.mark.parametrize(
+    ("held", "mark", "best", "best_rank"),
+    [
+        ([INITIAL, INITIAL], c(110), INITIAL, 0),  # every holder died; only fresh processes are left
+        ([INITIAL, c(64)], c(70), c(64), 1),  # a stale member holds less than the job committed
+        ([c(200)], c(5, lineage=1), c(200), 0),  # the job resumed at lineage 1; 200 is of the lost line
+    ],
+)
+def test_a_view_whose_members_all_hold_less_than_the_mark_has_lost_the_state(
+    held: list[Commit], mark: Commit, best: Commit, best_rank: int
+) -> None:
+    assert plan_sync(held, mark) == Lost(mark=mark, best=best, best_rank=best_rank)
+
+
+def test_a_view_of_no_ranks_is_a_bug() -> None:
+    with pytest.raises(ValueError):
+        plan_sync([], None)
+
+
+def test_after_a_loss_without_a_durable_copy_the_world_fails() -> None:
+    assert after_loss(Lost(mark=c(110), best=INITIAL, best_rank=0), None) is None
+
+
+@pytest.mark.parametrize(
+    ("lost", "durable", "expected"),
+    [
+        # The newest checkpoint, as the first commit of the next lineage, from rank 0.
+        (Lost(c(110), INITIAL, 0), c(108), Resume(commit=c(108), durable=True, root=0, lineage=1)),
+        # A checkpoint newer than the mark (the mark trails by a heartbeat): nothing lost.
+        (Lost(c(110), INITIAL, 0), c(111), Resume(commit=c(111), durable=True, root=0, lineage=1)),
+        # A member holds more than the checkpoint: that member's state, not the older copy.
+        (Lost(c(110), c(105), 2), c(100), Resume(commit=c(105), durable=False, root=2, lineage=1)),
+        # A second loss within lineage 1 starts lineage 2.
+        (Lost(c(120, lineage=1), INITIAL, 0), c(118, lineage=1), Resume(commit=c(118, lineage=1), durable=True, root=0, lineage=2)),
+    ],
+)
+def test_after_a_loss_the_world_resumes_from_the_newest_of_the_durable_copy_and_the_members(
+    lost: Lost, durable: Commit, expected: Resume
+) -> None:
+    assert after_loss(lost, durable) == expected
+
+
+def test_a_resumed_world_is_never_again_found_lost_by_reports_of_the_line_it_replaced() -> None:
+    resume = after_loss(Lost(c(110), INITIAL, 0), c(108))
+    assert resume is not None
+    resumed = Commit(resume.lineage, resume.commit.step)
+    # Until its first heartbeat, the coordinator still says 110 of lineage 0: not a loss.
+    assert plan_sync([resumed, resumed], c(110)) == TakeRoot(0)
