@@ -71,15 +71,25 @@ class Cluster:
 
     def run(self, args: Sequence[str], *, timeout: float, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return self.timed_run(args, timeout=timeout, cwd=cwd, env=env)[0]
+
+    def timed_run(self, args: Sequence[str], *, timeout: float, cwd: Path | None = None,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+        """Runs the launcher to its end; also returns the seconds from its first note (its
+        coordinator is up: Python's start-up, slow on a loaded machine, is behind it) to its exit."""
         proc = self.launcher(args, cwd=cwd, env=env)
         try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            up = time.monotonic()
             out, err = proc.communicate(timeout=timeout)
+            seconds = time.monotonic() - up
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(errors="replace"),
-                                           err.decode(errors="replace"))
+        return subprocess.CompletedProcess(proc.args, proc.returncode, (first + out).decode(errors="replace"),
+                                           err.decode(errors="replace")), seconds
 
     def start_sshd(self, host: str) -> None:
         ns, address = self.namespaces[host], HOSTS[host]
