@@ -111,7 +111,6 @@ def launch(
         workers.note(f"coordinator at {coord.address}; starting {num_proc} workers{where}")
         if not elastic:
             return _run_fixed(workers, hosts, num_proc)
-        assert placement is not None or not discovery_script
         if discovery_script:
             assert placement is not None
             discovery = Discovery(discovery_script, placement.slots_per_host, placement.discovery_interval_s,

@@ -190,7 +190,9 @@ class _Run:
             counts[host] = counts.get(host, 0) + 1
         slots = assign_slots([HostSpec(h, n) for h, n in counts.items()], len(wanted))
         joining: Counter[str] = Counter()
-        for key, slot in zip(wanted, slots, strict=True):
+        # Remote workers first: local ones advertise the address the remote hosts see this one by.
+        placed = sorted(zip(wanted, slots, strict=True), key=lambda ks: self.workers.is_local(ks[0][0]))
+        for key, slot in placed:
             if key in self.running or key in self.dead:
                 continue
             if key not in self.index:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
+import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO
 
 from ringserve.config import CoordinatorConfig
+from ringserve.errors import InvalidArgumentError
 from ringserve.launch_env import slot_env
 from ringserve.launch_hosts import HostSpec, Slot
 from ringserve.launch_procs import (
@@ -188,6 +190,9 @@ class Workers:
             proc = LocalProc(index, slot.host, local, label, self._command, {**self._env, **worker_env},
                              self._sink, self._lock)
         else:
+            if shutil.which("ssh") is None:
+                raise InvalidArgumentError(f"Starting workers on {slot.host} needs ssh, which is not installed here "
+                                           f"(the openssh-client package).")
             worker_env["RINGSERVE_BIND_HOST"] = ANY_ADDRESS
             worker_env["RINGSERVE_ADVERTISE_HOST"] = "auto"
             assert self._placement is not None

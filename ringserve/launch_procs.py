@@ -333,11 +333,13 @@ class RemoteProc(Proc):
                 return None
             self._timed_out = True
             self._kill_ssh()
-            code = self.popen.wait()
+            self.popen.wait()
         self._stderr.join(2.0)  # the wrapper's last line comes just before ssh's exit
         if self._reported is not None:
             return self._reported
-        return code if code != 0 else 255
+        if self._timed_out or code is None or code <= 0:
+            return 255  # ssh's own failure code, also when ssh was killed or ended without a word
+        return code
 
     def reason(self) -> str:
         code = self.poll()
