@@ -44,6 +44,7 @@ NOT_FORWARDED = re.compile(
 )
 RESOLVE_TIMEOUT_S = 2.0
 TAIL_LINES = 5
+START_MARGIN_S = 2.0
 
 
 def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -329,7 +330,8 @@ class RemoteProc(Proc):
     def poll(self) -> int | None:
         code = self.popen.poll()
         if code is None:
-            if self.started.is_set() or time.monotonic() - self.spawned_at < self.ssh.start_timeout_s:
+            # ssh's own ConnectTimeout (the same) says more about an unreachable host: let it speak first.
+            if self.started.is_set() or time.monotonic() - self.spawned_at < self.ssh.start_timeout_s + START_MARGIN_S:
                 return None
             self._timed_out = True
             self._kill_ssh()
