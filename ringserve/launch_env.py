@@ -7,9 +7,14 @@ the launcher's own numbering of its processes (its slots):
 
 - ``HOROVOD_RANK``: the slot, which is the worker's rank in the first view (RINGSERVE_RANK_HINT);
 - ``HOROVOD_SIZE``: the number of processes started (``-np``);
-- ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``: the same, since every process runs on this host;
-- ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``: 0 and 1 (one host);
-- ``HOROVOD_HOSTNAME``: this host's name.
+- ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``: the slot's index among its host's, and their
+  number (on one host: the same as rank and size);
+- ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE``: the host's index among the hosts that have a
+  slot of this local rank, and their number (0 and 1 on one host);
+- ``HOROVOD_HOSTNAME``: the host's name as given to ``-H``, the hostfile or the discovery script
+  (this host's name without them).
+
+Over several hosts the slots are numbered as horovodrun numbers them (see launch_hosts).
 
 A variable cannot follow a process's rank once it runs: in elastic mode ranks change with the
 world (and a restarted slot may come back with another rank), so there, as in Horovod's elastic
@@ -22,15 +27,24 @@ from __future__ import annotations
 
 import socket
 
+from ringserve.launch_hosts import Slot
+
+
+def slot_env(slot: Slot) -> dict[str, str]:
+    """Horovod's variables for the worker started in ``slot``."""
+    return {
+        "HOROVOD_HOSTNAME": slot.host,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+    }
+
 
 def horovod_env(slot: int, num_proc: int, hostname: str | None = None) -> dict[str, str]:
     """Horovod's variables for the worker started in ``slot`` of ``num_proc`` on one host."""
-    return {
-        "HOROVOD_HOSTNAME": hostname if hostname is not None else socket.gethostname(),
-        "HOROVOD_RANK": str(slot),
-        "HOROVOD_SIZE": str(num_proc),
-        "HOROVOD_LOCAL_RANK": str(slot),
-        "HOROVOD_LOCAL_SIZE": str(num_proc),
-        "HOROVOD_CROSS_RANK": "0",
-        "HOROVOD_CROSS_SIZE": "1",
-    }
+    host = hostname if hostname is not None else socket.gethostname()
+    return slot_env(Slot(host=host, rank=slot, local_rank=slot, local_size=num_proc, cross_rank=0,
+                         cross_size=1, size=num_proc))
