@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -168,6 +168,29 @@ def allgather(a: Any, name: str | None = None) -> np.ndarray:
 
 def reduce_scatter(a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None) -> np.ndarray:
     return context().call(lambda w: w.reduce_scatter(a, op=op, name=name, compression=compression))
+
+
+def alltoall(a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sends ``splits[d]`` rows of ``a`` (along axis 0) to rank d; returns the rows every rank sent
+    this one, concatenated in rank order, and how many rows came from each (int64).
+
+    Without splits, axis 0 is split evenly (its length must be a multiple of the world size).
+    Otherwise one non-negative integer per rank, summing to at most ``len(a)``; rows past the sum
+    are not sent (Horovod's rule). Wrong splits fail on every rank (InvalidArgumentError here,
+    MismatchError on ranks whose arguments were right) within ``abort_grace_s``.
+    """
+    return context().call(lambda w: w.alltoall(a, splits=splits, name=name))
+
+
+def grouped_allgather(arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+    """``allgather`` of each array of a list, as one collective (arrays of any dtypes)."""
+    return context().call(lambda w: w.grouped_allgather(arrays, name=name))
+
+
+def grouped_reduce_scatter(arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
+                           compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+    """``reduce_scatter`` of each array of a list, as one collective per dtype."""
+    return context().call(lambda w: w.grouped_reduce_scatter(arrays, op=op, name=name, compression=compression))
 
 
 def barrier() -> None:

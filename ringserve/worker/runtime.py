@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -34,7 +34,7 @@ from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import collectives, exclusion, shared
+from ringserve.worker import collectives, exclusion, grouped, shared
 from ringserve.worker.control import ControlClient
 from ringserve.worker.gate import StreamGate
 from ringserve.worker.session import Place, Received, Session
@@ -363,6 +363,22 @@ class Worker:
         """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more)."""
         return await collectives.reduce_scatter(self._ring(), a, op=op, name=name, compression=compression,
                                                 **self._opts())
+
+    async def alltoall(self, a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sends ``splits[d]`` rows of ``a`` to rank d (an even split of axis 0 without splits);
+        returns the rows every rank sent this one, in rank order, and how many came from each."""
+        return await collectives.alltoall(self._ring(), a, splits=splits, name=name, **self._opts())
+
+    async def grouped_allgather(self, arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+        """allgather of each array of a list, in one collective."""
+        return await grouped.grouped_allgather(self._ring(), list(arrays), name=name, **self._opts())
+
+    async def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
+                                     compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+        """reduce_scatter of each array of a list, in one collective per dtype (and codec: one for
+        every floating point array, or one per array)."""
+        return await grouped.grouped_reduce_scatter(self._ring(), list(arrays), op=op, name=name,
+                                                    compression=compression, **self._opts())
 
     async def barrier(self) -> None:
         """Returns once every rank has called barrier."""
