@@ -76,6 +76,7 @@ from ringserve.torch.collectives import (
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.exchange import alltoall, alltoall_async
 from ringserve.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -83,10 +84,14 @@ from ringserve.torch.functions import (
     broadcast_parameters,
 )
 from ringserve.torch.grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
 )
 from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringserve.torch.optimizer import DistributedOptimizer
@@ -121,6 +126,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -138,10 +145,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",

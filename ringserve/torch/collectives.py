@@ -294,7 +294,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle[torch.Tensor]:
     """Starts reducescatter() and returns its handle."""
     basics.check_process_set(process_set)
-    core = ops.core_op(ops.resolve(op))
+    core = ops.core_op(ops.resolve(op), "reducescatter")
     with basics.named_call(_claim("reducescatter", name)) as call:
         compression, codec = split(compression)
         wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
