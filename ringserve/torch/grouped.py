@@ -40,9 +40,11 @@ def _grouped_start(
     for k, members in enumerate(groups.values()):
         flat = torch.cat([compressed[i][0].reshape(-1) for i in members])
         part_name = None if name is None else f"{name}.{k}"
+        # Adasum: each tensor keeps its own coefficients, as Horovod's fused Adasum does.
+        parts = [compressed[i][0].numel() for i in members] if op is ops.Adasum else None
         handles.append((members, _allreduce_start(
             flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, out=None)))
+            postscale_factor=postscale_factor, out=None, parts=parts)))
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
     future.set_result(None)
 
