@@ -23,9 +23,8 @@ HorovodInternalError, since retrying it would fail again. Argument errors (an un
 second collective of a name still in flight) are ``InvalidArgumentError``, a ValueError.
 
 The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
-Adasum (a clear error says so), process sets other than the global one, alltoall, grouped
-allgather and reducescatter, and Horovod's join semantics for uneven data (``join()`` here is a
-barrier that names the last rank).
+process sets other than the global one (``process_set=`` is taken, and any other set raises
+InvalidArgumentError).
 """
 
 from __future__ import annotations

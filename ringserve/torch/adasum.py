@@ -25,19 +25,24 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
+from ringserve import api
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics
 from ringserve.torch._buckets import Bucket
 from ringserve.torch.compression import Compression, Compressor
 from ringserve.torch.optimizer import DistributedOptimizer
+from ringserve.worker import adasum
 
 
 class AdasumOptimizer(DistributedOptimizer):
     """What ``DistributedOptimizer(..., op=Adasum)`` is on more than one rank (see the module)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        # Horovod raises this at the first reduction; here at once, before any local step.
+        adasum.check(np.dtype(np.float32), api.size())
         super().__init__(optimizer, *args, **kwargs)
         if self._error_feedback or self._check_finite:
             raise InvalidArgumentError("op=Adasum takes neither error_feedback nor check_finite.")

@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import logging
-import pickle
 import re
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ringserve.errors import CollectiveTimeoutError, RingserveError, UsageError
+from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
 from ringserve.worker import adasum, collectives, executor, programs
 from ringserve.worker.collectives import REFUSE_SLOT, _chunk_elems, _coder, _values
@@ -130,6 +130,16 @@ async def _stand(session: Session, key: str, descriptor: str, *, chunk_bytes: in
     await executor.run(session, None, descriptor, timeout_s, program, values, key=key)
 
 
+def _arrival(block: np.ndarray, rank: int) -> tuple[int, float, dict[str, int]]:
+    """What rank ``rank`` said when it joined (JSON, never a pickle: it comes from a peer)."""
+    try:
+        opened, clock, counts = json.loads(block.tobytes())
+        checked = {str(k): int(v) for k, v in counts.items()}
+        return int(opened), float(clock), checked
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"Rank {rank}'s join block is not what a join sends: {exc}") from exc
+
+
 def last_to_join(arrivals: list[tuple[int, float]]) -> int:
     """The rank that joined last: the most collectives opened of its own accord, then the latest
     clock, then the highest rank."""
@@ -165,7 +175,8 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
     served: set[str] = set()
 
     def serve(key: str, descriptor: str) -> None:
-        if key.rpartition("#")[0] == JOIN or key in served:
+        base, _, number = key.rpartition("#")
+        if base == JOIN or key in served or not number.isdigit():
             return
         served.add(key)
         task = loop.create_task(_stand(session, key, descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s),
@@ -178,11 +189,11 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
     try:
         for key, descriptor in session.unopened():
             serve(key, descriptor)
-        mine = pickle.dumps((session.opened, time.time(), session.counts()))
+        mine = json.dumps([session.opened, time.time(), session.counts()]).encode()
         blocks = await collectives.allgather_blocks(
             session, np.frombuffer(mine, dtype=np.uint8), row=1, name=JOIN, descriptor="join",
             chunk_bytes=chunk_bytes, timeout_s=join_timeout_s)
-        gathered = [pickle.loads(b.tobytes()) for b in blocks]
+        gathered = [_arrival(b, r) for r, b in enumerate(blocks)]
         union: dict[str, int] = {}
         for _, _, counts in gathered:
             for base, n in counts.items():

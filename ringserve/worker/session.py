@@ -27,6 +27,10 @@ from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
+# A joined rank opens the others' keys as their frames come (join.py); they come nearly in order,
+# so a key far past the last of its name is a broken peer, not a gap to remember.
+MAX_SKIPPED = 1 << 12
+
 __all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session"]
 
 
@@ -123,6 +127,8 @@ class Session:
         else:
             base, _, number = key.rpartition("#")
             seen, n = self._occurrences[base], int(number)
+            if n - seen > MAX_SKIPPED:
+                raise ProtocolError(f"Collective {key!r} is {n - seen} past the last of its name on this rank.")
             self._skipped.update(f"{base}#{m}" for m in range(seen + 1, n))
             self._skipped.discard(key)
             self._occurrences[base] = max(seen, n)

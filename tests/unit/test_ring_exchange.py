@@ -333,3 +333,23 @@ async def test_a_scalar_in_a_grouped_call_on_one_rank_fails_every_rank_at_once(w
     outcomes = await simulate(world, call, seed=world, abort_grace_s=0.5, aborts=True)
     assert outcomes[0] == (InvalidArgumentError, InvalidArgumentError)
     assert all(o == (MismatchError, MismatchError) for o in outcomes[1:])
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 16])
+@pytest.mark.parametrize("ring", [{"checksum": True}, {"lanes": True}], ids=["checksums", "lanes"])
+async def test_alltoall_and_grouped_calls_with_checksums_or_through_shared_memory_lanes_are_exact(
+        world: int, ring: dict[str, Any]) -> None:
+    splits = [[(o + 2 * d) % 4 for d in range(world)] for o in range(world)]
+    inputs = [data((sum(splits[o]), 3), np.float32, seed_of("lanes", world, o)) for o in range(world)]
+
+    async def call(session: Session, rank: int) -> list[Any]:
+        opts: dict[str, Any] = {"name": None, "chunk_bytes": 20, "timeout_s": T}
+        return [await collectives.alltoall(session, inputs[rank], splits=splits[rank], **opts),
+                await grouped.grouped_allgather(session, [inputs[rank], inputs[rank][:1]], **opts)]
+
+    results = await simulate(world, call, seed=seed_of("lanes", world), **ring)
+    for r, ((got, counts), gathered) in enumerate(results):
+        want, want_counts = expected_alltoall(inputs, splits, r)
+        assert got.tobytes() == want.tobytes() and counts.tolist() == want_counts
+        assert gathered[0].tobytes() == np.concatenate(inputs).tobytes()
+        assert gathered[1].tobytes() == np.concatenate([x[:1] for x in inputs]).tobytes()

@@ -186,3 +186,22 @@ async def test_the_last_to_join_counts_only_what_each_rank_did_since_the_last_jo
         return lasts
 
     assert await simulate(2, call, seed=2) == [[1, 0], [1, 0]]
+
+
+async def test_opening_a_key_out_of_order_keeps_the_keys_it_passed_over_open_and_refuses_a_far_one() -> None:
+    from ringserve.errors import ProtocolError
+    from ringserve.observe import Counters
+    from ringserve.worker.session import MAX_SKIPPED, Place
+
+    session = Session(Place(view_id=1, rank=0, size=1, addresses=("a",)), None, Counters(), 1.0)
+    key, _ = session.open(None, "barrier", key="#3")
+    session.release(key)
+    assert session.behind({"": 3})  # #1 and #2 were passed over: not yet opened
+    assert not session._finished("#2") and session._finished("#3")
+    for k in ("#1", "#2"):
+        session.release(session.open(None, "barrier", key=k)[0])
+    assert not session.behind({"": 3}) and session.behind({"": 4, "other": 1})
+    assert session.open(None, "barrier")[0] == "#4"  # a real open goes on after the stand-ins
+    assert session.opened == 1 and session.counts() == {"": 4}
+    with pytest.raises(ProtocolError, match="past the last of its name"):
+        session.open(None, "barrier", key=f"#{5 + MAX_SKIPPED}")
