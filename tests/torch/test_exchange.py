@@ -134,6 +134,7 @@ def test_adasum_allreduce_and_optimizer_match_numpys_adasum_and_worlds_not_a_pow
             want = numpy_adasum([p[i].reshape(-1) for p in parts]).reshape(got.shape)
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
         assert res["adasum_optimizer_class"] == "AdasumOptimizer"
+        assert "not supported when using Adasum optimizer" in res["adasum_skip"]
     # Horovod's delta optimizer: each rank's SGD step on its own gradient, the deltas combined by Adasum.
     net = worker.model()
     for step in range(2):
