@@ -213,6 +213,9 @@ class WorkerConfig(SecuritySettings):
             inspector). collective_timeout_s is the later bound at which it fails.
         elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
             instance while below min_workers) before they give up with a clear error.
+        join_timeout_s: how long join() waits for the last rank to join (the others may still be
+            training on their remaining data meanwhile); collective_timeout_s still bounds each
+            collective a joined rank takes part in.
         timeline: write this rank's collectives as Chrome trace events to this path
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none. Its
             directory must exist or be creatable (checked here, made at the first view).
@@ -275,6 +278,7 @@ class WorkerConfig(SecuritySettings):
     metrics_port: int = -1
     timeline: str = ""
     elastic_timeout_s: float = 600.0
+    join_timeout_s: float = 3600.0
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16
     max_concurrent_rpcs: int = 64
@@ -292,7 +296,8 @@ class WorkerConfig(SecuritySettings):
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
-                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s")
+                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s",
+                  "join_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(

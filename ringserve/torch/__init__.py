@@ -23,9 +23,8 @@ HorovodInternalError, since retrying it would fail again. Argument errors (an un
 second collective of a name still in flight) are ``InvalidArgumentError``, a ValueError.
 
 The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
-Adasum (a clear error says so), process sets other than the global one, alltoall, grouped
-allgather and reducescatter, and Horovod's join semantics for uneven data (``join()`` here is a
-barrier that names the last rank).
+process sets other than the global one (``process_set=`` is taken, and any other set raises
+InvalidArgumentError).
 """
 
 from __future__ import annotations
@@ -76,6 +75,7 @@ from ringserve.torch.collectives import (
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.exchange import alltoall, alltoall_async
 from ringserve.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -83,10 +83,14 @@ from ringserve.torch.functions import (
     broadcast_parameters,
 )
 from ringserve.torch.grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
 )
 from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringserve.torch.optimizer import DistributedOptimizer
@@ -121,6 +125,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -138,10 +144,14 @@ __all__ = [
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",

@@ -27,6 +27,10 @@ from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
+# A joined rank opens the others' keys as their frames come (join.py); they come nearly in order,
+# so a key far past the last of its name is a broken peer, not a gap to remember.
+MAX_SKIPPED = 1 << 12
+
 __all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session"]
 
 
@@ -73,6 +77,11 @@ class Session:
         self._on_peer_failure = on_peer_failure
         self._inboxes: dict[str, Inbox] = {}
         self._occurrences: defaultdict[str, int] = defaultdict(int)
+        self._skipped: set[str] = set()  # keys passed over by an open with an explicit key (join.py)
+        self.opened = 0  # collectives this rank opened of its own accord (not stand-ins) since its last join
+        # join.py's hook while this rank has joined: called with the key and the descriptor of a
+        # collective whose frames reach this rank before (or without) this rank opening it.
+        self.on_unopened: Callable[[str, str], None] | None = None
         self.error: BaseException | None = None
         self.retired: BaseException | None = None
         self._starved: BaseException | None = None
@@ -100,15 +109,29 @@ class Session:
 
     # -- collectives' side -----------------------------------------------------------------
 
-    def open(self, name: str | None, descriptor: str) -> tuple[str, Inbox]:
-        """Registers a collective; its key is equal on every rank that calls it in the same order."""
+    def open(self, name: str | None, descriptor: str, *, key: str | None = None) -> tuple[str, Inbox]:
+        """Registers a collective; its key is equal on every rank that calls it in the same order.
+
+        ``key``: open that very key (a rank that has joined stands in for the others' collectives,
+        see join.py); the keys of its name it passes over stay open to their frames until opened.
+        """
         if self.error is not None:
             raise self.error
         if self.retired is not None:
             raise self.retired
-        base = name if name is not None else ""
-        self._occurrences[base] += 1
-        key = f"{base}#{self._occurrences[base]}"
+        if key is None:
+            base = name if name is not None else ""
+            self._occurrences[base] += 1
+            key = f"{base}#{self._occurrences[base]}"
+            self.opened += 1
+        else:
+            base, _, number = key.rpartition("#")
+            seen, n = self._occurrences[base], int(number)
+            if n - seen > MAX_SKIPPED:
+                raise ProtocolError(f"Collective {key!r} is {n - seen} past the last of its name on this rank.")
+            self._skipped.update(f"{base}#{m}" for m in range(seen + 1, n))
+            self._skipped.discard(key)
+            self._occurrences[base] = max(seen, n)
         inbox = self._inbox(key)
         inbox.descriptor = descriptor
         inbox.known[self.place.rank] = descriptor
@@ -121,6 +144,18 @@ class Session:
         self._active += 1
         self._opened[key] = time.monotonic()
         return key, inbox
+
+    def counts(self) -> dict[str, int]:
+        """How many collectives of each name this rank has opened (the last key's number)."""
+        return dict(self._occurrences)
+
+    def behind(self, counts: dict[str, int]) -> bool:
+        """Whether some collective of ``counts`` (another rank's) is one this rank has not opened."""
+        return bool(self._skipped) or any(self._occurrences.get(b, 0) < n for b, n in counts.items())
+
+    def unopened(self) -> list[tuple[str, str]]:
+        """(key, descriptor) of the collectives with frames here that this rank has not opened."""
+        return [(k, inbox.heard()) for k, inbox in self._inboxes.items() if inbox.descriptor is None]
 
     def stalled(self, older_than_s: float) -> list[str]:
         """Keys of the collectives in flight for longer than older_than_s."""
@@ -226,6 +261,9 @@ class Session:
                 self.counters.frames_rejected += 1
             return
         inbox = self._inbox(header.op_key)
+        if inbox.descriptor is None and self.on_unopened is not None and not inbox.announced:
+            inbox.announced = True
+            self.on_unopened(header.op_key, header.descriptor)
         if header.kind == wire.DATA:
             if inbox.error is None:
                 inbox.deliver((header.step, header.chunk), frame)
@@ -284,7 +322,7 @@ class Session:
         if key in self._inboxes:
             return False
         base, _, number = key.rpartition("#")
-        return number.isdigit() and int(number) <= self._occurrences.get(base, 0)
+        return number.isdigit() and int(number) <= self._occurrences.get(base, 0) and key not in self._skipped
 
     def _inbox(self, key: str) -> Inbox:
         inbox = self._inboxes.get(key)
