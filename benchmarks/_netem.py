@@ -23,10 +23,14 @@ The layout, for ``n`` hosts (namespaces ``rsw-h<i>-<tag>``, ``<tag>`` random per
   ``setns(2)`` (a TUN fd stays bound to the namespace it was attached in), then returns to its own.
   It counts the IP bytes each host sends ("bytes on the wire", headers and ACKs included) in a small
   memory-mapped file that any process, in any namespace, can read with ``read_counters``.
-- The MTU is large (65000 by default) so that the single-threaded Python switch handles a few
-  hundred packets per second per host at 100 Mbit/s; the tbf burst is two MTUs, since tbf drops a
-  packet larger than its bucket. The switch runs at a raised priority (nice -10) because a real
-  network does not share the hosts' CPUs.
+- The MTU is 1500 by default, as on real links: TCP then grows its window in 1460-byte segments
+  from an initial 10, and restarts from there after an idle gap (slow start after idle), as it
+  does across a real WAN. That is about 8,300 packets per second per host at 100 Mbit/s, which the
+  single-threaded Python switch must forward: ``Wan.ring_bulk_mbit`` (every host sending at once)
+  shows whether it keeps up. The tbf burst is two MTUs, since tbf drops a packet larger than its
+  bucket. The switch runs at a raised priority (nice -10) because a real network does not share
+  the hosts' CPUs. A large MTU (``mtu=65000``) makes the switch cheaper, but TCP's windows are then
+  counted in 65 KB segments, which no real path has.
 - Traffic between two processes of one host stays on that host's loopback, as it would on a machine.
 
 Only namespaces made here are changed, and all addresses are in 10.213.50.0/24 inside them; the
@@ -129,6 +133,15 @@ def read_counters(path: str) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 8}Q", data))
 
 
+def interface_tx_bytes(device: str = DEVICE) -> int:
+    """Bytes the kernel says ``device`` of the caller's namespace has sent (its interface counter).
+
+    A process started with ``ip netns exec`` sees its namespace's own /sys, so a rank reads its
+    host's uplink: an account of the wire kept by the kernel, apart from the switch's."""
+    with open(f"/sys/class/net/{device}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
 def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
@@ -193,7 +206,7 @@ class Wan:
     the namespaces are deleted, after killing any process still running in them.
     """
 
-    def __init__(self, hosts: int, *, delay_ms: float, rate_mbit: float, mtu: int = 65000) -> None:
+    def __init__(self, hosts: int, *, delay_ms: float, rate_mbit: float, mtu: int = 1500) -> None:
         tag = secrets.token_hex(3)
         self.hosts = [Host(i, f"rsw-h{i}-{tag}", f"{SUBNET}.{i + 1}") for i in range(hosts)]
         self.delay_ms = delay_ms
@@ -309,23 +322,51 @@ class Wan:
 
     def bulk_mbit(self, source: Host, target: Host, nbytes: int) -> float:
         """Goodput of one TCP transfer of ``nbytes`` from ``source`` to ``target``, in Mbit/s."""
-        with in_netns(target.netns):
-            server = socket.create_server((target.address, 0))
-        with server:
-            with in_netns(source.netns):
-                client = socket.socket()
-            client.settimeout(60)
-            client.connect((target.address, server.getsockname()[1]))
-            sender = threading.Thread(target=_send_and_close, args=(client, nbytes), daemon=True)
-            sender.start()
-            conn, _ = server.accept()
-            with conn:
-                conn.settimeout(60)
-                received, t0 = _receive_all(conn)
-            sender.join(60)
-        if received != nbytes:
-            raise RuntimeError(f"bulk transfer received {received} of {nbytes} bytes")
-        return 8 * nbytes / (time.perf_counter() - t0) / 1e6
+        return self.ring_bulk_mbit(nbytes, [(source, target)])[0]
+
+    def ring_bulk_mbit(self, nbytes: int, pairs: Sequence[tuple[Host, Host]] | None = None) -> list[float]:
+        """Goodputs of TCP transfers of ``nbytes`` run at once, by default host i to host i+1 for
+        every host (as a ring allreduce loads the links), in Mbit/s. Every uplink at its rate shows
+        that the switch keeps up with all hosts sending at once, at this MTU."""
+        if pairs is None:
+            pairs = [(h, self.hosts[(h.index + 1) % len(self.hosts)]) for h in self.hosts]
+        servers, clients = [], []
+        try:
+            for source, target in pairs:
+                with in_netns(target.netns):
+                    servers.append(socket.create_server((target.address, 0)))
+                with in_netns(source.netns):
+                    clients.append(socket.socket())
+            results: list[float] = [0.0] * len(pairs)
+            threads = [threading.Thread(target=_transfer, args=(c, s, pairs[i][1].address, nbytes, results, i),
+                                        daemon=True) for i, (c, s) in enumerate(zip(clients, servers, strict=True))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            for sock in servers + clients:
+                sock.close()
+        if not all(results):
+            raise RuntimeError(f"a bulk transfer of {nbytes} bytes did not finish within 120 s")
+        return results
+
+
+def _transfer(client: socket.socket, server: socket.socket, address: str, nbytes: int, results: list[float],
+              index: int) -> None:
+    """Sends ``nbytes`` from ``client`` to ``server``; puts the goodput in Mbit/s at ``results[index]``."""
+    client.settimeout(60)
+    client.connect((address, server.getsockname()[1]))
+    sender = threading.Thread(target=_send_and_close, args=(client, nbytes), daemon=True)
+    sender.start()
+    conn, _ = server.accept()
+    with conn:
+        conn.settimeout(60)
+        received, t0 = _receive_all(conn)
+    sender.join(60)
+    if received != nbytes:
+        raise RuntimeError(f"bulk transfer received {received} of {nbytes} bytes")
+    results[index] = 8 * nbytes / (time.perf_counter() - t0) / 1e6
 
 
 def _send_and_close(sock: socket.socket, nbytes: int) -> None:
