@@ -5,7 +5,7 @@
 
 Four hosts (``--world``) run in separate network namespaces, each behind a ``--rate-mbit`` uplink
 (tbf) and ``--delay-ms`` one way from every other host (a delaying TUN switch, MTU ``--mtu``, 1500
-as on real links; see _netem.py for why and how). Every framework sees the same network: the
+as on real links, with TCP segmentation offload; see _netem.py for why and how). Every framework sees the same network: the
 delay is added to IP packets, under every TCP connection. The configurations, on training_step.py's
 MLP 784-2048-2048-10 (5.8M parameters, 23 MB of float32 gradients), a batch of 64 per worker, one
 torch thread per worker:
@@ -13,7 +13,8 @@ torch thread per worker:
 - DDP over gloo (``--ddp``): plain (``gloo``), with ``fp16_compress_hook`` (``fp16``), and with
   ``powerSGD_hook`` at matrix approximation rank ``--powersgd-rank`` (4), error feedback and warm
   start on, compressing from the first timed step (``start_powerSGD_iter`` = the warmup steps; its
-  default of 1,000 would time plain allreduce);
+  default of 1,000 would time plain allreduce), with DDP's buckets (``powersgd``; it stalls over
+  this WAN: see the README) and with one bucket for the whole model (``powersgd-1bucket``);
 - ringserve's DistributedOptimizer (``--codecs``): ``none``, ``fp16``, ``int8`` with error feedback,
   with the shared-memory lane off (``RINGSERVE_SHARED_MEMORY=0``). The hosts share one kernel, so
   the lane would otherwise carry every payload around the shaped links.
@@ -42,6 +43,7 @@ import argparse
 import datetime
 import itertools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -56,11 +58,12 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, read_json, table  # noqa: E402
+from _netcheck import connect_rtt_ms, ring_bulk_mbit  # noqa: E402
 from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters  # noqa: E402
 from training_step import BATCH, _model  # noqa: E402
 
 CODECS = ("none", "fp16", "int8")
-DDP_HOOKS = ("gloo", "fp16", "powersgd")
+DDP_HOOKS = ("gloo", "fp16", "powersgd", "powersgd-1bucket")
 WIRE_FLOOR = 0.9  # of the ring's share of the payload: less means the bytes went around the links
 _ports = itertools.count(29500)  # fresh namespaces: any port is free; a new one per run skips TIME_WAIT
 
@@ -95,12 +98,15 @@ def _ddp(args: argparse.Namespace, rank: int, model: Any) -> Any:
 
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # One bucket for the whole model (DDP's default is a 1 MiB first bucket, then 25 MiB ones): the
+    # PowerSGD run that does not stall (see the README's WAN section).
+    one_bucket = {"bucket_cap_mb": 1024} if args.option == "powersgd-1bucket" else {}
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **one_bucket)
     if args.option == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif args.option == "powersgd":
+    elif args.option.startswith("powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
@@ -239,11 +245,11 @@ def payload_bytes(config: Config, powersgd_rank: int, min_compression_rate: floa
     whole; biases count as whole.
     """
     shapes = [tuple(p.shape) for p in _model().parameters()]
-    numel = sum(int(_prod(s)) for s in shapes)
-    if config.option == "powersgd":
+    numel = sum(math.prod(s) for s in shapes)
+    if config.option.startswith("powersgd"):
         total = 0
         for s in shapes:
-            n, m = s[0], int(_prod(s[1:])) if len(s) > 1 else 1
+            n, m = s[0], math.prod(s[1:]) if len(s) > 1 else 1
             r = min(n, m, powersgd_rank)
             total += 4 * ((n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m)
         return float(total)
@@ -251,26 +257,23 @@ def payload_bytes(config: Config, powersgd_rank: int, min_compression_rate: floa
     return float(per_value * numel)
 
 
-def _prod(values: tuple[int, ...]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 def _checked(config: Config, ranks: list[dict[str, Any]], args: argparse.Namespace, world: int) -> dict[str, float]:
-    """The run's figures; raises unless every host's uplink carried the ring's share of the payload."""
+    """The run's figures; raises unless every host's uplink carried the ring's share of the payload.
+
+    Two accounts of each uplink: the switch's (the bytes on the wire of every segment it forwarded)
+    and the kernel's interface counter, read by the host's rank (one header per offloaded packet).
+    """
     switch = [b / args.steps for b in ranks[0]["sent"]]
     nic = [r["nic"] / args.steps for r in ranks]
     expected = 2 * (world - 1) / world * payload_bytes(config, args.powersgd_rank)
     for host, (by_switch, by_kernel) in enumerate(zip(switch, nic, strict=True)):
         if min(by_switch, by_kernel) < WIRE_FLOOR * expected:
             raise RuntimeError(
-                f"{config.label}: host {host} sent {by_kernel / 1e6:.2f} MB per step on {DEVICE} (kernel counter; "
-                f"{by_switch / 1e6:.2f} MB by the switch's count), below {WIRE_FLOOR} of the ring's share of the "
-                f"payload ({expected / 1e6:.2f} MB): the gradients went around the emulated links")
-    return {"step": max(r["step"] for r in ranks), "mean": statistics.mean(nic), "max": max(nic),
-            "switch": statistics.mean(switch), "wire": statistics.mean(nic) / expected}
+                f"{config.label}: host {host} sent {by_switch / 1e6:.2f} MB per step by the switch's count "
+                f"({by_kernel / 1e6:.2f} MB by {DEVICE}'s kernel counter), below {WIRE_FLOOR} of the ring's share "
+                f"of the payload ({expected / 1e6:.2f} MB): the gradients went around the emulated links")
+    return {"step": max(r["step"] for r in ranks), "mean": statistics.mean(switch), "max": max(switch),
+            "wire": statistics.mean(switch) / expected}
 
 
 def _rows(configs: list[Config], rounds: list[dict[str, dict[str, float] | None]], args: argparse.Namespace) -> list[dict[str, object]]:
@@ -301,7 +304,8 @@ def _configs(args: argparse.Namespace) -> list[Config]:
     from ringserve.torch import Compression
 
     ddp_labels = {"gloo": "DDP-gloo", "fp16": "DDP fp16_compress_hook",
-                  "powersgd": f"DDP powerSGD_hook rank {args.powersgd_rank}"}
+                  "powersgd": f"DDP powerSGD_hook rank {args.powersgd_rank}",
+                  "powersgd-1bucket": f"DDP powerSGD_hook rank {args.powersgd_rank}, one bucket"}
     configs = [Config(ddp_labels[h], "ddp", h) for h in args.ddp]
     for codec in args.codecs:
         if not hasattr(Compression, codec):
@@ -315,10 +319,10 @@ def _configs(args: argparse.Namespace) -> list[Config]:
 def _sanity(wan: Wan) -> list[str]:
     a, b = wan.hosts[0], wan.hosts[1]
     nbytes = int(wan.rate_mbit * 1e6 / 8 * 2)  # about 2 s at the configured rate
-    ring = wan.ring_bulk_mbit(nbytes)
+    ring = ring_bulk_mbit(wan.hosts, nbytes)
     return [f"bulk TCP, every host to the next at once, {nbytes / 1e6:.0f} MB each: "
             f"{min(ring):.1f}-{max(ring):.1f} Mbit/s goodput (tbf rate {wan.rate_mbit:g} Mbit/s, MTU {wan.mtu})",
-            f"TCP connect {a.address} -> {b.address}: {wan.connect_rtt_ms(a, b):.1f} ms median of 5 "
+            f"TCP connect {a.address} -> {b.address}: {connect_rtt_ms(a, b):.1f} ms median of 5 "
             f"(one round trip; 2 x {wan.delay_ms:g} ms delay expected)"]
 
 
@@ -338,6 +342,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay between any two hosts")
     p.add_argument("--rate-mbit", type=float, default=100.0, help="each host's uplink rate")
     p.add_argument("--mtu", type=int, default=1500, help="the links' MTU (1500 as on real links)")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="TCP segmentation offload on the emulated links (see _netem.py)")
     p.add_argument("--world", type=int, default=4, help="hosts, one rank each")
     p.add_argument("--fusion-bytes", type=int, default=4 << 20, help="ringserve's fusion bucket size")
     p.add_argument("--timeout", type=float, default=300, help="seconds one run may take before it counts as stalled")
@@ -360,7 +366,8 @@ def main() -> None:
     try:
         check_environment()
         configs = _configs(args)
-        with Wan(args.world, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, mtu=args.mtu) as wan, \
+        with Wan(args.world, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit, mtu=args.mtu,
+                 offload=args.offload) as wan, \
                 tempfile.TemporaryDirectory() as tmp:
             sanity = _sanity(wan)
             print("\n".join(sanity), flush=True)
@@ -386,8 +393,9 @@ def main() -> None:
           f"MLP 784-2048-2048-10, batch {BATCH} per worker, 1 torch thread per worker, {os.cpu_count()} cores "
           f"(load average {os.getloadavg()[0]:.1f} at the end); median over {args.rounds} interleaved rounds of the "
           f"median step over {args.steps} timed steps after {args.warmup} warmup (slowest rank); ringserve fusion "
-          f"{args.fusion_bytes >> 10} KiB, shared-memory lane off; MB: bytes each host's {DEVICE} sent per timed "
-          f"step (kernel counter), mean (max); wire / ring payload: that over 2(N-1)/N x the encoded gradients")
+          f"{args.fusion_bytes >> 10} KiB, shared-memory lane off; MB: bytes on the wire each host sent per timed "
+          f"step (switch count, headers and ACKs included), mean (max); wire / ring payload: that over "
+          f"2(N-1)/N x the encoded gradients; TSO offload {'on' if args.offload else 'off'}")
     print(table(_rows(configs, rounds, args),
                 [("config", "config"), ("step", "step ms"), ("ratio", "vs best DDP, median (range)"),
                  ("mb", "MB sent per host per step"), ("wire", "wire / ring payload"), ("busy", "uplink busy")]))
