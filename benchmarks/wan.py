@@ -209,10 +209,11 @@ def _run_ranks(wan: Wan, args: argparse.Namespace, tmp: pathlib.Path, config: Co
 def _dump_stacks(config: Config, procs: list[subprocess.Popen[bytes]]) -> None:
     """Makes each stalled rank print its threads' Python stacks (faulthandler, on SIGUSR1)."""
     print(f"--- {config.label} stalled: the ranks' stacks follow ---", flush=True)
-    for p in procs:
+    for i, p in enumerate(procs):
         if p.poll() is None:
+            print(f"--- rank {i} ---", flush=True)
             os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(3)
+            time.sleep(1.5)  # one rank at a time: they share the terminal
 
 
 def _run(wan: Wan, args: argparse.Namespace, config: Config, tmp: pathlib.Path) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@
 # The engine is ../shared/tools/docker-engine, found beside the repository root or above it
 # (RINGSERVE_DOCKER_ENGINE overrides). An engine this script had to start is stopped at the end
 # (`docker-engine down`) unless KEEP_ENGINE=1. Needs root. Not part of the default test run: about
-# 5-8 minutes on 2 cores the first time (the image build), 3-5 minutes after. Every change that
+# 9-10 minutes on 2 busy cores (about 2 of them the image build, 4 more the first time). Every change that
 # touches deployment (Dockerfile, docker-compose.yml, the examples it runs, config defaults,
 # advertising, the elastic loop) runs it first.
 set -euo pipefail
