@@ -16,6 +16,7 @@ from ringserve import commits, membership
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator.beats import HeartbeatStreams
 from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
 
@@ -88,6 +89,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._watchers: set[asyncio.Queue[bytes]] = set()
         self._watches_by_worker: dict[str, int] = {}
         self.watch_streams = 0
+        self.heartbeat_streams = HeartbeatStreams(config.heartbeat_stream_cap, config.heartbeat_timeout_s)
         self._encoded = _EncodedView(self._state.view)
         # Workers waiting to be admitted, recomputed only when the workers or the view change
         # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
@@ -197,6 +199,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "view_size": len(self._state.view.members),
             "workers_waiting": membership.waiting(self._state),
             "watch_streams": self.watch_streams,
+            "heartbeat_streams": self.heartbeat_streams.open,
             "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
             "committed_step": self.mark.commit.step if self.mark.commit is not None else -1,
             "committed_lineage": self.mark.commit.lineage if self.mark.commit is not None else 0,
@@ -234,6 +237,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaveResponse()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        return self._beat(request)
+
+    async def Heartbeats(self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext) -> None:
+        """Heartbeat on one long-lived stream, each request answered in order (see beats.py)."""
+        await self.heartbeat_streams.serve(context, self._beat)
+
+    def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """A heartbeat's effect and its answer, on a unary call or a stream."""
         known = membership.is_known(self._state, request.worker_id)
         warnings: list[str] = []
         if known:
