@@ -236,6 +236,18 @@ class Probe:
 Action = PublishView | Removed | Probe
 
 
+def _with_beat(state: State, beats: _Beat) -> State:
+    """``replace(state, beats=beats)``, for the one event that comes thousands of times a second:
+    ``replace`` runs ``__init__`` over every field (about 20 us a heartbeat, half the handler's
+    time at 2,000 workers); a copy of the instance's dict is a fifth of that. The new state is
+    changed only before anyone sees it, so it is as immutable as ``replace``'s."""
+    new = object.__new__(State)
+    fields = new.__dict__
+    fields.update(state.__dict__)
+    fields["beats"] = beats
+    return new
+
+
 def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     """Applies one event at time ``now`` and returns the new state and the actions to carry out.
 
@@ -246,7 +258,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     if isinstance(event, Heartbeat):
         if event.worker_id not in state.workers:
             return state, []
-        return replace(state, beats=_Beat(event.worker_id, now, state.beats)), []
+        return _with_beat(state, _Beat(event.worker_id, now, state.beats)), []
     if isinstance(event, Join):
         state = _join(state, event, now)
     elif isinstance(event, Leave):

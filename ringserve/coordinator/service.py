@@ -127,7 +127,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         must not cost work proportional to the number of workers)."""
         state = self._state
         tables, count = self._waiting
-        if tables is None or any(a is not b for a, b in zip(tables, (state.workers, state.view, state.held), strict=True)):
+        if tables is None or tables[0] is not state.workers or tables[1] is not state.view or tables[2] is not state.held:
             count = membership.admissible(state)
             self._waiting = ((state.workers, state.view, state.held), count)
         return count
