@@ -45,14 +45,17 @@ from ringserve.worker.control import REOPEN_FIRST_S  # noqa: E402
 
 
 async def measure(
-    n: int, *, interval: float, timeout: float, settle: float, steady_s: float, rounds: int, compare: bool
+    n: int, *, interval: float, timeout: float, settle: float, steady_s: float, rounds: int, compare: bool,
+    max_rate: float | None = None,
 ) -> dict[str, Any]:
     procs = max(1, (n + 499) // 500)
     load_start = os.getloadavg()[0]
-    async with Scale(n, procs=procs, interval=interval, timeout=timeout, settle=settle) as scale:
+    extra = [] if max_rate is None else ["--max-heartbeats-per-second", str(max_rate)]
+    async with Scale(n, procs=procs, interval=interval, timeout=timeout, settle=settle, extra_args=extra) as scale:
         await scale.start_swarms()
         first = await scale.wait_view(lambda v: len(v.members) == n, settle + 60)
-        await asyncio.sleep(2 * interval)
+        longest = max(interval, timeout / 3)  # the interval, however far the coordinator stretches it
+        await asyncio.sleep(2 * longest)
         windows = {"stream": [await window(scale, steady_s) for _ in range(rounds)]}
         status_s = []
         for request in (pb.StatusRequest(), pb.StatusRequest(limit=20)):
@@ -84,7 +87,7 @@ async def measure(
             if wanted != mode:
                 await scale.broadcast(wanted)
                 mode = wanted
-                await asyncio.sleep(2 * interval + REOPEN_FIRST_S)  # every worker beats the new way by now
+                await asyncio.sleep(2 * longest + REOPEN_FIRST_S)  # every worker beats the new way by now
             compared[mode].append(await window(scale, steady_s))
         result: dict[str, Any] = {
             "workers": n,
@@ -92,6 +95,7 @@ async def measure(
             "load_start": load_start,
             "first_view_s": first.at - scale.joined_at,
             "first_view_all_workers_s": max(final["first_view_at"]) - scale.joined_at,
+            "interval_handed_out_s": windows["stream"][-1]["interval"],
         }
         result.update(summarize("stream", windows["stream"]))
         result.update({
@@ -122,7 +126,7 @@ async def window(scale: Scale, steady_s: float) -> dict[str, Any]:
     """One steady window: the coordinator's CPU per heartbeat and the latencies in it."""
     cpu0, before = scale.coordinator_cpu_s(), await scale.report()
     window_start = time.monotonic()
-    probe = await probe_heartbeats(scale, steady_s)
+    probe, interval = await probe_heartbeats(scale, steady_s)
     cpu1, after = scale.coordinator_cpu_s(), await scale.report()
     window_end = time.monotonic()
     beats = after["heartbeats"] - before["heartbeats"]
@@ -134,6 +138,7 @@ async def window(scale: Scale, steady_s: float) -> dict[str, Any]:
         "latencies": latencies,
         "probe": probe,
         "streaming": after["streaming"],
+        "interval": interval,
         "load": os.getloadavg()[0],
     }
 
@@ -157,22 +162,27 @@ def summarize(mode: str, windows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def probe_heartbeats(scale: Scale, duration_s: float) -> list[float]:
-    """Heartbeat latencies of a lone client (an unknown worker id: the full RPC path, no state)."""
+async def probe_heartbeats(scale: Scale, duration_s: float) -> tuple[list[float], float]:
+    """Heartbeat latencies of a lone client (an unknown worker id: the full unary RPC path, no
+    state), and the heartbeat interval the coordinator hands out."""
     latencies = []
+    interval = 0.0
     stop = time.monotonic() + duration_s
     while time.monotonic() < stop:
         began = time.monotonic()
-        await scale.stub.Heartbeat(pb.HeartbeatRequest(worker_id="benchmark-probe"), timeout=10)
+        answer = await scale.stub.Heartbeat(pb.HeartbeatRequest(worker_id="benchmark-probe"), timeout=10)
         latencies.append(time.monotonic() - began)
+        interval = answer.heartbeat_interval_s
         await asyncio.sleep(max(0.0, began + 0.1 - time.monotonic()))
-    return latencies
+    return latencies, interval
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[100, 500, 1000, 2000])
-    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval (s)")
+    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval (s), before any stretching")
+    parser.add_argument("--max-heartbeats-per-second", type=float, default=None, dest="max_rate",
+                        help="the coordinator's --max-heartbeats-per-second (its default: 1000; 0: never stretch)")
     parser.add_argument("--timeout", type=float, default=5.0, help="heartbeat timeout (s)")
     parser.add_argument("--settle", type=float, default=1.0, help="settle window (s)")
     parser.add_argument("--steady", type=float, default=10.0, help="each steady window measured (s)")
@@ -185,7 +195,8 @@ def main() -> None:
     results = []
     for n in ns.workers:
         result = asyncio.run(measure(n, interval=ns.interval, timeout=ns.timeout, settle=ns.settle,
-                                     steady_s=ns.steady, rounds=ns.rounds, compare=not ns.no_compare))
+                                     steady_s=ns.steady, rounds=ns.rounds, compare=not ns.no_compare,
+                                     max_rate=ns.max_rate))
         results.append(result)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -111,8 +111,12 @@ class CoordinatorConfig(SecuritySettings):
         max_workers: at most this many workers are in a view; later joiners wait.
         settle_s: membership must be unchanged this long before a view forms (torchrun's
             "last call"), so workers that start a little apart land in one view.
-        heartbeat_interval_s: how often workers send heartbeats.
+        heartbeat_interval_s: how often workers send heartbeats (at least; see
+            max_heartbeats_per_s).
         heartbeat_timeout_s: a worker silent this long is declared dead.
+        max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
+            grows, so that all workers together send at most this many heartbeats a second,
+            but never past a third of heartbeat_timeout_s (see ringserve.pacing); 0: never.
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
@@ -143,6 +147,7 @@ class CoordinatorConfig(SecuritySettings):
     settle_s: float = 0.5
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    max_heartbeats_per_s: float = 1000.0
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
@@ -175,6 +180,11 @@ class CoordinatorConfig(SecuritySettings):
         _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
+        if self.max_heartbeats_per_s < 0:
+            raise InvalidArgumentError(
+                f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "
+                f"negative (0 turns the stretching of the interval off)."
+            )
         if self.max_workers < self.min_workers:
             raise InvalidArgumentError(
                 f"The maximum number of workers ({self.max_workers}) must be at least the "

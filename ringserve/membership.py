@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ringserve import links
+from ringserve import links, pacing
 from ringserve.links import RingCheck
 
 INF = float("inf")
@@ -103,6 +103,10 @@ class Rules:
     # How long the view without expired workers may wait for those nearly expired (silent for
     # more than heartbeat_timeout_s - failure_window_s) to speak or expire too (0: never waits).
     failure_window_s: float = 0.0
+    # The interval workers are told to heartbeat at, stretched as the world grows so that they
+    # send at most max_heartbeats_per_s in all (0: never stretched; see ringserve.pacing).
+    heartbeat_interval_s: float = 1.0
+    max_heartbeats_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -317,6 +321,23 @@ def seen(state: State) -> dict[str, float]:
     return last_seen
 
 
+def heartbeat_interval(state: State) -> float:
+    """The interval the workers are told to heartbeat at now (see ringserve.pacing)."""
+    rules = state.rules
+    return pacing.heartbeat_interval(
+        rules.heartbeat_interval_s, rules.heartbeat_timeout_s, rules.max_heartbeats_per_s, len(state.workers)
+    )
+
+
+def _failure_window(state: State) -> float:
+    """failure_window_s, or longer when the interval is stretched: a stretched interval spreads
+    the last heartbeats of workers that died together over more time."""
+    rules = state.rules
+    if rules.max_heartbeats_per_s <= 0:
+        return rules.failure_window_s
+    return max(rules.failure_window_s, pacing.failure_window(heartbeat_interval(state), rules.heartbeat_timeout_s))
+
+
 def _expire(state: State, now: float) -> tuple[State, list[Action]]:
     """Folds the heartbeats in, and removes the workers silent past the timeout, all in one view,
     once none is left nearly silent (or failure_window_s has passed since some expired)."""
@@ -327,8 +348,9 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
     if not any(now - at > deadline for at in last_seen.values()):
         return state, []
     expiring_since = min(state.expiring_since, now)
-    if now - expiring_since < state.rules.failure_window_s:
-        nearly = deadline - state.rules.failure_window_s
+    window = _failure_window(state)
+    if now - expiring_since < window:
+        nearly = deadline - window
         if any(nearly < now - at <= deadline for at in last_seen.values()):
             return replace(state, expiring_since=expiring_since), []
     silent = [wid for wid, at in last_seen.items() if now - at > deadline]

@@ -119,6 +119,7 @@ class SimWorker:
                 answer = await self.beats.beat(pb.HeartbeatRequest(worker_id=self.worker_id, view_id=self.view_id))
                 self.latencies.append((sent, time.monotonic() - sent))
                 self.unknown += not answer.known
+                self.interval = answer.heartbeat_interval_s or self.interval
             except RingserveError:
                 self.missed += 1
             await asyncio.sleep(max(0.0, sent + self.interval - time.monotonic()))

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import commits, membership
+from ringserve import commits, membership, pacing
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
@@ -83,7 +83,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             max_workers=config.max_workers,
             settle_s=config.settle_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
-            failure_window_s=failure_window(config),
+            failure_window_s=pacing.failure_window(config.heartbeat_interval_s, config.heartbeat_timeout_s),
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_heartbeats_per_s=config.max_heartbeats_per_s,
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()
@@ -228,7 +230,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim))
         return pb.JoinResponse(
             worker_id=worker_id,
-            heartbeat_interval_s=self._config.heartbeat_interval_s,
+            heartbeat_interval_s=membership.heartbeat_interval(self._state),
             heartbeat_timeout_s=self._config.heartbeat_timeout_s,
         )
 
@@ -259,7 +261,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._record_commit(request)
         answer = pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
-            stall_warnings=warnings,
+            stall_warnings=warnings, heartbeat_interval_s=membership.heartbeat_interval(self._state),
         )
         if self.mark.commit is not None:
             answer.mark_step, answer.mark_lineage = self.mark.commit.step, self.mark.commit.lineage
@@ -463,11 +465,3 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         return answer
 
-
-def failure_window(config: CoordinatorConfig) -> float:
-    """How long a view without expired workers waits for the nearly silent ones to speak or
-    expire too (see membership). Workers that died together sent their last heartbeats over one
-    interval, and those arrived with latencies that vary under load: two intervals cover both.
-    Only workers that missed two heartbeats count as nearly silent."""
-    interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
-    return max(0.0, min(2 * interval, timeout - 2 * interval))

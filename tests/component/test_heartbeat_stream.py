@@ -272,3 +272,16 @@ async def test_a_stopped_coordinator_fails_the_beat_as_unreachable(coordinator: 
             await beats.beat(pb.HeartbeatRequest(worker_id=wid))
         assert isinstance(info.value, CoordinatorUnreachableError) and time.monotonic() - began < 2.5
         assert not beats.streaming
+
+
+@pytest.mark.parametrize("coordinator", [{"heartbeat_interval_s": 0.2, "max_heartbeats_per_s": 5.0}], indirect=True)
+async def test_joins_and_answers_carry_the_interval_stretched_for_the_workers_known(coordinator: Coordinator, stub: Stub) -> None:
+    first = await stub.Join(pb.JoinRequest(address="127.0.0.1:9", hostname="h"), timeout=5)
+    assert first.heartbeat_interval_s == pytest.approx(0.2)
+    ids = [first.worker_id] + [await join(stub) for _ in range(3)]
+    stream = stub.Heartbeats()
+    answer = await ask(stream, pb.HeartbeatRequest(worker_id=ids[0]))
+    assert answer.heartbeat_interval_s == pytest.approx(0.8)  # 4 workers at 5 beats a second in all
+    late = await stub.Join(pb.JoinRequest(address="127.0.0.1:9", hostname="h"), timeout=5)
+    assert late.heartbeat_interval_s == pytest.approx(1.0)
+    stream.cancel()

@@ -46,3 +46,16 @@ async def test_after_a_coordinator_restart_the_workers_rejoin_in_their_view_and_
     assert [w.view_id for w in world.workers] == [view, view]
     outs = await world.each(lambda w: w.allreduce(np.full(3, w.rank + 1.0), op="sum"))
     assert [o.tolist() for o in outs] == [[3.0] * 3] * 2
+
+
+@pytest.mark.parametrize(
+    "world", [{"n": 3, "coordinator": {"heartbeat_interval_s": 0.1, "max_heartbeats_per_s": 6.0}}], indirect=True,
+    ids=["3 workers, 6 beats a second"],
+)
+async def test_workers_heartbeat_at_the_interval_the_coordinator_stretched(world) -> None:
+    service = world.coordinator.service
+    await asyncio.sleep(1.0)  # every worker has had an answer with the stretched interval (0.5 s)
+    beats = service.counts["heartbeats"]
+    await asyncio.sleep(3.0)
+    # 3 workers at 0.5 s: about 18 beats (the configured 0.1 s would make about 90).
+    assert 9 <= service.counts["heartbeats"] - beats <= 30
