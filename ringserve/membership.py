@@ -346,6 +346,10 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
         state = replace(state, last_seen=last_seen, beats=None)
     deadline = state.rules.heartbeat_timeout_s
     if not any(now - at > deadline for at in last_seen.values()):
+        if state.expiring_since != INF:
+            # The expired spoke again (a slow worker, not a dead one): the wait is over, and a
+            # later failure gets a window of its own.
+            state = replace(state, expiring_since=INF)
         return state, []
     expiring_since = min(state.expiring_since, now)
     window = _failure_window(state)

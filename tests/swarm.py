@@ -93,6 +93,12 @@ class SimWorker:
         )
         self.worker_id = answer.worker_id
 
+    async def join_and_start(self) -> None:
+        """Joins, then heartbeats and watches at once, as a real worker does (not only once all
+        of its swarm has joined: in a long join storm the first would go silent past the timeout)."""
+        await self.join()
+        self.start()
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._beat())]
@@ -142,9 +148,7 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
     # long each took to start.
     _say({"ready": count})
     await loop.run_in_executor(None, sys.stdin.readline)
-    await asyncio.gather(*(w.join() for w in workers))
-    for w in workers:
-        w.start()
+    await asyncio.gather(*(w.join_and_start() for w in workers))
     _say({"joined": [w.worker_id for w in workers], "at": time.monotonic()})
     silenced: list[SimWorker] = []
     try:
