@@ -116,7 +116,7 @@ async def measure(
             if measured:
                 result.update(summarize(f"compared_{name}", measured))
         result.update({
-            "compared_views": len(scale.views) - views_before,  # views formed while comparing (0: none)
+            "compared_views": [(v.view_id, len(v.members), len(v.failed)) for v in scale.views[views_before:]],
             "load_end": os.getloadavg()[0],
         })
         return result

@@ -175,9 +175,8 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
                 })
             elif line[0] in ("unary", "stream"):
                 for w in workers:
-                    w.beats.use_stream = line[0] == "stream"
-                    if not w.beats.use_stream:
-                        w.beats.close()
+                    w.beats.close()  # a beat in flight on it goes on as a unary call
+                    w.beats = HeartbeatStream(w.stub, address, BEAT_TIMEOUT_S, use_stream=line[0] == "stream")
                 _say({"mode": line[0]})
     finally:
         await asyncio.gather(*(w.stop() for w in workers if w not in silenced))
