@@ -2,25 +2,38 @@
 
 The coordinator runs in its own process (``ringserve coordinator``), so that its CPU time can be
 read from /proc; the simulated workers (tests/swarm.py) run 500 to a process, each with its own
-connection, and Join, hold a WatchView stream and heartbeat every heartbeat interval. For each N:
+connection, and Join, hold a WatchView stream and heartbeat through the real worker's client (on
+one Heartbeats stream each; see ringserve/worker/control.py) at the interval the coordinator
+hands out (it stretches it past 1,000 workers, see ringserve/pacing.py). For each N:
 
 - first view: from the last Join's answer to the harness receiving the view of all N (and to the
   last worker receiving it);
-- coordinator CPU per heartbeat: its process CPU time over a steady window, divided by the
-  heartbeats answered in it (ticks and everything else included);
-- heartbeat latency, p50 and p99, as the simulated workers saw it in that window, and as a probe
-  in the harness's process saw it (one heartbeat every 0.1 s from a client not sharing its
-  process with 500 others: the coordinator's own share of the latency);
+- steady windows (``--rounds`` of ``--steady`` s): the coordinator's CPU per heartbeat (its
+  process CPU time over the window divided by the heartbeats answered in it, ticks and
+  everything else included), heartbeat latency p50 and p99 as the simulated workers saw it, and
+  as a probe in the harness's process saw it (a unary call every 0.1 s from a client not sharing
+  its process with 500 others: the coordinator's own share of the latency);
 - Status: the time of a full answer (every member) and of the CLI's (summary and 20 members),
   and of the whole ``ringserve status`` command (a new Python process);
 - failures: 10% of the workers go silent at once; the time from then to the view without them,
-  and whether that was one view; and that no live worker was ever declared dead.
+  and whether that was one view; and that no live worker was ever declared dead;
+- then, on the same coordinator and the 90% left, unary calls and the stream compared in
+  interleaved windows (unary, stream, stream, unary, ...): CPU per heartbeat and latency of each
+  (``compared_*``; ``--no-compare`` skips it). Unary heartbeats may overload a loaded machine,
+  which is why they come last.
+
+The load average is recorded at the start and end of each N and in each window: on a shared
+machine the latencies follow the load, the CPU per heartbeat much less.
 
 Targets at 2,000: first view within settle + 2 s, p99 heartbeat under 50 ms, failure view
-within heartbeat_timeout + 1 s, nobody live declared dead. The simulated workers share the
-machine with the coordinator, so on a small machine their own CPU shows in the latencies.
+within heartbeat_timeout + 1 s, nobody live declared dead, ``ringserve status`` within 1 s. The
+simulated workers share the machine with the coordinator, so on a small machine their own CPU
+shows in the latencies. On a quiet machine, the 2,000-worker figures alone:
 
-    python benchmarks/coordinator_scale.py --workers 100 500 1000 2000
+    python benchmarks/coordinator_scale.py --workers 2000 --json coordinator_2000.json
+
+and all of them: ``--workers 100 500 1000 2000`` (the default). ``--max-heartbeats-per-second 0``
+keeps the interval at ``--interval`` whatever N (the coordinator's stretching off).
 """
 
 from __future__ import annotations
@@ -110,6 +123,9 @@ async def measure(
             # Each view after the failure: seconds after it, members, and how many it dropped.
             "views_after_failure": [(round(v.at - began, 2), len(v.members), len(v.failed)) for v in views_after],
             "live_missed_heartbeats": final["missed"],
+            # The longest a live simulated worker went between two heartbeats it sent (its swarm's
+            # own lag included): past the timeout it is dropped, whatever the latencies say.
+            "live_longest_gap_s": final["longest_gap"],
             "coordinator_rss_mb": scale.coordinator_rss_bytes() / 2**20,
         })
         for name, measured in compared.items():
@@ -125,6 +141,7 @@ async def measure(
 async def window(scale: Scale, steady_s: float) -> dict[str, Any]:
     """One steady window: the coordinator's CPU per heartbeat and the latencies in it."""
     cpu0, before = scale.coordinator_cpu_s(), await scale.report()
+    views_before = len(scale.views)
     window_start = time.monotonic()
     probe, interval = await probe_heartbeats(scale, steady_s)
     cpu1, after = scale.coordinator_cpu_s(), await scale.report()
@@ -138,6 +155,9 @@ async def window(scale: Scale, steady_s: float) -> dict[str, Any]:
         "latencies": latencies,
         "probe": probe,
         "streaming": after["streaming"],
+        "missed": after["missed"] - before["missed"],
+        "longest_gap": after["longest_gap"],
+        "views": [(v.view_id, len(v.members), len(v.failed)) for v in scale.views[views_before:]],
         "interval": interval,
         "load": os.getloadavg()[0],
     }
@@ -158,6 +178,9 @@ def summarize(mode: str, windows: list[dict[str, Any]]) -> dict[str, Any]:
         f"{mode}_heartbeat_p99_ms": 1e3 * percentile(latencies, 0.99),
         f"{mode}_probe_p99_ms": 1e3 * percentile(probe, 0.99),
         f"{mode}_streaming_workers": min(w["streaming"] for w in windows),
+        f"{mode}_missed": sum(w["missed"] for w in windows),  # beats unanswered within 5 s
+        f"{mode}_longest_gap_s": max(w["longest_gap"] for w in windows),  # so far, between two beats sent
+        f"{mode}_views": [v for w in windows for v in w["views"]],  # views formed in the windows
         f"{mode}_load": [round(w["load"], 1) for w in windows],
     }
 

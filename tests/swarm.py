@@ -84,6 +84,9 @@ class SimWorker:
         self.unknown = 0  # heartbeats answered "known: false": this worker was declared dead
         self.errors = 0
         self.missed = 0  # heartbeats that failed (no answer in time, or refused)
+        # The longest time between two heartbeats sent: past the timeout, the coordinator rightly
+        # drops this worker, however fast its answers (a swarm starved of CPU sends late).
+        self.longest_gap = 0.0
         self._tasks: list[asyncio.Task[None]] = []
 
     async def join(self) -> None:
@@ -119,8 +122,12 @@ class SimWorker:
 
     async def _beat(self) -> None:
         await asyncio.sleep(random.uniform(0, self.interval))
+        previous = 0.0
         while True:
             sent = time.monotonic()
+            if previous:
+                self.longest_gap = max(self.longest_gap, sent - previous)
+            previous = sent
             try:
                 answer = await self.beats.beat(pb.HeartbeatRequest(worker_id=self.worker_id, view_id=self.view_id))
                 self.latencies.append((sent, time.monotonic() - sent))
@@ -171,6 +178,7 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
                     "errors": sum(w.errors for w in live),
                     "missed": sum(w.missed for w in live),
                     "streaming": sum(w.beats.streaming for w in live),
+                    "longest_gap": max((w.longest_gap for w in live), default=0.0),
                     "first_view_at": [w.first_view_at for w in workers],
                 })
             elif line[0] in ("unary", "stream"):
@@ -305,10 +313,13 @@ class Scale:
         """The swarms' reports, merged: latencies, heartbeat count, unknown and errors."""
         merged: dict[str, Any] = {"latencies": [], "heartbeats": 0, "unknown": 0, "errors": 0, "missed": 0,
                                   "streaming": 0, "first_view_at": []}
+        gaps = []
         for swarm in self.swarms:
             answer = await self.command(swarm, "report")
             for key in merged:
                 merged[key] += answer[key]
+            gaps.append(answer["longest_gap"])
+        merged["longest_gap"] = max(gaps, default=0.0)
         return merged
 
     def coordinator_cpu_s(self) -> float:
