@@ -217,8 +217,12 @@ async def test_a_bigger_flood_against_two_hundred_members_changes_no_view_and_gi
         assert slowest < 1.0
         assert peak > before + 256 * MiB
         # Not all of it: thousands of connections and streams leave some of Python's and gRPC's
-        # small allocations behind (measured: 68 MiB before, about 140 after, 350 at the peak).
-        await _rss_settles(scale, before + 96 * MiB, timeout_s=30)
+        # small allocations behind, and the members' heartbeat streams, live through the flood,
+        # keep the allocator from handing back some of the pages it took (measured with unary
+        # heartbeats: 65 MiB before, 110 to 180 after; on streams, 69 before, 180 to 240 after,
+        # 490 to 650 at the peak; three floods in a row end at 221 and 231 MiB alike, so it is
+        # not a leak). The 256 MiB of puts not given back would still show.
+        await _rss_settles(scale, before + 180 * MiB, timeout_s=30)
         assert [v.view_id for v in scale.views] == [1]
         report = await scale.report()
         assert report["unknown"] == 0 and report["errors"] == 0
