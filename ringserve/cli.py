@@ -27,15 +27,20 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="membership must be stable this long before a view forms")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
+    p.add_argument("--max-heartbeats-per-second", dest="max_heartbeats_per_s", type=float, default=None,
+                   help="stretch the heartbeat interval as the world grows to keep under this rate, "
+                        "within a third of the timeout (default 1000; 0: never)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
-                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 8192)")
+                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 16384)")
     p.add_argument("--max-param-bytes", type=int, default=None,
                    help="bytes of parameter blobs held at once, streaming ones included (default 1 GiB)")
     p.add_argument("--max-watch-streams", type=int, default=None,
                    help="WatchView streams open at once, all clients together (default 4096)")
     p.add_argument("--max-watches-per-worker", type=int, default=None,
                    help="WatchView streams open at once under one worker id (default 4)")
+    p.add_argument("--max-heartbeat-streams", type=int, default=None,
+                   help="Heartbeats streams open at once, all clients together (default 4096)")
     p.add_argument("--idle-connection-seconds", dest="idle_connection_s", type=float, default=None,
                    help="close a client connection with no RPC in flight for this long (default 60)")
     p.add_argument("--handshake-timeout-seconds", dest="handshake_timeout_s", type=float, default=None,
@@ -65,8 +70,8 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
-                 "max_watch_streams", "max_watches_per_worker", "idle_connection_s",
+                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 
 

@@ -111,8 +111,12 @@ class CoordinatorConfig(SecuritySettings):
         max_workers: at most this many workers are in a view; later joiners wait.
         settle_s: membership must be unchanged this long before a view forms (torchrun's
             "last call"), so workers that start a little apart land in one view.
-        heartbeat_interval_s: how often workers send heartbeats.
+        heartbeat_interval_s: how often workers send heartbeats (at least; see
+            max_heartbeats_per_s).
         heartbeat_timeout_s: a worker silent this long is declared dead.
+        max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
+            grows, so that all workers together send at most this many heartbeats a second,
+            but never past a third of heartbeat_timeout_s (see ringserve.pacing); 0: never.
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
@@ -126,6 +130,10 @@ class CoordinatorConfig(SecuritySettings):
             than half of max_concurrent_rpcs, so that heartbeats and Status always find room.
         max_watches_per_worker: WatchView streams open at once under one worker id (a worker
             needs one; a reconnect briefly holds two).
+        max_heartbeat_streams: Heartbeats streams open at once, all clients together; never
+            more than a quarter of max_concurrent_rpcs. Each worker id has at most one (a newer
+            one replaces it), a stream ends once it names an unknown worker or sends nothing for
+            heartbeat_timeout_s, and a worker refused one heartbeats with unary calls meanwhile.
         idle_connection_s: a client connection with no RPC in flight for this long is closed
             (gRPC's max_connection_idle); a worker's WatchView stream keeps its connection busy.
         handshake_timeout_s: a connection that has not completed its TLS and HTTP/2 handshake
@@ -139,15 +147,18 @@ class CoordinatorConfig(SecuritySettings):
     settle_s: float = 0.5
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    max_heartbeats_per_s: float = 1000.0
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
-    # Each worker holds one WatchView stream and a unary call or two at a time: 2,000 workers
-    # need about 4,000, and a flood of streams is capped by max_watch_streams well before this.
-    max_concurrent_rpcs: int = 8192
+    # Each worker holds a WatchView and a Heartbeats stream and a unary call or two at a time:
+    # 2,000 workers need about 6,000. The caps on the two kinds of stream (a half and a quarter
+    # of this at most) leave a quarter to unary calls whatever floods them.
+    max_concurrent_rpcs: int = 16384
     max_param_bytes: int = 1 << 30
     max_watch_streams: int = 4096
     max_watches_per_worker: int = 4
+    max_heartbeat_streams: int = 4096
     idle_connection_s: float = 60.0
     handshake_timeout_s: float = 10.0
 
@@ -156,14 +167,24 @@ class CoordinatorConfig(SecuritySettings):
         """max_watch_streams, within half of max_concurrent_rpcs."""
         return max(1, min(self.max_watch_streams, self.max_concurrent_rpcs // 2))
 
+    @property
+    def heartbeat_stream_cap(self) -> int:
+        """max_heartbeat_streams, within a quarter of max_concurrent_rpcs."""
+        return max(1, min(self.max_heartbeat_streams, self.max_concurrent_rpcs // 4))
+
     def __post_init__(self) -> None:
         _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
                   "heartbeat_timeout_s", "tick_s", "max_message_bytes", "max_concurrent_rpcs",
                   "max_param_bytes", "max_watch_streams", "max_watches_per_worker",
-                  "idle_connection_s", "handshake_timeout_s")
+                  "max_heartbeat_streams", "idle_connection_s", "handshake_timeout_s")
         _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
+        if self.max_heartbeats_per_s < 0:
+            raise InvalidArgumentError(
+                f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "
+                f"negative (0 turns the stretching of the interval off)."
+            )
         if self.max_workers < self.min_workers:
             raise InvalidArgumentError(
                 f"The maximum number of workers ({self.max_workers}) must be at least the "

@@ -741,6 +741,7 @@ class Worker:
                     return
                 continue
             self._heard_at = sent_at
+            self._heartbeat_interval_s = answer.heartbeat_interval_s or self._heartbeat_interval_s
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
