@@ -2,7 +2,7 @@
 
 The coordinator runs inside the launcher on a background loop. Each worker gets
 RINGSERVE_COORDINATOR and RINGSERVE_RANK_HINT (its process index, which becomes its rank in the
-first view). Output lines are prefixed with the rank. When one worker fails, the others are
+first view), and Horovod's and torchrun's variables (see launch_env). Output lines are prefixed with the rank. When one worker fails, the others are
 stopped (SIGTERM, then SIGKILL after a grace) and the launcher exits with that worker's code.
 
 A worker that exits with STATE_LOST_EXIT_CODE (65: an uncaught StateLostError, see
@@ -26,7 +26,7 @@ from typing import IO, Any
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
 from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError
-from ringserve.launch_env import horovod_env
+from ringserve.launch_env import free_port, horovod_env, torch_env
 from ringserve.loop import LoopThread
 
 TERMINATE_GRACE_S = 5.0
@@ -97,6 +97,7 @@ class _Group:
         self._env = dict(env)
         self._address = address
         self._sink = sink
+        self._master_port = free_port()  # torch's store, for torch.distributed scripts (launch_env)
         self._lock = threading.Lock()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.pumps: list[threading.Thread] = []
@@ -105,6 +106,7 @@ class _Group:
         child_env = {
             **self._env,
             **horovod_env(slot, self._num_proc),  # what horovodrun exports: see launch_env
+            **torch_env(slot, self._num_proc, self._master_port),  # and torchrun
             "RINGSERVE_COORDINATOR": self._address,
             "RINGSERVE_RANK_HINT": str(slot),
             "PYTHONUNBUFFERED": "1",

@@ -1,4 +1,4 @@
-"""The environment ``ringserve run`` gives each worker besides ringserve's own: Horovod's variables.
+"""The environment ``ringserve run`` gives each worker besides ringserve's own: Horovod's and torch's.
 
 Scripts written for Horovod read ``HOROVOD_RANK`` and friends (to pick a GPU, to name a log
 file, to skip work on all but rank 0) before or without calling ``hvd.init()``; ``horovodrun``
@@ -16,6 +16,15 @@ world (and a restarted slot may come back with another rank), so there, as in Ho
 mode, ``hvd.rank()`` and ``hvd.size()`` are the live values and these only the starting ones.
 Horovod's Gloo settings (``HOROVOD_GLOO_*``, ``HOROVOD_CONTROLLER``) are not set: nothing
 here reads them.
+
+torch's variables, as torchrun exports them, so that a torch.distributed script's
+``init_process_group("ringserve")`` (``env://``, its default) works unchanged:
+
+- ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (0), ``ROLE_RANK``,
+  ``ROLE_WORLD_SIZE``: the slot and ``-np``, as for Horovod's;
+- ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT``: where rank 0 serves torch's own store (a port
+  the launcher found free). ringserve itself does not use them: every worker joins the launcher's
+  coordinator (RINGSERVE_COORDINATOR).
 """
 
 from __future__ import annotations
@@ -34,3 +43,25 @@ def horovod_env(slot: int, num_proc: int, hostname: str | None = None) -> dict[s
         "HOROVOD_CROSS_RANK": "0",
         "HOROVOD_CROSS_SIZE": "1",
     }
+
+
+def torch_env(slot: int, num_proc: int, master_port: int) -> dict[str, str]:
+    """torchrun's variables for the worker started in ``slot`` of ``num_proc`` on one host."""
+    return {
+        "RANK": str(slot),
+        "WORLD_SIZE": str(num_proc),
+        "LOCAL_RANK": str(slot),
+        "LOCAL_WORLD_SIZE": str(num_proc),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(slot),
+        "ROLE_WORLD_SIZE": str(num_proc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (torch's store binds it a moment later, as torchrun's does)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

@@ -98,6 +98,9 @@ from ringserve.torch.timeline import start_timeline, stop_timeline
 # ``hvd.elastic.run`` works, as in Horovod).
 from ringserve.torch import elastic  # noqa: E402  isort: skip
 
+# torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
+from ringserve.torch import distributed  # noqa: E402  isort: skip
+
 __all__ = [
     "Adasum",
     "Average",
@@ -133,6 +136,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "distributed",
     "ddl_built",
     "elastic",
     "global_process_set",
