@@ -69,9 +69,24 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self._completer = Completer(plane.context.config.collective_timeout_s + _WAIT_SLACK_S)
         self._residuals = ops.Residuals() if settings.error_feedback else None
         self._closed = False
+        self._group_name = ""
+        self._group_desc = ""
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    # torch's names: a ProcessGroup without C++ backends keeps its name and description itself.
+    def getBackendName(self) -> str:  # noqa: N802
         return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupRingserve(rank={self.plane.rank}, size={self.plane.size}, view={self.plane.view_id})"
