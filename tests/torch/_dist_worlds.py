@@ -51,8 +51,9 @@ class Started:
     procs: list[subprocess.Popen[str]]
     out_dir: Path
 
-    def wait(self, timeout_s: float) -> Run:
-        """Waits for every process; raises AssertionError with their output if any failed or hung."""
+    def wait(self, timeout_s: float, killed: frozenset[int] = frozenset()) -> Run:
+        """Waits for every process; raises AssertionError with their output if any failed or hung
+        (the processes in ``killed`` must have been killed by SIGKILL instead)."""
         outputs, failed = [], []
         for i, p in enumerate(self.procs):
             try:
@@ -62,8 +63,9 @@ class Started:
                 out, _ = p.communicate()
                 failed.append(f"process {i} ran past {timeout_s:g} s")
             else:
-                if p.returncode != 0:
-                    failed.append(f"process {i} exited with code {p.returncode}")
+                expected = -9 if i in killed else 0
+                if p.returncode != expected:
+                    failed.append(f"process {i} exited with code {p.returncode}, not {expected}")
             outputs.append(out)
         if failed:
             listing = "\n".join(f"--- process {i} ---\n{o[-5000:]}" for i, o in enumerate(outputs))
@@ -116,7 +118,8 @@ def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
 
 
 def run_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *, launch: str = "env",
-             timeout_s: float = 90.0, env: dict[str, str] | None = None, pass_out_dir: bool = True) -> Run:
+             timeout_s: float = 90.0, env: dict[str, str] | None = None, pass_out_dir: bool = True,
+             killed: frozenset[int] = frozenset()) -> Run:
     """Runs the world to its end (see the module docstring)."""
     with start_dist(script, n, out_dir, args, launch=launch, env=env, pass_out_dir=pass_out_dir) as world:
-        return world.wait(timeout_s)
+        return world.wait(timeout_s, killed)
