@@ -75,8 +75,10 @@ class Started:
 
 @contextmanager
 def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *, launch: str = "env",
-               env: dict[str, str] | None = None, pass_out_dir: bool = True) -> Iterator[Started]:
-    """Starts the world and yields it; every process left is killed on the way out."""
+               env: dict[str, str] | None = None, pass_out_dir: bool = True,
+               launcher_args: Sequence[str] = ()) -> Iterator[Started]:
+    """Starts the world and yields it; every process left is killed on the way out.
+    ``launcher_args`` go to the launcher (``--max-restarts 1``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     base = _base_env(env)
     argv = [str(script), *([str(out_dir)] if pass_out_dir else []), *args]
@@ -98,10 +100,10 @@ def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
             for rank in range(n):
                 popen([sys.executable, *argv], {**torch_env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         elif launch == "ringserve-run":
-            popen([sys.executable, "-m", "ringserve.cli", "run", "-np", str(n), sys.executable, *argv], {})
+            popen([sys.executable, "-m", "ringserve.cli", "run", "-np", str(n), *launcher_args, sys.executable, *argv], {})
         elif launch == "torchrun":
             base.pop("RINGSERVE_COORDINATOR", None)
-            popen([TORCHRUN, "--standalone", "--nproc-per-node", str(n), *argv], {})
+            popen([TORCHRUN, "--standalone", "--nproc-per-node", str(n), *launcher_args, *argv], {})
         else:
             raise ValueError(f"unknown launch {launch!r}")
         yield Started(procs, out_dir)
@@ -119,7 +121,8 @@ def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
 
 def run_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *, launch: str = "env",
              timeout_s: float = 90.0, env: dict[str, str] | None = None, pass_out_dir: bool = True,
-             killed: frozenset[int] = frozenset()) -> Run:
+             killed: frozenset[int] = frozenset(), launcher_args: Sequence[str] = ()) -> Run:
     """Runs the world to its end (see the module docstring)."""
-    with start_dist(script, n, out_dir, args, launch=launch, env=env, pass_out_dir=pass_out_dir) as world:
+    with start_dist(script, n, out_dir, args, launch=launch, env=env, pass_out_dir=pass_out_dir,
+                    launcher_args=launcher_args) as world:
         return world.wait(timeout_s, killed)

@@ -6,8 +6,9 @@
 2. **Under ``torchrun``, or any ``env://`` / ``tcp://`` start without a coordinator**: rank 0
    starts a coordinator in its own process, on the host of torch's store (MASTER_ADDR) and a free
    port (``Options.coordinator_port`` fixes it), and publishes ``host:port`` in torch's store
-   (at MASTER_ADDR:MASTER_PORT) under ``ringserve/coordinator``; the other ranks read it there and
-   join. So the only port a job must open besides the workers' is torch's own MASTER_PORT.
+   (at MASTER_ADDR:MASTER_PORT) under ``ringserve/coordinator/<torchrun's restart count>``; the
+   other ranks read it there and join. So the only port a job must open besides the workers' is
+   torch's own MASTER_PORT (and the coordinator's, where it is fixed).
 3. **``init_method="ringserve://host:port"``**: every rank joins that coordinator; the view's
    rank 0 then starts a TCPStore for torch (on a free port, announced over the ring), since torch
    wants a store too.
@@ -181,12 +182,13 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: timedelta | Non
             )
             local = LocalCoordinator(config)
             coordinator = f"{host}:{local.port}"
-            store.set(COORDINATOR_KEY, coordinator)
+            store.set(f"{COORDINATOR_KEY}/{settings.attempt}", coordinator)
             log.info("rank 0 started the job's coordinator at %s", coordinator)
         else:
             limit = api.WorkerConfig.from_env(**overrides).rendezvous_timeout_s
-            store.wait([COORDINATOR_KEY], timedelta(seconds=limit))
-            coordinator = store.get(COORDINATOR_KEY).decode()
+            key = f"{COORDINATOR_KEY}/{settings.attempt}"
+            store.wait([key], timedelta(seconds=limit))
+            coordinator = store.get(key).decode()
     try:
         context = _join(coordinator, overrides)
     except BaseException:

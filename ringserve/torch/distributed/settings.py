@@ -63,6 +63,8 @@ class Settings:
         timeout_from_env: RINGSERVE_COLLECTIVE_TIMEOUT_S is set, so it wins over torch's timeout.
         bind_from_env: RINGSERVE_BIND_HOST or RINGSERVE_ADVERTISE_HOST is set, so the backend does
             not choose the addresses for a world spread over several hosts.
+        attempt: torchrun's restart count (TORCHELASTIC_RESTART_COUNT), so that a restarted
+            job's rank 0 publishes its new coordinator under a key of its own in torch's store.
     """
 
     compression: str | None = None
@@ -72,6 +74,7 @@ class Settings:
     worker: Mapping[str, Any] = field(default_factory=dict)
     timeout_from_env: bool = False
     bind_from_env: bool = False
+    attempt: str = "0"
 
     def __post_init__(self) -> None:
         codecs.codec(self.compression)  # an unknown name fails here, naming the choices
@@ -109,4 +112,5 @@ class Settings:
             worker=dict(options.worker),
             timeout_from_env=bool(env.get("RINGSERVE_COLLECTIVE_TIMEOUT_S")) or "collective_timeout_s" in options.worker,
             bind_from_env=bool(env.get("RINGSERVE_BIND_HOST") or env.get("RINGSERVE_ADVERTISE_HOST")),
+            attempt=env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0",
         )
