@@ -177,7 +177,8 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: timedelta | Non
     if not coordinator:
         if rank == 0:
             config = CoordinatorConfig.from_env(
-                host="127.0.0.1" if host in LOOPBACK else "0.0.0.0", port=settings.coordinator_port,
+                # Options.coordinator_port, else RINGSERVE_PORT, else any free port.
+                host="127.0.0.1" if host in LOOPBACK else "0.0.0.0", port=settings.coordinator_port or None,
                 min_workers=max(size, 1), max_workers=max(size, 1), settle_s=0.2,
             )
             local = LocalCoordinator(config)

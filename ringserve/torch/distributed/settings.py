@@ -32,9 +32,9 @@ class Options:
         coordinator: host:port of a running coordinator to join. Default: RINGSERVE_COORDINATOR
             (``ringserve run`` sets it); without one, rank 0 starts a coordinator in its own
             process and the others find it through torch's store.
-        coordinator_port: the port that a coordinator started by rank 0 binds; 0 (the default)
-            takes a free one, published in torch's store. Fix it where a firewall must let a
-            known port through.
+        coordinator_port: the port that a coordinator started by rank 0 binds. Default:
+            RINGSERVE_PORT, else a free one (it is published in torch's store either way). Fix it
+            where a firewall must let a known port through.
         worker: WorkerConfig fields (``collective_timeout_s``, ``shared_memory``, ...) over the
             environment's, for a worker this backend starts.
 

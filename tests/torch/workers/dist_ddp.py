@@ -32,7 +32,9 @@ class Net(torch.nn.Module):
 
     def __init__(self, switch: bool) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24), torch.nn.ReLU(),
+        # No bias before the BatchNorm: its true gradient is zero, and Adam (ZeRO's) would blow the
+        # rounding noise of the sums up into full steps, which differ with the order of the sums.
+        self.body = torch.nn.Sequential(torch.nn.Linear(12, 24, bias=False), torch.nn.BatchNorm1d(24), torch.nn.ReLU(),
                                         torch.nn.Linear(24, 16), torch.nn.ReLU())
         self.head = torch.nn.Linear(16, 4)
         self.other = torch.nn.Linear(16, 4) if switch else None
