@@ -19,6 +19,10 @@ overlapped backward:
 - backward with comm running: the share of backward's time during which an allreduce was running;
 - exposed: how long step() waited for communication after backward had returned.
 
+It also gives the CPU time of a step, all threads of all ranks together (``time.process_time``),
+and its paired ratio to DDP over gloo's: on a small machine shared with other work, wall times
+swing with the load, while what a run costs in CPU moves much less.
+
 On a machine with fewer cores than workers, the workers and their communication threads share the
 cores, so every distributed row is slower than "alone" for reasons that are not communication.
 """
@@ -105,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             barrier()
+            cpu0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(x), y)
@@ -128,7 +133,9 @@ def worker(args: argparse.Namespace) -> None:
                 comm += total
                 overlapped += inside
                 backward_total += b1 - b0
-    result = {"step": statistics.median(steps), "backward": statistics.median(backward), "exposed": statistics.median(exposed) if exposed else 0.0,
+    cpu = (time.process_time() - cpu0) / args.steps  # every thread of this process, per timed step
+    result = {"step": statistics.median(steps), "cpu": cpu, "backward": statistics.median(backward),
+              "exposed": statistics.median(exposed) if exposed else 0.0,
               "overlap": overlapped / comm if comm else 0.0,
               "covered": overlapped / backward_total if backward_total else 0.0}
     pathlib.Path(args.out).write_text(json.dumps(result))
@@ -196,12 +203,16 @@ def main() -> None:
                 rounds.append({name: _run(role, world, args, where, env) for name, role, env in RUNS})
             for name, _role, _env in RUNS:
                 steps = [max(r["step"] for r in rnd[name]) for rnd in rounds]
+                cpus = [sum(r["cpu"] for r in rnd[name]) for rnd in rounds]
+                cpu_ratios = sorted(c / sum(r["cpu"] for r in rnd["DDP over gloo"]) for c, rnd in zip(cpus, rounds, strict=True))
                 ratios = sorted(s / max(r["step"] for r in rnd["DDP over gloo"]) for s, rnd in zip(steps, rounds, strict=True))
                 best = rounds[steps.index(min(steps))][name]
                 hvd = name == "ringserve DistributedOptimizer"
                 rows.append({"world": world, "run": name, "step": f"{min(steps) * 1e3:.1f}",
                              "gloo": f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]",
                              "alone": f"{min(steps) / alone:.2f}",
+                             "cpu": f"{statistics.median(cpus) * 1e3:.0f}",
+                             "cpu_gloo": f"{statistics.median(cpu_ratios):.2f} [{cpu_ratios[0]:.2f}-{cpu_ratios[-1]:.2f}]",
                              "overlap": f"{100 * min(r['overlap'] for r in best):.0f}%" if hvd else "-",
                              "covered": f"{100 * min(r['covered'] for r in best):.0f}%" if hvd else "-",
                              "exposed": f"{1e3 * max(r['exposed'] for r in best):.1f}" if hvd else "-"})
@@ -211,6 +222,7 @@ def main() -> None:
           f"slowest rank over {args.steps} steps, best of {args.repeat} rounds; fusion {args.fusion_bytes >> 10} KiB")
     print(table(rows, [("world", "world"), ("run", "run"), ("step", "step ms"),
                        ("gloo", "/ DDP over gloo, paired: median [range]"), ("alone", "/ alone"),
+                       ("cpu", "CPU ms/step, all ranks"), ("cpu_gloo", "CPU / DDP over gloo's: median [range]"),
                        ("overlap", "comm during backward"), ("covered", "backward with comm running"),
                        ("exposed", "exposed comm ms")]))
 
