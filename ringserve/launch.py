@@ -3,7 +3,7 @@ horovodrun.
 
 The coordinator runs inside the launcher on a background loop. Each worker gets
 RINGSERVE_COORDINATOR and RINGSERVE_RANK_HINT (its process index, which becomes its rank in the
-first view), and Horovod's variables. Output lines are prefixed with the rank. When one worker
+first view), and Horovod's and torchrun's variables (see launch_env). Output lines are prefixed with the rank. When one worker
 fails, the others are stopped (SIGTERM, then SIGKILL after a grace) and the launcher exits with
 that worker's code.
 

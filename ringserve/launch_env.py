@@ -1,4 +1,4 @@
-"""The environment ``ringserve run`` gives each worker besides ringserve's own: Horovod's variables.
+"""The environment ``ringserve run`` gives each worker besides ringserve's own: Horovod's and torch's.
 
 Scripts written for Horovod read ``HOROVOD_RANK`` and friends (to pick a GPU, to name a log
 file, to skip work on all but rank 0) before or without calling ``hvd.init()``; ``horovodrun``
@@ -21,6 +21,17 @@ world (and a restarted slot may come back with another rank), so there, as in Ho
 mode, ``hvd.rank()`` and ``hvd.size()`` are the live values and these only the starting ones.
 Horovod's Gloo settings (``HOROVOD_GLOO_*``, ``HOROVOD_CONTROLLER``) are not set: nothing
 here reads them.
+
+torch's variables, as torchrun exports them, so that a torch.distributed script's
+``init_process_group("ringserve")`` (``env://``, its default) works unchanged:
+
+- ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the host's index),
+  ``ROLE_RANK``, ``ROLE_WORLD_SIZE``: from the slot, as for Horovod's;
+- ``MASTER_ADDR`` and ``MASTER_PORT``: where rank 0 serves torch's own store: 127.0.0.1 and a port
+  the launcher found free on one host; over several hosts, the first slot's host (the launching
+  host's address if that host is this one) and a port found free here, which must be free there
+  too. ringserve itself does not use them: every worker joins the launcher's coordinator
+  (RINGSERVE_COORDINATOR).
 """
 
 from __future__ import annotations
@@ -48,3 +59,25 @@ def horovod_env(slot: int, num_proc: int, hostname: str | None = None) -> dict[s
     host = hostname if hostname is not None else socket.gethostname()
     return slot_env(Slot(host=host, rank=slot, local_rank=slot, local_size=num_proc, cross_rank=0,
                          cross_size=1, size=num_proc))
+
+
+def torch_env(slot: Slot, master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for the worker started in ``slot``."""
+    return {
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_size),
+        "GROUP_RANK": str(slot.cross_rank),
+        "ROLE_RANK": str(slot.rank),
+        "ROLE_WORLD_SIZE": str(slot.size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (torch's store binds it a moment later, as torchrun's does)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

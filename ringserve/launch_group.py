@@ -30,7 +30,7 @@ from typing import IO
 
 from ringserve.config import CoordinatorConfig
 from ringserve.errors import InvalidArgumentError
-from ringserve.launch_env import slot_env
+from ringserve.launch_env import free_port, slot_env, torch_env
 from ringserve.launch_hosts import HostSpec, Slot
 from ringserve.launch_procs import (
     LocalProc,
@@ -126,6 +126,7 @@ class Workers:
         self._job_env: dict[str, str] = {}
         if networked and coordinator.token and not (self._env.get("RINGSERVE_TOKEN") or self._env.get("RINGSERVE_TOKEN_FILE")):
             self._job_env["RINGSERVE_TOKEN"] = coordinator.token
+        self._master_port = free_port()  # torch's store, for torch.distributed scripts (launch_env)
         self.procs: list[Proc] = []
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping, name="ringserve-ssh-ping", daemon=True)
@@ -166,6 +167,17 @@ class Workers:
         self._address = guess_own_address([h for h in hosts if not self.is_local(h)])
         return self._address
 
+    def _master_address(self) -> str:
+        """Where rank 0 serves torch's store (MASTER_ADDR): loopback on one host; over several, the
+        first host named, or this host's address when that is this host (or hosts are discovered)."""
+        if self._placement is None or not self.networked:
+            return "127.0.0.1"
+        hosts = [h.name for h in self._placement.hosts]
+        if hosts and not self.is_local(hosts[0]):
+            return hosts[0]
+        return self._address or self._placement.advertise_host or guess_own_address(
+            [h for h in hosts if not self.is_local(h)])
+
     def start(self, index: int, local: int, slot: Slot) -> Proc | None:
         """Starts the worker of ``slot`` (the ``local``-th slot of its host) with prefix ``index``;
         None if it must wait until the launching host's address is known."""
@@ -177,6 +189,7 @@ class Workers:
         }
         if self._placement is not None:
             worker_env["RINGSERVE_HOSTNAME"] = slot.host
+        worker_env.update(torch_env(slot, self._master_address(), self._master_port))  # and what torchrun exports
         label = self.label(index, slot.host)
         proc: Proc
         if self.is_local(slot.host):

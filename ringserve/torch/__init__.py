@@ -13,7 +13,8 @@ A script written for ``horovod.torch`` runs after changing only its import::
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 Elastic training is ``hvd.elastic`` (``run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``),
-with no import besides this one.
+with no import besides this one. This import also registers torch.distributed's "ringserve" backend
+(``ringserve.torch.distributed``), so ``dist.init_process_group("ringserve")`` works after it.
 
 Errors: every error raised here is a ``RuntimeError`` (see ringserve.errors), as Horovod's are.
 ``hvd.HorovodInternalError`` is ringserve's ``RecoverableError`` (what Horovod's elastic mode
@@ -102,6 +103,9 @@ from ringserve.torch.timeline import start_timeline, stop_timeline
 # ``hvd.elastic.run`` works, as in Horovod).
 from ringserve.torch import elastic  # noqa: E402  isort: skip
 
+# torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
+from ringserve.torch import distributed  # noqa: E402  isort: skip
+
 __all__ = [
     "Adasum",
     "Average",
@@ -139,6 +143,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "distributed",
     "ddl_built",
     "elastic",
     "global_process_set",
