@@ -25,6 +25,7 @@ from _dist_worlds import DIST_WORKERS, REPO
 
 from ringserve.errors import InvalidArgumentError, PeerUnavailableError
 from ringserve.launch_env import torch_env
+from ringserve.launch_hosts import Slot
 from ringserve.torch.distributed import Options, ops
 from ringserve.torch.distributed.rendezvous import _check, _store_host
 from ringserve.torch.distributed.settings import Settings
@@ -58,9 +59,15 @@ def test_bad_settings_are_refused_naming_the_value() -> None:
 
 
 def test_ringserve_run_gives_torchruns_variables() -> None:
-    assert torch_env(1, 4, 2345) == {
+    one_host = Slot(host="h", rank=1, local_rank=1, local_size=4, cross_rank=0, cross_size=1, size=4)
+    assert torch_env(one_host, "127.0.0.1", 2345) == {
         "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
         "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "2345",
+    }
+    second_host = Slot(host="b", rank=5, local_rank=1, local_size=4, cross_rank=1, cross_size=2, size=8)
+    assert torch_env(second_host, "a", 2345) == {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+        "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "8", "MASTER_ADDR": "a", "MASTER_PORT": "2345",
     }
 
 
