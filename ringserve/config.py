@@ -370,8 +370,17 @@ class WorkerConfig(SecuritySettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
-        """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win."""
-        return cls(**_from_env(cls, env, overrides))
+        """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win.
+
+        Without RINGSERVE_RANK_HINT, torch's RANK (torchrun's, or a torch.distributed launch's) is
+        the hint: a process that calls ``ringserve.torch.init()`` before ``init_process_group`` then
+        takes the rank torch gives it.
+        """
+        values = _from_env(cls, env, overrides)
+        torch_rank = (os.environ if env is None else env).get("RANK", "")
+        if "rank_hint" not in values and torch_rank.isdigit():
+            values["rank_hint"] = int(torch_rank)
+        return cls(**values)
 
 
 def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
