@@ -122,12 +122,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id")
+    __slots__ = ("worker_id", "view_id", "leaving_worker_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ...) -> None: ...
+    leaving_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., leaving_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("admitted",)

@@ -344,7 +344,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         admitted = membership.admissible(self._state)
         if request.view_id != view.view_id or view.rank_of(request.worker_id) is None:
             admitted = 0
-        self.apply(membership.Admit(request.worker_id, request.view_id))
+        self.apply(membership.Admit(request.worker_id, request.view_id, tuple(request.leaving_worker_ids)))
         return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:

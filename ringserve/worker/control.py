@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 import grpc
 
@@ -100,8 +100,9 @@ class ControlClient:
         request = pb.ReportFailureRequest(reporter_id=worker_id, view_id=view_id, suspect_rank=suspect_rank, reason=reason)
         await self._call("ReportFailure", request, self._config.rpc_timeout_s)
 
-    async def admit(self, worker_id: str, view_id: int) -> int:
-        answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
+    async def admit(self, worker_id: str, view_id: int, leaving: Sequence[str] = ()) -> int:
+        request = pb.AdmitRequest(worker_id=worker_id, view_id=view_id, leaving_worker_ids=list(leaving))
+        answer = await self._call("Admit", request, self._config.rpc_timeout_s)
         return int(answer.admitted)  # type: ignore[attr-defined]
 
     async def commit_mark(self, worker_id: str) -> Mark:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -97,6 +97,9 @@ class Worker:
         self._heard_mark: Commit | None = None
         self._heartbeat_now = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
+        # then (see admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
+        self.leaving = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -567,8 +570,13 @@ class Worker:
                 # workers listed as leaving are gone, the others are still draining their streams.
                 ids = old.place.worker_ids
                 remaining = {m.worker_id for m in view.members}
-                before = ids[predecessor(old.place.rank, old.place.size)] if ids else None
-                if before is not None and (before in view.left_worker_ids or (remaining and before not in remaining)):
+                before_rank = predecessor(old.place.rank, old.place.size)
+                before = ids[before_rank] if ids else None
+                # Unless its stream is still open: a leaver let go at a commit (elastic.py names it in
+                # the admit) is dropped before it drains, and its last frames may still be on the way;
+                # that stream's end starves the waits instead (_predecessor_gone).
+                draining = (old.view_id, before_rank) in self._inbound
+                if before is not None and not draining and (before in view.left_worker_ids or (remaining and before not in remaining)):
                     old.predecessor_gone(exc)
             self._retired.append(old)
         self._session = None
@@ -710,7 +718,7 @@ class Worker:
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known and self._failure is None:  # a worker that gave up stays out
+            if not answer.known and self._failure is None and not self.leaving:  # one that gave up or leaves stays out
                 await self._rejoin()
             await self._drain_retired()
 
@@ -810,12 +818,14 @@ class Worker:
                         self.tag, exc, self._heard_mark or "none")
             return Mark(self._heard_mark)
 
-    async def admit_waiting(self) -> int:
-        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
+    async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
+        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
+        and to let the members named in ``leaving`` (worker ids) go in that same view. ``view_id``:
+        the view of that commit (0: the current one); the coordinator ignores a request of an older one.
 
         Returns:
             How many the next view adds. A new view comes either way (with the same members if
             nobody is waiting any more), so every rank that waits for a newer view gets one.
         """
         assert self._control is not None
-        return await self._control.admit(self.worker_id, self.view_id)
+        return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
