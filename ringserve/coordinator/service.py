@@ -327,6 +327,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._watches_by_worker[worker_id] = left
             else:
                 del self._watches_by_worker[worker_id]
+                if membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
+                    # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
+                    # its elastic loop handles one, a kill), or it watches again, hears it is unknown
+                    # and rejoins: dropped now, no commit admits a dead process into its members' sync.
+                    self.apply(membership.Leave(worker_id))
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
