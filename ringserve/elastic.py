@@ -125,6 +125,9 @@ class State:
         self.commits = 0
         # Goes up by one each time a world resumes from a durable copy (see commits.py).
         self.lineage = 0
+        # On rank 0: the commit this process found held by no member of its view, and since when
+        # (time.monotonic()), so that the wait for its holders is bounded across syncs.
+        self.loss_seen: tuple[Commit, float] | None = None
         self._writer: CheckpointWriter | None = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:

@@ -230,16 +230,18 @@ class CommitMarkRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class CommitHolder(_message.Message):
-    __slots__ = ("worker_id", "address", "view_id", "rank")
+    __slots__ = ("worker_id", "address", "view_id", "rank", "present")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     view_id: int
     rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    present: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., present: _Optional[bool] = ...) -> None: ...
 
 class CommitMarkResponse(_message.Message):
     __slots__ = ("known", "step", "lineage", "holders")

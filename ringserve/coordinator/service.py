@@ -419,7 +419,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.CommitMarkResponse(known=False)
         return pb.CommitMarkResponse(
             known=True, step=mark.commit.step, lineage=mark.commit.lineage,
-            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank)
+            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank,
+                                     present=membership.is_known(self._state, h.worker_id))
                      for h in mark.holders],
         )
 

@@ -112,7 +112,8 @@ class ControlClient:
         if not answer.known:
             return Mark()
         holders = tuple(Holder(h.worker_id, h.address, h.view_id, h.rank) for h in answer.holders)
-        return Mark(Commit(answer.lineage, answer.step), holders)
+        present = frozenset(h.worker_id for h in answer.holders if h.present)
+        return Mark(Commit(answer.lineage, answer.step), holders, present)
 
     async def status(self, *, limit: int = 0, offset: int = 0, summary_only: bool = False) -> pb.StatusResponse:
         """The coordinator's status; ``limit`` members from rank ``offset`` on (0: all).

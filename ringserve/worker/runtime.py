@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ringserve import _malloc, wire
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
-from ringserve.commits import Commit, Mark
+from ringserve.commits import Commit, Mark, Seen
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     ExcludedError,
@@ -34,7 +34,7 @@ from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import collectives, exclusion, shared
+from ringserve.worker import collectives, exclusion, shared, sighting
 from ringserve.worker.control import ControlClient
 from ringserve.worker.gate import StreamGate
 from ringserve.worker.session import Place, Received, Session
@@ -467,7 +467,7 @@ class Worker:
         return peer_pb2.StreamSummary(frames=frames)
 
     async def _on_latest(self, request: peer_pb2.LatestRequest, context: grpc.aio.ServicerContext) -> peer_pb2.LatestView:
-        return peer_pb2.LatestView(view_id=self._latest_view)
+        return peer_pb2.LatestView(view_id=self._latest_view, worker_id=self.worker_id)
 
     def _linked_view(self) -> int:
         """The current view if the stream from our ring predecessor in it has reached us, else 0."""
@@ -829,3 +829,15 @@ class Worker:
         """
         assert self._control is not None
         return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The heartbeat interval the coordinator gave this worker."""
+        return self._heartbeat_interval_s
+
+    async def sight(self, worker_id: str, address: str) -> Seen:
+        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.sighting),
+        within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
+        timeout = min(self.config.rpc_timeout_s, self._heartbeat_interval_s)
+        options = channel_options(self.config.max_message_bytes)
+        return await sighting.sight(worker_id, address, lambda a: self._security.channel(a, options), timeout)

@@ -156,3 +156,11 @@ def test_the_peer_servers_grpc_cap_leaves_room_for_every_unverified_stream_besid
     assert config.server_rpc_cap == 12
     with pytest.raises(InvalidArgumentError, match=r"peer_hello_timeout_s \(0\) must be greater than zero"):
         WorkerConfig(peer_hello_timeout_s=0)
+
+
+def test_the_wait_for_a_lost_commits_holders_is_bounded_by_half_the_collective_timeout() -> None:
+    assert WorkerConfig().holder_wait_bound_s == 30.0
+    assert WorkerConfig(holder_wait_s=100.0, collective_timeout_s=60.0).holder_wait_bound_s == 30.0
+    assert WorkerConfig.from_env({"RINGSERVE_HOLDER_WAIT_S": "0"}).holder_wait_bound_s == 0.0
+    with pytest.raises(InvalidArgumentError, match=r"holder_wait_s \(-1\.0\) must be at least 0 \(RINGSERVE_HOLDER_WAIT_S\)"):
+        WorkerConfig(holder_wait_s=-1.0)
