@@ -181,21 +181,28 @@ def check_no_silent_regression(records: list[dict], out: str) -> list[tuple[int,
     """Asserts that the job's committed step never went back, except to just after a commit the
     output says a world resumed from; returns each such drop as (from step, to step).
 
-    A step may repeat (survivors redo the step that one rank committed alone before the view
-    broke), never go below the furthest committed so far unless a resume was logged.
+    Views are taken in their order (the coordinator numbers them): a view's first commit may
+    repeat the furthest step of the views before it (survivors redo the step that one rank
+    committed alone before the view broke), never fall below it unless a resume was logged. In
+    view order, not time order: a process stopped (SIGSTOP) in the middle of a commit writes that
+    commit's record, of its old view, only once it runs again.
     """
     allowed = resumed_steps(out)
+    by_view: dict[int, list[int]] = defaultdict(list)
+    for r in records:
+        by_view[r["view"]].append(r["step"])
     furthest = -1
     drops = []
-    for r in sorted(records, key=lambda r: r["time"]):
-        if r["step"] < furthest:
-            assert r["step"] - 1 in allowed, (
-                f"the job's committed step went back from {furthest} to {r['step']} (view {r['view']}) "
+    for view in sorted(by_view):
+        first = min(by_view[view])
+        if first < furthest:
+            assert first - 1 in allowed, (
+                f"the job's committed step went back from {furthest} to {first} (view {view}) "
                 f"with no resume logged (resumes logged from {sorted(allowed)})"
             )
-            drops.append((furthest, r["step"]))
-            furthest = r["step"]
-        furthest = max(furthest, r["step"])
+            drops.append((furthest, first))
+            furthest = first
+        furthest = max(furthest, max(by_view[view]))
     return drops
 
 
