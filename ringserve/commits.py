@@ -98,6 +98,19 @@ def record(mark: Mark, holder: Holder, held: Commit) -> Mark:
     return mark
 
 
+def record_view(mark: Mark, holders: Sequence[Holder], held: Commit) -> Mark:
+    """The mark after the members of a view (``holders``, in rank order) are known to hold
+    ``held``: a commit-time allreduce of that view finished, which every member entered after
+    saving. Each is recorded as by ``record``, up to MAX_HOLDERS named in all."""
+    if mark.commit is not None and held < mark.commit:
+        return mark
+    if mark.commit is None or held > mark.commit:
+        return Mark(held, tuple(holders[:MAX_HOLDERS]))
+    named = {h.worker_id for h in holders}
+    others = tuple(h for h in mark.holders if h.worker_id not in named)
+    return Mark(held, (*holders, *others)[:MAX_HOLDERS])
+
+
 @dataclass(frozen=True)
 class TakeRoot:
     """Every rank takes the state of ``root``, the lowest rank holding the furthest commit."""

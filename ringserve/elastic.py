@@ -146,24 +146,32 @@ class State:
         """
         self.save()
         self.commits += 1
+        worker = api.context().worker
+        view, rank = worker.running_view, worker.rank  # the commit's, before it can change the world
         try:
             self.check_host_updates()
         except HostsUpdatedInterrupt:
-            self._confirmed(world_changes=True)
+            self._confirmed(view, rank, world_changes=True)
             raise
-        self._confirmed(world_changes=False)
+        self._confirmed(view, rank, world_changes=False)
 
-    def _confirmed(self, *, world_changes: bool) -> None:
-        """The commit-time allreduce finished: every rank of the view entered it after saving, so
-        all of them hold this commit. Reported to the coordinator (heartbeats), and written to
+    def _confirmed(self, view: int, rank: int, *, world_changes: bool) -> None:
+        """The commit-time allreduce of ``view`` finished: every rank of it entered it after saving,
+        so all of them hold this commit. Reported to the coordinator (heartbeats), and written to
         the checkpoint directory by rank 0 every checkpoint_every commits."""
         ctx = api.context()
-        # At once where it matters: before the world changes (the next view may admit workers
-        # holding nothing), and at the first commit (until then the mark says 0, which no
-        # fresh process could be found to fall short of). Else with the next heartbeat.
-        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes or self.commits == 1)
-        cfg = ctx.config
-        if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
+        worker, cfg = ctx.worker, ctx.config
+        previous = worker.committed
+        if rank == 0 and previous is not None:
+            # The mark may trail the world by this commit, never by two (see worker/reports.py).
+            ctx.call(lambda w: w.wait_reported(previous, cfg.rpc_timeout_s), timeout_s=cfg.rpc_timeout_s + 10.0)
+        # Rank 0's at once, and everyone's where it matters: before the world changes (the next
+        # view may admit workers holding nothing) and at the first commit (until then the mark
+        # says 0, which no fresh process could be found to fall short of). Else with the next
+        # heartbeat.
+        worker.report_committed(Commit(self.lineage, self.commits), view=view,
+                                now=rank == 0 or world_changes or self.commits == 1)
+        if cfg.checkpoint_dir and rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:
                 self._writer = CheckpointWriter(resume.store(cfg.checkpoint_dir, cfg.checkpoint_keep))
             self._writer.submit(Commit(self.lineage, self.commits), pickle.dumps(self.snapshot(), protocol=5))

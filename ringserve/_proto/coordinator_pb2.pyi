@@ -88,7 +88,7 @@ class WorkerCounters(_message.Message):
     def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view")
+    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class HeartbeatRequest(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINKED_VIEW_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VIEW_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
     counters: WorkerCounters
@@ -103,7 +104,8 @@ class HeartbeatRequest(_message.Message):
     committed_step: int
     committed_lineage: int
     linked_view: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ...) -> None: ...
+    committed_view: int
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ..., committed_view: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage")

@@ -110,6 +110,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # report can trail the view that admits the next members).
         self.mark = commits.Mark()
         self._recent_views: dict[int, membership.ViewInfo] = {}
+        self._made: tuple[commits.Commit, int] | None = None  # the (commit, view) last named whole
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -263,7 +264,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             view_id=request.view_id, rank=-1 if rank is None else rank,
         )
         before = self.mark.commit
-        self.mark = commits.record(self.mark, holder, commits.Commit(request.committed_lineage, request.committed_step))
+        held = commits.Commit(request.committed_lineage, request.committed_step)
+        made_in = self._recent_views.get(request.committed_view) if request.committed_view else None
+        if made_in is not None and made_in.rank_of(request.worker_id) is not None and (held, made_in.view_id) != self._made:
+            # Every member of the view the commit was made in holds it (see worker/reports.py),
+            # named once per (commit, view): the other members' own reports then change nothing.
+            self._made = (held, made_in.view_id)
+            members = [commits.Holder(m.worker_id, m.address, made_in.view_id, r)
+                       for r, m in enumerate(made_in.members[: commits.MAX_HOLDERS])]
+            self.mark = commits.record_view(self.mark, members, held)
+        else:
+            self.mark = commits.record(self.mark, holder, held)
         if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
             log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
 

@@ -87,13 +87,14 @@ class ControlClient:
 
     async def heartbeat(
         self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None,
-        linked_view: int = 0, committed: Commit | None = None,
+        linked_view: int = 0, committed: Commit | None = None, committed_view: int = 0,
     ) -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(
             worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view
         )
         if committed is not None:
             request.committed_step, request.committed_lineage = committed.step, committed.lineage
+            request.committed_view = committed_view
         return await self._call("Heartbeat", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
 
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:

@@ -37,6 +37,7 @@ from ringserve.transport import channel_options, server_options
 from ringserve.worker import collectives, exclusion, shared, sighting
 from ringserve.worker.control import ControlClient
 from ringserve.worker.gate import StreamGate
+from ringserve.worker.reports import CommitReports
 from ringserve.worker.session import Place, Received, Session
 from ringserve.worker.shared import InboundRing, OutboundRing
 
@@ -90,10 +91,10 @@ class Worker:
         self._heartbeat_timeout_s = 5.0
         self._heard_at = 0.0  # when the last heartbeat that the coordinator answered was sent
         self._excluded: ExcludedError | None = None
-        # The commit this worker's elastic state holds once synced (reported with heartbeats),
-        # and the job's mark from the last heartbeat answer (a fallback when the coordinator
-        # cannot be asked at a sync).
-        self.committed: Commit | None = None
+        # The commit this worker's elastic state holds once synced, reported with heartbeats (see
+        # worker/reports.py), and the job's mark from the last heartbeat answer (a fallback when
+        # the coordinator cannot be asked at a sync).
+        self._held = CommitReports()
         self._heard_mark: Commit | None = None
         self._heartbeat_now = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -698,17 +699,20 @@ class Worker:
             view_id = session.view_id if session is not None else 0
             stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
             sent_at = asyncio.get_running_loop().time()
+            committed, committed_view = self._held.committed, self._held.view
             try:
                 answer = await self._control.heartbeat(
-                    self.worker_id, view_id, counters, stalled, self._linked_view(), self.committed
+                    self.worker_id, view_id, counters, stalled, self._linked_view(), committed, committed_view
                 )
             except RingserveError as exc:
+                self._held.failed()
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
                 if await self._excluded_now():
                     return
                 continue
             self._heard_at = sent_at
+            self._held.answered(committed, answer.known)
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
@@ -792,16 +796,27 @@ class Worker:
         """The newest view this worker has heard of (it may not be a member)."""
         return self._latest_view
 
-    def report_committed(self, commit: Commit, *, now: bool = False) -> None:
-        """Sets the commit this worker's elastic state holds, reported with the next heartbeat.
+    @property
+    def committed(self) -> Commit | None:
+        """The commit this worker's elastic state holds (None before its first sync)."""
+        return self._held.committed
+
+    def report_committed(self, commit: Commit, *, now: bool = False, view: int = 0) -> None:
+        """Sets the commit this worker's elastic state holds, reported with the next heartbeat;
+        ``view``: the view every member of which holds it (a commit-time allreduce in it finished).
 
         ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
         the coordinator must know who holds what before the new view's members are admitted
         with nothing (callable from any thread).
         """
-        self.committed = commit
+        self._held.hold(commit, view)
         if now and self._loop is not None and not self._closed:
             self._loop.call_soon_threadsafe(self._heartbeat_now.set)
+
+    async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
+        """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
+        worker/reports.py: not at all while the coordinator does not answer)."""
+        return await self._held.wait(commit, timeout_s)
 
     async def commit_mark(self) -> Mark:
         """The job's committed high-water mark, asked of the coordinator now.

@@ -8,6 +8,7 @@ import pytest
 
 from ringserve.commits import (
     INITIAL,
+    MAX_HOLDERS,
     Await,
     Commit,
     Gone,
@@ -22,6 +23,7 @@ from ringserve.commits import (
     judge_holders,
     plan_sync,
     record,
+    record_view,
 )
 
 
@@ -138,6 +140,17 @@ def test_a_resumed_world_is_never_again_found_lost_by_reports_of_the_line_it_rep
     resumed = Commit(resume.lineage, resume.commit.step)
     # Until its first heartbeat, the coordinator still says 110 of lineage 0: not a loss.
     assert plan_sync([resumed, resumed], c(110)) == TakeRoot(0)
+
+
+def test_a_commit_made_in_a_view_names_its_members_once_each_in_rank_order_within_the_cap() -> None:
+    members = [holder(f"m{r}", r, view=4) for r in range(3)]
+    mark = record_view(record(Mark(), holder("old"), c(8)), members, c(9))
+    assert mark.commit == c(9) and [h.worker_id for h in mark.holders] == ["m0", "m1", "m2"]
+    again = record_view(record(mark, holder("x", 5, view=5), c(9)), members, c(9))
+    assert [h.worker_id for h in again.holders] == ["m0", "m1", "m2", "x"]
+    assert record_view(mark, [holder("y")], c(8)) == mark  # an older commit changes nothing
+    many = [holder(f"w{r}", r) for r in range(MAX_HOLDERS + 10)]
+    assert len(record_view(Mark(), many, c(1)).holders) == MAX_HOLDERS
 
 
 # -- a holder out of the view is not yet a holder gone ---------------------------------------------
