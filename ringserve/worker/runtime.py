@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ringserve import _malloc, wire
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve._proto import peer_pb2
-from ringserve.commits import Commit, Mark
+from ringserve.commits import Commit, Mark, Seen
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     ExcludedError,
@@ -35,10 +35,11 @@ from ringserve.observe import Counters, Timeline
 from ringserve.ring import predecessor, successor
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import adasum, collectives, exclusion, grouped, shared
+from ringserve.worker import adasum, collectives, exclusion, grouped, shared, sighting
 from ringserve.worker import join as joining
 from ringserve.worker.control import ControlClient
 from ringserve.worker.gate import StreamGate
+from ringserve.worker.reports import CommitReports
 from ringserve.worker.session import Place, Received, Session
 from ringserve.worker.shared import InboundRing, OutboundRing
 
@@ -92,13 +93,16 @@ class Worker:
         self._heartbeat_timeout_s = 5.0
         self._heard_at = 0.0  # when the last heartbeat that the coordinator answered was sent
         self._excluded: ExcludedError | None = None
-        # The commit this worker's elastic state holds once synced (reported with heartbeats),
-        # and the job's mark from the last heartbeat answer (a fallback when the coordinator
-        # cannot be asked at a sync).
-        self.committed: Commit | None = None
+        # The commit this worker's elastic state holds once synced, reported with heartbeats (see
+        # worker/reports.py), and the job's mark from the last heartbeat answer (a fallback when
+        # the coordinator cannot be asked at a sync).
+        self._held = CommitReports()
         self._heard_mark: Commit | None = None
         self._heartbeat_now = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
+        # then (see admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
+        self.leaving = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -504,7 +508,7 @@ class Worker:
         return peer_pb2.StreamSummary(frames=frames)
 
     async def _on_latest(self, request: peer_pb2.LatestRequest, context: grpc.aio.ServicerContext) -> peer_pb2.LatestView:
-        return peer_pb2.LatestView(view_id=self._latest_view)
+        return peer_pb2.LatestView(view_id=self._latest_view, worker_id=self.worker_id)
 
     def _linked_view(self) -> int:
         """The current view if the stream from our ring predecessor in it has reached us, else 0."""
@@ -607,8 +611,13 @@ class Worker:
                 # workers listed as leaving are gone, the others are still draining their streams.
                 ids = old.place.worker_ids
                 remaining = {m.worker_id for m in view.members}
-                before = ids[predecessor(old.place.rank, old.place.size)] if ids else None
-                if before is not None and (before in view.left_worker_ids or (remaining and before not in remaining)):
+                before_rank = predecessor(old.place.rank, old.place.size)
+                before = ids[before_rank] if ids else None
+                # Unless its stream is still open: a leaver let go at a commit (elastic.py names it in
+                # the admit) is dropped before it drains, and its last frames may still be on the way;
+                # that stream's end starves the waits instead (_predecessor_gone).
+                draining = (old.view_id, before_rank) in self._inbound
+                if before is not None and not draining and (before in view.left_worker_ids or (remaining and before not in remaining)):
                     old.predecessor_gone(exc)
             self._retired.append(old)
         self._session = None
@@ -730,11 +739,13 @@ class Worker:
             view_id = session.view_id if session is not None else 0
             stalled = session.stalled(self.config.stall_warning_s) if session is not None else []
             sent_at = asyncio.get_running_loop().time()
+            committed, committed_view = self._held.committed, self._held.view
             try:
                 answer = await self._control.heartbeat(
-                    self.worker_id, view_id, counters, stalled, self._linked_view(), self.committed
+                    self.worker_id, view_id, counters, stalled, self._linked_view(), committed, committed_view
                 )
             except RingserveError as exc:
+                self._held.failed()
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
                 if await self._excluded_now():
@@ -742,6 +753,7 @@ class Worker:
                 continue
             self._heard_at = sent_at
             self._heartbeat_interval_s = answer.heartbeat_interval_s or self._heartbeat_interval_s
+            self._held.answered(committed, answer.known)
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self._session.view_id if self._session is not None else 0
@@ -751,7 +763,7 @@ class Worker:
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known and self._failure is None:  # a worker that gave up stays out
+            if not answer.known and self._failure is None and not self.leaving:  # one that gave up or leaves stays out
                 await self._rejoin()
             await self._drain_retired()
 
@@ -825,16 +837,27 @@ class Worker:
         """The newest view this worker has heard of (it may not be a member)."""
         return self._latest_view
 
-    def report_committed(self, commit: Commit, *, now: bool = False) -> None:
-        """Sets the commit this worker's elastic state holds, reported with the next heartbeat.
+    @property
+    def committed(self) -> Commit | None:
+        """The commit this worker's elastic state holds (None before its first sync)."""
+        return self._held.committed
+
+    def report_committed(self, commit: Commit, *, now: bool = False, view: int = 0) -> None:
+        """Sets the commit this worker's elastic state holds, reported with the next heartbeat;
+        ``view``: the view every member of which holds it (a commit-time allreduce in it finished).
 
         ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
         the coordinator must know who holds what before the new view's members are admitted
         with nothing (callable from any thread).
         """
-        self.committed = commit
+        self._held.hold(commit, view)
         if now and self._loop is not None and not self._closed:
             self._loop.call_soon_threadsafe(self._heartbeat_now.set)
+
+    async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
+        """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
+        worker/reports.py: not at all while the coordinator does not answer)."""
+        return await self._held.wait(commit, timeout_s)
 
     async def commit_mark(self) -> Mark:
         """The job's committed high-water mark, asked of the coordinator now.
@@ -851,12 +874,26 @@ class Worker:
                         self.tag, exc, self._heard_mark or "none")
             return Mark(self._heard_mark)
 
-    async def admit_waiting(self) -> int:
-        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
+    async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
+        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
+        and to let the members named in ``leaving`` (worker ids) go in that same view. ``view_id``:
+        the view of that commit (0: the current one); the coordinator ignores a request of an older one.
 
         Returns:
             How many the next view adds. A new view comes either way (with the same members if
             nobody is waiting any more), so every rank that waits for a newer view gets one.
         """
         assert self._control is not None
-        return await self._control.admit(self.worker_id, self.view_id)
+        return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The heartbeat interval the coordinator gave this worker."""
+        return self._heartbeat_interval_s
+
+    async def sight(self, worker_id: str, address: str) -> Seen:
+        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.sighting),
+        within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
+        timeout = min(self.config.rpc_timeout_s, self._heartbeat_interval_s)
+        options = channel_options(self.config.max_message_bytes)
+        return await sighting.sight(worker_id, address, lambda a: self._security.channel(a, options), timeout)
