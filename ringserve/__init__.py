@@ -48,6 +48,7 @@ from ringserve.errors import (
     TLSHandshakeError,
     UsageError,
     ViewInstallError,
+    WorkerFailedError,
 )
 from ringserve.worker.runtime import Worker
 
@@ -74,6 +75,7 @@ __all__ = [
     "ViewInstallError",
     "Worker",
     "WorkerConfig",
+    "WorkerFailedError",
     "allgather",
     "allgather_object",
     "allreduce",

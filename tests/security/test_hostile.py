@@ -376,25 +376,31 @@ async def test_two_rejoins_that_claim_one_rank_neither_crash_the_coordinator_nor
             assert (await stub.Status(pb.StatusRequest(), timeout=5)).view.view_id >= 10
 
 
-async def test_a_hello_for_a_view_not_yet_installed_is_let_in_when_the_view_comes_and_a_wrong_one_is_ended_at_the_deadline(
+async def test_a_hello_for_a_view_not_yet_installed_is_let_in_when_the_view_comes_and_a_wrong_one_is_refused(
     world_factory, impostors
 ) -> None:
     world = await world_factory(3, coordinator={"min_workers": 2}, peer_hello_timeout_s=1.0)
     target, leaving = world.workers[0], world.workers[2]
     future = target.view_id + 1
     # The next view has two ranks: one of these claims the target's predecessor there, the other
-    # claims the target itself. Neither sends anything after its HELLO.
+    # claims the target itself; a third claims a view that never comes. None sends anything after
+    # its HELLO.
     claims = {rank: impostors(target.address) for rank in (0, 1)}
     for rank, impostor in claims.items():
         await impostor.write(hello(future, rank))
+    never = impostors(target.address)
+    await never.write(hello(future + 100, 0))
     await leaving.close()
     async with asyncio.timeout(5):
         while target.latest_view < future:
             await asyncio.sleep(0.01)
     world.workers.remove(leaving)
-    await asyncio.sleep(1.5)  # past the deadline
     true_rank = predecessor(target.rank, target.size)
+    code, details = await claims[1 - true_rank].code(1)  # refused as soon as the view came
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"claims rank {1 - true_rank}, but rank {true_rank} is the only predecessor" in details
+    await asyncio.sleep(1.5)  # past the deadline
     assert not claims[true_rank].call.done()  # verified when the view came: no deadline
-    code, details = await claims[1 - true_rank].code(1)
+    code, details = await never.code(1)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert f"sent a HELLO (view {future}, rank {1 - true_rank}) that no view of this worker verified within 1 s" in details
+    assert f"sent a HELLO (view {future + 100}, rank 0) that no view of this worker verified within 1 s" in details
