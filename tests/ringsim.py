@@ -3,7 +3,8 @@
 Each rank is a real ``Plane`` whose links to the ranks it sends to are ``MemoryLink``s, so a
 collective runs exactly the code that ships: its program (programs.py), the executor, the values,
 the session and the plane's routing and abort protocol, and the link's encoding, lane and
-backpressure. Only the socket is missing. Each link delays
+backpressure. Only the socket is missing. Collectives over sub-rings of the view run too
+(``simulate_rings``), concurrently with the whole view's, as process sets would. Each link delays
 each frame by a seeded random number of loop turns, has a random window (down to one frame), and
 each rank starts after a random delay, so one seed is one interleaving of the ranks, and a test
 runs many.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ringserve.errors import RingChangedError
@@ -57,7 +58,8 @@ def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: 
 async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0, **ring: Any) -> list[Any]:
     """Runs ``call(session, rank)`` on every rank of a simulated ring; returns the ranks' results.
 
-    ``session`` spans the whole view.
+    ``session`` spans the whole view; a call may run collectives over sub-rings too, on
+    ``session.plane.session(members)`` (see ``simulate_rings``).
     """
     rng = random.Random(seed)
     planes = make_ring(world, rng, **ring)
@@ -85,6 +87,39 @@ async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0
         assert p.counters.frames_rejected == 0, (
             f"rank {r} got {p.counters.frames_rejected} frame(s) after their collective had finished")
     return list(results)
+
+
+Rings = Mapping[tuple[int, ...] | None, Call]
+
+
+async def simulate_rings(world: int, rings: Rings, *, seed: int, timeout_s: float = 20.0,
+                         **ring: Any) -> dict[tuple[int, ...] | None, list[Any]]:
+    """Runs several rings of one simulated view at once: for each ``members`` (None: the whole
+    view), ``call(session, position)`` on every member, over that sub-ring, concurrently with the
+    other rings' calls on the same ranks. Returns each ring's results in ring order.
+
+    Every rank runs its rings' calls concurrently, each started after its own random delay, so
+    the frames of several collectives share links and inbound streams under random interleavings.
+    """
+    order = list(rings)
+
+    async def call(session: Session, rank: int) -> dict[int, Any]:
+        async def one(i: int, members: tuple[int, ...] | None) -> Any:
+            for _ in range(random.Random(seed * 1000 + rank * 31 + i).randint(0, 8)):
+                await asyncio.sleep(0)
+            sub = session if members is None else session.plane.session(members)
+            return await rings[members](sub, sub.place.rank)
+
+        mine = [(i, m) for i, m in enumerate(order) if m is None or rank in m]
+        outs = await asyncio.gather(*(one(i, m) for i, m in mine))
+        return {i: out for (i, _), out in zip(mine, outs, strict=True)}
+
+    per_rank = await simulate(world, call, seed=seed, timeout_s=timeout_s, **ring)
+    results: dict[tuple[int, ...] | None, list[Any]] = {}
+    for i, members in enumerate(order):
+        ranks = range(world) if members is None else members
+        results[members] = [per_rank[r][i] for r in ranks]
+    return results
 
 
 async def shut(planes: list[Plane]) -> None:

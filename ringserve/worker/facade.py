@@ -2,13 +2,14 @@
 
 - Where it stands (rank, size, view, ...) is read from the ``Standing`` its loop publishes
   (standing.py), so any thread may ask.
-- Each collective takes the session it runs on from ``_session`` (the whole current view) on the
-  loop, at the moment it starts: the view and the ring are fixed before the first frame, and the
-  arguments are checked (collectives.py) before anything is sent.
+- Each collective takes the session it runs on from ``_session`` (the whole current view, or a
+  sub-ring of it) on the loop, at the moment it starts: the view and the ring are fixed before the
+  first frame, and the arguments are checked (collectives.py) before anything is sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -87,7 +88,7 @@ class Facade:
 
     # -- collectives -----------------------------------------------------------------------
 
-    def _session(self) -> Session:
+    def _session(self, members: Sequence[int] | None = None) -> Session:
         raise NotImplementedError
 
     def _opts(self) -> dict[str, Any]:
@@ -116,6 +117,19 @@ class Facade:
         """
         return await collectives.allreduce(self._session(), a, op=op, name=name, out=out, compression=compression,
                                            residual=residual, check_finite=check_finite, **self._opts())
+
+    async def _allreduce_among(self, members: Sequence[int], a: Any, op: str = "average", name: str | None = None,
+                               out: np.ndarray | None = None) -> np.ndarray:
+        """Internal, not API yet: an allreduce over the ranks ``members`` of the current view only,
+        as a ring in that order, concurrently with the view's other collectives (process sets
+        build on it). Every member must call it with the same members in the same order; an
+        average divides by their number. Its key is counted apart from the whole view's (see
+        keys.py), so its calls never meet another ring's.
+
+        Raises:
+            InvalidArgumentError: members repeat, fall outside the view, or leave this rank out.
+        """
+        return await collectives.allreduce(self._session(members), a, op=op, name=name, out=out, **self._opts())
 
     async def broadcast(self, a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
         """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype."""

@@ -1,7 +1,7 @@
 """The peer server's gate: how many peer streams may be unproven at once, and for how long.
 
 A peer stream is *unverified* from its start until its HELLO has been checked against a view
-this worker holds (the sender is that view's ring predecessor; see peers.py and ``Plane.accept``). Anyone who can reach the port can
+this worker holds (the sender is another rank of that view; see peers.py and ``Plane.accept``). Anyone who can reach the port can
 open streams, and one that never sends a HELLO (or names a view that never comes) would hold a
 server slot for ever: 63 of them once filled a worker's 64 RPC slots, and after the next view
 change the real predecessor's stream was refused and the ring could not form again.
@@ -21,8 +21,8 @@ A HELLO for a view this worker has not installed yet (its sender heard of the vi
 unverified until the view is installed: its stream reads nothing more until then, and is verified
 when the view comes, within its deadline.
 
-Without a job token or mTLS a stranger who knows the view and the predecessor's rank can still
-pass as the predecessor; the gate bounds the ones that cannot.
+Without a job token or mTLS a stranger who knows the view and a member's rank can still pass as
+that member; the gate bounds the ones that cannot.
 """
 
 from __future__ import annotations

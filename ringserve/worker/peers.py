@@ -1,11 +1,13 @@
 """The peer server's servicer: the streams other workers open to this one, and ``Peer/Latest``.
 
 A peer stream opens with a HELLO that names a view and the sender's rank in it. The stream is
-*verified* once that view's plane here accepts the sender (``Plane.accept``: this rank's ring
-predecessor in that view). Only then are its frames read into the plane, routed by collective
-key, each collective checking that its frames come from the rank that precedes this one in its
-ring (``Plane.on_frame``); and only then is a shared-memory ring it offers mapped (see
-shared.py). The bounds of gate.py hold for the streams that have proved nothing.
+*verified* once that view's plane here accepts the sender (``Plane.accept``): a rank of the view,
+not this worker's own. Only then are its frames read into the plane, routed by collective key,
+each collective checking that its frames come from the rank that precedes this one in its ring
+(``Plane.on_frame``: a frame any other stream brings is refused, and so is its stream); and only
+then is a shared-memory ring it offers mapped (see shared.py). So any rank of a view can stream to
+any other, as sub-rings and point-to-point programs need, while the bounds of gate.py hold for the
+streams that have proved nothing.
 
 A HELLO for a view not installed here yet (the sender heard of it first) holds its stream
 unverified, reading nothing more, until the view comes: gRPC's flow control then holds the sender's

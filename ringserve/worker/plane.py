@@ -90,9 +90,13 @@ class Plane:
     def view_id(self) -> int:
         return self.place.view_id
 
-    def session(self) -> Session:
-        """A session over the whole view."""
-        return Session(self)
+    def session(self, members: tuple[int, ...] | None = None) -> Session:
+        """A session over the whole view, or over the sub-ring of ``members`` in that order.
+
+        Raises:
+            InvalidArgumentError: members repeat, fall outside the view, or leave this rank out.
+        """
+        return Session(self, members)
 
     @property
     def linked_ranks(self) -> tuple[int, ...]:
@@ -189,17 +193,19 @@ class Plane:
     # -- the peer server's side ------------------------------------------------------------
 
     def accept(self, hello: wire.FrameHeader) -> None:
-        """Lets in the stream a HELLO opens: from this view's ring predecessor only.
+        """Lets in the stream a HELLO opens: from another rank of this view.
+
+        Any rank may stream to any other (sub-rings, point-to-point programs); which collectives a
+        sender's frames may reach is checked frame by frame (``on_frame``).
 
         Raises:
-            ProtocolError: the stream claims another rank.
+            ProtocolError: the rank is not in the view, or is this worker's own.
         """
-        expected = keys.source(self.ring)
-        if hello.sender_rank != expected:
-            raise ProtocolError(
-                f"A stream claims rank {hello.sender_rank}, but rank {expected} is the only "
-                f"predecessor of rank {self.place.rank} in view {self.view_id}."
-            )
+        rank, size, view = hello.sender_rank, self.place.size, self.view_id
+        if not 0 <= rank < size:
+            raise ProtocolError(f"A stream claims rank {rank}, but view {view} has ranks 0 to {size - 1}.")
+        if rank == self.place.rank:
+            raise ProtocolError(f"A stream claims rank {rank} of view {view}, the rank of the worker it reached.")
 
     def stream_ended(self, rank: int, clean: bool) -> bool:
         """The stream from ``rank`` ended (``clean``: with its BYE); the collectives waiting for its

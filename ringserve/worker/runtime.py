@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -315,8 +315,8 @@ class Worker(Facade):
             raise RendezvousTimeoutError(message) from None
         raise_failure(self._failure)
 
-    def _session(self) -> Session:
-        """The session collectives run on now: the whole current view."""
+    def _session(self, members: Sequence[int] | None = None) -> Session:
+        """The session collectives run on now: the whole current view, or a sub-ring of it."""
         if not self._started or self._closed:
             raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
         raise_failure(self._failure)
@@ -326,7 +326,7 @@ class Worker(Facade):
             raise RingChangedError(latest, latest, "this worker is not in the current view")
         if self._pinned is not None and plane.view_id != self._pinned:
             raise RingChangedError(self._pinned, plane.view_id, "the view moved on since the elastic state was synced")
-        return plane.session()
+        return plane.session(None if members is None else tuple(members))
 
     def _report(self, view_id: int, suspect_rank: int, reason: str) -> None:
         """Tells the coordinator a peer looks dead, so it can confirm that fast (a probe)."""

@@ -2,19 +2,26 @@
 
 Programs (programs.py) work in ring positions over a ``Ring(members, index)``, and the executor
 (executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
-next member, and receives what the ring's previous member sends. Today every session spans the
-whole view.
+next member, and receives what the ring's previous member sends. So the same program runs over the
+whole view or over a sub-ring of some of its ranks (a process set), unchanged.
+
+To the collectives (collectives.py) a session over ranks ``(0, 2, 3)`` of a view of five looks like
+a view of three: ``place.rank`` is this rank's position in the ring and ``place.size`` the ring's
+length, so that segments, blocks and roots are counted in positions.
 
 Sessions are cheap and hold nothing the plane does not: the worker makes one per collective.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ringserve.errors import InvalidArgumentError
 from ringserve.observe import Counters, Timeline
+from ringserve.worker import keys
 from ringserve.worker.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.link import STREAM_METHOD, Link
 from ringserve.worker.policy import Place
@@ -23,17 +30,45 @@ from ringserve.worker.programs import Ring
 if TYPE_CHECKING:
     from ringserve.worker.plane import Plane
 
-__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session"]
+__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session", "check_members"]
+
+
+def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
+    """``members`` as a tuple of ints, after checking that it is a ring this rank can run.
+
+    Raises:
+        InvalidArgumentError: a rank repeats or falls outside [0, size), or ``rank`` is missing.
+    """
+    ranks = tuple(int(m) for m in members)
+    if not ranks:
+        raise InvalidArgumentError("A ring needs at least one rank.")
+    if len(set(ranks)) != len(ranks):
+        raise InvalidArgumentError(f"The ranks of a ring ({ranks}) must not repeat.")
+    outside = [m for m in ranks if not 0 <= m < size]
+    if outside:
+        raise InvalidArgumentError(f"Ranks {outside} of the ring {ranks} are not in [0, {size}) (the view's ranks).")
+    if rank not in ranks:
+        raise InvalidArgumentError(f"Rank {rank} is not a member of the ring {ranks}, so it cannot run its collectives.")
+    return ranks
 
 
 class Session:
-    """A ring over the ranks of one view's plane."""
+    """A ring over the ranks of one view's plane: the whole view (``members`` None) or a sub-ring."""
 
-    def __init__(self, plane: Plane) -> None:
+    def __init__(self, plane: Plane, members: tuple[int, ...] | None = None) -> None:
         self.plane = plane
-        self.ring: Ring = plane.ring
-        self.spec = ""
-        self.place = plane.place
+        view = plane.place
+        if members is None:
+            self.ring, self.spec, self.place = plane.ring, "", view
+        else:
+            ranks = check_members(members, view.rank, view.size)
+            self.ring = Ring(ranks, ranks.index(view.rank))
+            self.spec = keys.spec_of(ranks)
+            self.place = replace(
+                view, rank=self.ring.index, size=len(ranks),
+                addresses=tuple(view.addresses[m] for m in ranks),
+                worker_ids=tuple(view.worker_ids[m] for m in ranks) if view.worker_ids else (),
+            )
         self._next: Link | None = None
 
     @property

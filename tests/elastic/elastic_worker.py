@@ -43,9 +43,11 @@ def main() -> None:
             rng = np.random.default_rng(state.step * 7919 + rs.rank())
             grad = rng.standard_normal(DIM) + 0.01 * state.w
             if fault == f"raise@{state.step}" and not os.environ.get("FAULT_DONE"):
-                marker = f"{log_path}.fault"
-                if not os.path.exists(marker):
-                    open(marker, "w").close()
+                try:  # made atomically: ranks reach step K together, and only one must raise
+                    os.close(os.open(f"{log_path}.fault", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    pass
+                else:
                     raise RuntimeError(f"injected fault at step {state.step}")
             avg = rs.allreduce(grad, op="average", name="grad")
             state.w = state.w - 0.05 * avg

@@ -212,6 +212,8 @@ def ring_mappings() -> int:
 async def test_closed_workers_leave_no_shared_ring_mapped(world_factory) -> None:
     before = ring_mappings()
     world = await world_factory(3, chunk_bytes=64 << 10)
+    await world.each(lambda w: w._allreduce_among((0, 2), np.ones(50_000), op="sum", name="sub")
+                     if w.rank in (0, 2) else asyncio.sleep(0))
     await world.map("allreduce", [np.ones(100_000)] * 3, op="sum", name="mapped")
     assert sum(w.counters.shared_bytes_sent for w in world.workers) > 0
     assert ring_mappings() > before
