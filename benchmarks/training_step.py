@@ -1,18 +1,27 @@
-"""Training step time: ringserve's DistributedOptimizer against DDP over gloo and one process alone.
+"""Training step time: DDP over ringserve and ringserve's DistributedOptimizer against DDP over gloo.
 
     python benchmarks/training_step.py                       # worlds 2 and 4
     python benchmarks/training_step.py --worlds 4 --steps 40 --fusion-bytes 8388608
 
-Every configuration runs in this same invocation, DDP and ringserve alternating, each ``--repeat``
-times with the best run kept: an MLP 784-2048-2048-10 (5.8M parameters, float32), SGD, a batch of
+Every configuration runs in this same invocation, in rounds (``--repeat``): each round runs DDP
+over gloo, DDP over ringserve (torch.distributed's "ringserve" backend), the same with every
+payload over the gRPC stream (RINGSERVE_SHARED_MEMORY=0, as between hosts), and ringserve's
+Horovod-style DistributedOptimizer, one after the other, so that each round's runs see the same
+machine load. The model is an MLP 784-2048-2048-10 (5.8M parameters, float32), SGD, a batch of
 64 per worker, one torch thread per worker. A step is zero_grad, forward, backward and optimizer
-step; the table gives the median step time of the slowest rank, its ratios, and for ringserve how
-the communication overlapped backward:
+step. The table gives, per world and run, the median step time of the slowest rank in its best
+round, the ratio to DDP over gloo paired within each round (the median, and the range over the
+rounds), the ratio to one process alone, and for the DistributedOptimizer how the communication
+overlapped backward:
 
 - comm during backward: the share of the allreduce time (union of the buckets' start-to-finish
   intervals) that ran while backward was still computing;
 - backward with comm running: the share of backward's time during which an allreduce was running;
 - exposed: how long step() waited for communication after backward had returned.
+
+It also gives the CPU time of a step, all threads of all ranks together (``time.process_time``),
+and its paired ratio to DDP over gloo's: on a small machine shared with other work, wall times
+swing with the load, while what a run costs in CPU moves much less.
 
 On a machine with fewer cores than workers, the workers and their communication threads share the
 cores, so every distributed row is slower than "alone" for reasons that are not communication.
@@ -83,10 +92,13 @@ def worker(args: argparse.Namespace) -> None:
         hvd.init()
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), fusion_bytes=args.fusion_bytes)
         barrier = hvd.barrier
-    elif args.role == "ddp":
+    elif args.role in ("ddp", "ddp-ringserve"):
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world)
+        import ringserve.torch.distributed  # noqa: F401  registers "ringserve"
+
+        backend = "gloo" if args.role == "ddp" else "ringserve"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world)
         model = torch.nn.parallel.DistributedDataParallel(model)
         barrier = dist.barrier
     else:
@@ -97,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             barrier()
+            cpu0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(x), y)
@@ -120,23 +133,26 @@ def worker(args: argparse.Namespace) -> None:
                 comm += total
                 overlapped += inside
                 backward_total += b1 - b0
-    result = {"step": statistics.median(steps), "backward": statistics.median(backward), "exposed": statistics.median(exposed) if exposed else 0.0,
+    cpu = (time.process_time() - cpu0) / args.steps  # every thread of this process, per timed step
+    result = {"step": statistics.median(steps), "cpu": cpu, "backward": statistics.median(backward),
+              "exposed": statistics.median(exposed) if exposed else 0.0,
               "overlap": overlapped / comm if comm else 0.0,
               "covered": overlapped / backward_total if backward_total else 0.0}
     pathlib.Path(args.out).write_text(json.dumps(result))
     if args.role == "ringserve":
         hvd.shutdown()
-    elif args.role == "ddp":
+    elif args.role in ("ddp", "ddp-ringserve"):
         torch.distributed.destroy_process_group()
 
 
-def _run(role: str, world: int, args: argparse.Namespace, tmp: pathlib.Path) -> list[dict[str, float]]:
+def _run(role: str, world: int, args: argparse.Namespace, tmp: pathlib.Path,
+         extra_env: dict[str, str] | None = None) -> list[dict[str, float]]:
     me = str(pathlib.Path(__file__).resolve())
     common = ["--role", role, "--world", str(world), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--fusion-bytes", str(args.fusion_bytes)]
+              "--fusion-bytes", str(args.fusion_bytes), "--port", str(free_port())]
     outs = [tmp / f"{role}{world}.{i}.json" for i in range(world)]
-    env: dict[str, str] = {"OMP_NUM_THREADS": "1"}
-    if role == "ringserve":
+    env: dict[str, str] = {"OMP_NUM_THREADS": "1", **(extra_env or {})}
+    if role in ("ringserve", "ddp-ringserve"):
         from ringserve import Coordinator, CoordinatorConfig
         from ringserve.loop import LoopThread
 
@@ -150,9 +166,17 @@ def _run(role: str, world: int, args: argparse.Namespace, tmp: pathlib.Path) -> 
             thread.run(coord.stop(0.1), 10)
             thread.stop()
     else:
-        port = str(free_port())
-        run_ranks([[PYTHON, me, *common, "--port", port, "--out", str(o)] for o in outs], env, timeout_s=600)
+        run_ranks([[PYTHON, me, *common, "--out", str(o)] for o in outs], env, timeout_s=600)
     return [read_json(o) for o in outs]
+
+
+# The runs of each round, in order: (name in the table, role, extra environment).
+RUNS = [
+    ("DDP over gloo", "ddp", {}),
+    ("DDP over ringserve", "ddp-ringserve", {}),
+    ("DDP over ringserve, stream-only", "ddp-ringserve", {"RINGSERVE_SHARED_MEMORY": "0"}),
+    ("ringserve DistributedOptimizer", "ringserve", {}),
+]
 
 
 def main() -> None:
@@ -160,9 +184,9 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeat", type=int, default=2, help="runs of each configuration; the best counts")
+    p.add_argument("--repeat", type=int, default=3, help="rounds; each runs every configuration once")
     p.add_argument("--fusion-bytes", type=int, default=4 << 20, help="ringserve's fusion bucket size")
-    p.add_argument("--role", choices=["main", "alone", "ddp", "ringserve"], default="main")
+    p.add_argument("--role", choices=["main", "alone", "ddp", "ddp-ringserve", "ringserve"], default="main")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default="")
@@ -174,27 +198,32 @@ def main() -> None:
         where = pathlib.Path(tmp)
         alone = min(_run("alone", 1, args, where)[0]["step"] for _ in range(args.repeat))
         for world in args.worlds:
-            # Alternate the two, and keep each one's best run: load from outside hits both alike.
-            ddp_runs, rs_runs = [], []
+            rounds: list[dict[str, list[dict[str, float]]]] = []
             for _ in range(args.repeat):
-                ddp_runs.append(max(r["step"] for r in _run("ddp", world, args, where)))
-                rs_runs.append(_run("ringserve", world, args, where))
-            ddp = min(ddp_runs)
-            rs = min(rs_runs, key=lambda ranks: max(r["step"] for r in ranks))
-            rs_step = max(r["step"] for r in rs)
-            rows.append({"world": world, "alone": f"{alone * 1e3:.1f}", "ddp": f"{ddp * 1e3:.1f}",
-                         "rs": f"{rs_step * 1e3:.1f}", "rs_ddp": f"{rs_step / ddp:.2f}",
-                         "rs_alone": f"{rs_step / alone:.2f}", "ddp_alone": f"{ddp / alone:.2f}",
-                         "overlap": f"{100 * min(r['overlap'] for r in rs):.0f}%",
-                         "covered": f"{100 * min(r['covered'] for r in rs):.0f}%",
-                         "exposed": f"{1e3 * max(r['exposed'] for r in rs):.1f}"})
-    print(f"MLP 784-2048-2048-10, batch {BATCH} per worker, 1 torch thread per worker, {os.cpu_count()} cores; "
-          f"median step time in ms over {args.steps} steps (slowest rank), best of {args.repeat} alternating runs; "
-          f"fusion {args.fusion_bytes >> 10} KiB")
-    print(table(rows, [("world", "world"), ("alone", "alone ms"), ("ddp", "DDP-gloo ms"), ("rs", "ringserve ms"),
-                       ("rs_ddp", "ringserve / DDP"), ("rs_alone", "ringserve / alone"),
-                       ("ddp_alone", "DDP / alone"), ("overlap", "comm during backward"),
-                       ("covered", "backward with comm running"),
+                rounds.append({name: _run(role, world, args, where, env) for name, role, env in RUNS})
+            for name, _role, _env in RUNS:
+                steps = [max(r["step"] for r in rnd[name]) for rnd in rounds]
+                cpus = [sum(r["cpu"] for r in rnd[name]) for rnd in rounds]
+                cpu_ratios = sorted(c / sum(r["cpu"] for r in rnd["DDP over gloo"]) for c, rnd in zip(cpus, rounds, strict=True))
+                ratios = sorted(s / max(r["step"] for r in rnd["DDP over gloo"]) for s, rnd in zip(steps, rounds, strict=True))
+                best = rounds[steps.index(min(steps))][name]
+                hvd = name == "ringserve DistributedOptimizer"
+                rows.append({"world": world, "run": name, "step": f"{min(steps) * 1e3:.1f}",
+                             "gloo": f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]",
+                             "alone": f"{min(steps) / alone:.2f}",
+                             "cpu": f"{statistics.median(cpus) * 1e3:.0f}",
+                             "cpu_gloo": f"{statistics.median(cpu_ratios):.2f} [{cpu_ratios[0]:.2f}-{cpu_ratios[-1]:.2f}]",
+                             "overlap": f"{100 * min(r['overlap'] for r in best):.0f}%" if hvd else "-",
+                             "covered": f"{100 * min(r['covered'] for r in best):.0f}%" if hvd else "-",
+                             "exposed": f"{1e3 * max(r['exposed'] for r in best):.1f}" if hvd else "-"})
+    load = os.getloadavg()
+    print(f"MLP 784-2048-2048-10, batch {BATCH} per worker, 1 torch thread per worker, {os.cpu_count()} cores "
+          f"(load average {load[0]:.1f} at the end); one process alone: {alone * 1e3:.1f} ms; median step time of the "
+          f"slowest rank over {args.steps} steps, best of {args.repeat} rounds; fusion {args.fusion_bytes >> 10} KiB")
+    print(table(rows, [("world", "world"), ("run", "run"), ("step", "step ms"),
+                       ("gloo", "/ DDP over gloo, paired: median [range]"), ("alone", "/ alone"),
+                       ("cpu", "CPU ms/step, all ranks"), ("cpu_gloo", "CPU / DDP over gloo's: median [range]"),
+                       ("overlap", "comm during backward"), ("covered", "backward with comm running"),
                        ("exposed", "exposed comm ms")]))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -147,15 +147,21 @@ def allreduce(
     compression: str | None = None,
     residual: np.ndarray | None = None,
     check_finite: bool = False,
+    parts: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``.
 
     ``out=a`` reduces in place (as torch.distributed.all_reduce does); any other ``out`` of the
     same shape and dtype receives the result. ``compression``, ``residual`` (error feedback) and
     ``check_finite``: see ``Worker.allreduce``.
+
+    ``op="adasum"``: Adasum (Maleki et al.; Horovod's CPU algorithm, see ringserve/worker/adasum.py)
+    of floating point arrays, bit-identical on every rank, on a world whose size is a power of two
+    (UnsupportedError otherwise, as Horovod refuses it); ``parts`` gives each tensor fused in ``a``
+    its own coefficients.
     """
     return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out, compression=compression,
-                                                residual=residual, check_finite=check_finite))
+                                                residual=residual, check_finite=check_finite, parts=parts))
 
 
 def broadcast(a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
@@ -168,6 +174,40 @@ def allgather(a: Any, name: str | None = None) -> np.ndarray:
 
 def reduce_scatter(a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None) -> np.ndarray:
     return context().call(lambda w: w.reduce_scatter(a, op=op, name=name, compression=compression))
+
+
+def alltoall(a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sends ``splits[d]`` rows of ``a`` (along axis 0) to rank d; returns the rows every rank sent
+    this one, concatenated in rank order, and how many rows came from each (int64).
+
+    Without splits, axis 0 is split evenly (its length must be a multiple of the world size).
+    Otherwise one non-negative integer per rank, summing to at most ``len(a)``; rows past the sum
+    are not sent (Horovod's rule). Wrong splits fail on every rank (InvalidArgumentError here,
+    MismatchError on ranks whose arguments were right) within ``abort_grace_s``.
+    """
+    return context().call(lambda w: w.alltoall(a, splits=splits, name=name))
+
+
+def grouped_allgather(arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+    """``allgather`` of each array of a list, as one collective (arrays of any dtypes)."""
+    return context().call(lambda w: w.grouped_allgather(arrays, name=name))
+
+
+def grouped_reduce_scatter(arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
+                           compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+    """``reduce_scatter`` of each array of a list, as one collective per dtype."""
+    return context().call(lambda w: w.grouped_reduce_scatter(arrays, op=op, name=name, compression=compression))
+
+
+def join() -> int:
+    """Horovod's join for uneven data: this rank has no more data. Until every rank has joined, it
+    takes part in the others' allreduces with zeros (Average still divides by the world size) and
+    barriers, and refuses their other collectives (they fail with MismatchError), as Horovod does.
+    Returns the rank that joined last, the same on every rank. Waits at most ``join_timeout_s``.
+    """
+    ctx = context()
+    return ctx.call(lambda w: w.join(), timeout_s=ctx.config.join_timeout_s + ctx.config.collective_timeout_s
+                    + _WAIT_SLACK_S)
 
 
 def barrier() -> None:

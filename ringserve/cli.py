@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ringserve.config import CoordinatorConfig, WorkerConfig
-from ringserve.errors import STATE_LOST_EXIT_CODE, RingserveError
+from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError, RingserveError
 
 
 def _coordinator_args(p: argparse.ArgumentParser) -> None:
@@ -27,15 +27,20 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="membership must be stable this long before a view forms")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
+    p.add_argument("--max-heartbeats-per-second", dest="max_heartbeats_per_s", type=float, default=None,
+                   help="stretch the heartbeat interval as the world grows to keep under this rate, "
+                        "within a third of the timeout (default 1000; 0: never)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
-                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 8192)")
+                   help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 16384)")
     p.add_argument("--max-param-bytes", type=int, default=None,
                    help="bytes of parameter blobs held at once, streaming ones included (default 1 GiB)")
     p.add_argument("--max-watch-streams", type=int, default=None,
                    help="WatchView streams open at once, all clients together (default 4096)")
     p.add_argument("--max-watches-per-worker", type=int, default=None,
                    help="WatchView streams open at once under one worker id (default 4)")
+    p.add_argument("--max-heartbeat-streams", type=int, default=None,
+                   help="Heartbeats streams open at once, all clients together (default 4096)")
     p.add_argument("--idle-connection-seconds", dest="idle_connection_s", type=float, default=None,
                    help="close a client connection with no RPC in flight for this long (default 60)")
     p.add_argument("--handshake-timeout-seconds", dest="handshake_timeout_s", type=float, default=None,
@@ -65,8 +70,8 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
-                 "max_watch_streams", "max_watches_per_worker", "idle_connection_s",
+                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 
 
@@ -105,12 +110,48 @@ def _cmd_coordinator(ns: argparse.Namespace) -> int:
 _SECURITY_ENV = {f"RINGSERVE_{f.upper()}" for f in (*_SECURITY_FIELDS, "token")}
 
 
+def _placement(ns: argparse.Namespace) -> Any:
+    """horovodrun's host arguments as a Placement; None when none was given (all on this host)."""
+    from ringserve.launch import Placement
+    from ringserve.launch_hosts import parse_host_list, parse_hostfile
+    from ringserve.launch_procs import SshSettings
+
+    ssh = SshSettings(port=ns.ssh_port, identity_file=ns.ssh_identity_file or "", config_file=ns.ssh_config_file or "",
+                      start_timeout_s=ns.start_timeout)
+    slots = ns.slots_per_host or 1
+    if ns.hosts:
+        hosts = tuple(parse_host_list(ns.hosts, slots))
+    elif ns.hostfile:
+        try:
+            with open(ns.hostfile) as f:
+                text = f.read()
+        except OSError as exc:
+            raise InvalidArgumentError(f"The hostfile {ns.hostfile!r} cannot be read: {exc.strerror}.") from None
+        hosts = tuple(parse_hostfile(text, ns.hostfile, slots))
+    elif ns.host_discovery_script:
+        hosts = ()
+    else:
+        return None
+    cooldown = None
+    if ns.blacklist_cooldown_range:
+        low, high = ns.blacklist_cooldown_range
+        cooldown = (low, high)
+    return Placement(hosts=hosts, discovery_script=ns.host_discovery_script or "", slots_per_host=slots, ssh=ssh,
+                     advertise_host=ns.advertise_host or "", cooldown_range=cooldown,
+                     elastic_timeout_s=ns.elastic_timeout, verbose=ns.verbose)
+
+
 def _cmd_run(ns: argparse.Namespace) -> int:
     from ringserve.launch import launch
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     min_np = ns.min_np if ns.min_np is not None else ns.np
     max_np = ns.max_np if ns.max_np is not None else ns.np
+    if ns.start_timeout is None:
+        ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or 30.0)
+    if ns.elastic_timeout is None:
+        ns.elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or 600.0)
+    placement = _placement(ns)
     # The embedded coordinator takes the job's TLS and token from the environment, as the
     # workers it starts do.
     security = CoordinatorConfig.from_env(
@@ -124,16 +165,15 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         heartbeat_timeout_s=ns.heartbeat_timeout,
         **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
     )
-    elastic = min_np < ns.np or ns.restart_failed
-    outcome = launch(ns.np, command, coordinator=config, elastic=elastic,
+    env = dict(os.environ)
+    env.setdefault("RINGSERVE_ELASTIC_TIMEOUT_S", f"{ns.elastic_timeout:g}")
+    elastic = min_np < ns.np or ns.restart_failed or bool(ns.host_discovery_script)
+    outcome = launch(ns.np, command, coordinator=config, env=env, elastic=elastic, placement=placement,
                      restart_failed=ns.restart_failed, max_restarts=ns.max_restarts)
-    if outcome.failed_rank is not None:
+    if outcome.reason:
         lost = " (StateLostError: the job's committed state is lost)" if outcome.code == STATE_LOST_EXIT_CODE else ""
-        print(
-            f"ringserve run: rank {outcome.failed_rank} exited with code {outcome.code}{lost}; "
-            f"the other ranks were stopped.",
-            file=sys.stderr,
-        )
+        stopped = "; the other ranks were stopped." if outcome.failed_rank is not None else "."
+        print(f"ringserve run: {outcome.reason}{lost}{stopped}", file=sys.stderr)
     return outcome.code
 
 
@@ -206,6 +246,51 @@ def _cmd_timeline_merge(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """``ringserve run``'s flags: horovodrun's names where horovodrun has the flag."""
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                   help="number of workers (elastic: the slots needed before training starts)")
+    p.add_argument("--host", default=None,
+                   help="address the coordinator binds (default 127.0.0.1; 0.0.0.0 when workers run on other hosts)")
+    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None,
+                   help="elastic: the world goes on while at least this many workers live (default -np)")
+    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=None,
+                   help="elastic: at most this many workers in a view (default -np)")
+    p.add_argument("--restart-failed", action="store_true",
+                   help="start a failed worker again; it rejoins at the next commit (elastic). A worker that "
+                        "exits with 65 (StateLostError) is never restarted: the run ends with 65")
+    p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds of silence before a worker is declared dead")
+    hosts = p.add_argument_group("hosts (as horovodrun)")
+    one = hosts.add_mutually_exclusive_group()
+    one.add_argument("-H", "--hosts", default=None,
+                     help="hosts and their slots, host1:4,host2:4 (ranks fill host1 first); workers on other "
+                          "hosts start over ssh")
+    one.add_argument("-hostfile", "--hostfile", default=None,
+                     help="a file of hosts, one 'host slots=4' per line")
+    one.add_argument("--host-discovery-script", default=None,
+                     help="elastic: a command printing one 'host:slots' (or 'host') per line, run every second")
+    hosts.add_argument("--slots-per-host", type=int, default=None,
+                       help="slots of a host given without them (default 1)")
+    hosts.add_argument("-p", "--ssh-port", type=int, default=None, help="the ssh port on every host")
+    hosts.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with")
+    hosts.add_argument("--ssh-config-file", default=None, help="an ssh config file to use instead of ~/.ssh/config")
+    hosts.add_argument("--start-timeout", type=float, default=None,
+                       help="seconds a remote worker may take to start (default 30, or HOROVOD_START_TIMEOUT)")
+    hosts.add_argument("--elastic-timeout", type=float, default=None,
+                       help="elastic: seconds to wait for -np slots, and for a new view "
+                            "(default 600, or HOROVOD_ELASTIC_TIMEOUT)")
+    hosts.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                       help="elastic: a failing host stays out MIN seconds, doubling with each failure up to MAX "
+                            "(default: for good)")
+    hosts.add_argument("--advertise-host", default=None,
+                       help="this host's address for workers on other hosts (default: the address their ssh "
+                            "connection came from)")
+    hosts.add_argument("--verbose", action="store_true", help="note each ssh command as it starts")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, e.g. python train.py")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringserve", description="Collective communication over gRPC.")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
@@ -215,19 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_args(p)
     p.set_defaults(func=_cmd_coordinator)
 
-    p = sub.add_parser("run", help="run a command as N local workers of a fresh coordinator")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of workers")
-    p.add_argument("--host", default=None, help="address the coordinator binds (default 127.0.0.1)")
-    p.add_argument("--min-np", type=int, default=None,
-                   help="elastic: the world goes on while at least this many workers live (default -np)")
-    p.add_argument("--max-np", type=int, default=None, help="elastic: at most this many workers in a view")
-    p.add_argument("--restart-failed", action="store_true",
-                   help="start a failed worker again; it rejoins at the next commit (elastic). A worker that "
-                        "exits with 65 (StateLostError) is never restarted: the run ends with 65")
-    p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                   help="seconds of silence before a worker is declared dead")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command, e.g. python train.py")
+    p = sub.add_parser("run", help="run a command as N workers of a fresh coordinator, here or on several hosts")
+    _run_args(p)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("status", help="show the current view and each worker's counters")

@@ -111,8 +111,12 @@ class CoordinatorConfig(SecuritySettings):
         max_workers: at most this many workers are in a view; later joiners wait.
         settle_s: membership must be unchanged this long before a view forms (torchrun's
             "last call"), so workers that start a little apart land in one view.
-        heartbeat_interval_s: how often workers send heartbeats.
+        heartbeat_interval_s: how often workers send heartbeats (at least; see
+            max_heartbeats_per_s).
         heartbeat_timeout_s: a worker silent this long is declared dead.
+        max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
+            grows, so that all workers together send at most this many heartbeats a second,
+            but never past a third of heartbeat_timeout_s (see ringserve.pacing); 0: never.
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
@@ -126,6 +130,10 @@ class CoordinatorConfig(SecuritySettings):
             than half of max_concurrent_rpcs, so that heartbeats and Status always find room.
         max_watches_per_worker: WatchView streams open at once under one worker id (a worker
             needs one; a reconnect briefly holds two).
+        max_heartbeat_streams: Heartbeats streams open at once, all clients together; never
+            more than a quarter of max_concurrent_rpcs. Each worker id has at most one (a newer
+            one replaces it), a stream ends once it names an unknown worker or sends nothing for
+            heartbeat_timeout_s, and a worker refused one heartbeats with unary calls meanwhile.
         idle_connection_s: a client connection with no RPC in flight for this long is closed
             (gRPC's max_connection_idle); a worker's WatchView stream keeps its connection busy.
         handshake_timeout_s: a connection that has not completed its TLS and HTTP/2 handshake
@@ -139,15 +147,18 @@ class CoordinatorConfig(SecuritySettings):
     settle_s: float = 0.5
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    max_heartbeats_per_s: float = 1000.0
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
-    # Each worker holds one WatchView stream and a unary call or two at a time: 2,000 workers
-    # need about 4,000, and a flood of streams is capped by max_watch_streams well before this.
-    max_concurrent_rpcs: int = 8192
+    # Each worker holds a WatchView and a Heartbeats stream and a unary call or two at a time:
+    # 2,000 workers need about 6,000. The caps on the two kinds of stream (a half and a quarter
+    # of this at most) leave a quarter to unary calls whatever floods them.
+    max_concurrent_rpcs: int = 16384
     max_param_bytes: int = 1 << 30
     max_watch_streams: int = 4096
     max_watches_per_worker: int = 4
+    max_heartbeat_streams: int = 4096
     idle_connection_s: float = 60.0
     handshake_timeout_s: float = 10.0
 
@@ -156,14 +167,24 @@ class CoordinatorConfig(SecuritySettings):
         """max_watch_streams, within half of max_concurrent_rpcs."""
         return max(1, min(self.max_watch_streams, self.max_concurrent_rpcs // 2))
 
+    @property
+    def heartbeat_stream_cap(self) -> int:
+        """max_heartbeat_streams, within a quarter of max_concurrent_rpcs."""
+        return max(1, min(self.max_heartbeat_streams, self.max_concurrent_rpcs // 4))
+
     def __post_init__(self) -> None:
         _positive(self, "min_workers", "max_workers", "heartbeat_interval_s",
                   "heartbeat_timeout_s", "tick_s", "max_message_bytes", "max_concurrent_rpcs",
                   "max_param_bytes", "max_watch_streams", "max_watches_per_worker",
-                  "idle_connection_s", "handshake_timeout_s")
+                  "max_heartbeat_streams", "idle_connection_s", "handshake_timeout_s")
         _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
+        if self.max_heartbeats_per_s < 0:
+            raise InvalidArgumentError(
+                f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "
+                f"negative (0 turns the stretching of the interval off)."
+            )
         if self.max_workers < self.min_workers:
             raise InvalidArgumentError(
                 f"The maximum number of workers ({self.max_workers}) must be at least the "
@@ -213,6 +234,9 @@ class WorkerConfig(SecuritySettings):
             inspector). collective_timeout_s is the later bound at which it fails.
         elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
             instance while below min_workers) before they give up with a clear error.
+        join_timeout_s: how long join() waits for the last rank to join (the others may still be
+            training on their remaining data meanwhile); collective_timeout_s still bounds each
+            collective a joined rank takes part in.
         timeline: write this rank's collectives as Chrome trace events to this path
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none. Its
             directory must exist or be creatable (checked here, made at the first view).
@@ -276,6 +300,7 @@ class WorkerConfig(SecuritySettings):
     metrics_port: int = -1
     timeline: str = ""
     elastic_timeout_s: float = 600.0
+    join_timeout_s: float = 3600.0
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16
     max_concurrent_rpcs: int = 64
@@ -293,7 +318,8 @@ class WorkerConfig(SecuritySettings):
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
-                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s")
+                  "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s",
+                  "join_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(
@@ -345,8 +371,17 @@ class WorkerConfig(SecuritySettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
-        """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win."""
-        return cls(**_from_env(cls, env, overrides))
+        """Builds a config from RINGSERVE_* variables (RINGSERVE_COORDINATOR, ...); overrides win.
+
+        Without RINGSERVE_RANK_HINT, torch's RANK (torchrun's, or a torch.distributed launch's) is
+        the hint: a process that calls ``ringserve.torch.init()`` before ``init_process_group`` then
+        takes the rank torch gives it.
+        """
+        values = _from_env(cls, env, overrides)
+        torch_rank = (os.environ if env is None else env).get("RANK", "")
+        if "rank_hint" not in values and torch_rank.isdigit():
+            values["rank_hint"] = int(torch_rank)
+        return cls(**values)
 
 
 def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:

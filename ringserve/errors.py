@@ -23,6 +23,8 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
             ├── NotInitializedError   a collective called before init()
             ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
             ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
+            ├── UnsupportedError      not supported in this configuration (Adasum on a world whose
+            │                         size is not a power of two, as in Horovod)
             └── ProtocolError         a malformed or unexpected frame
 
 ``grpc.aio.AioRpcError`` is translated at the transport boundary and never reaches users.
@@ -206,6 +208,11 @@ class MismatchError(UsageError):
         super().__init__(
             f"The ranks called collective {op_key!r} with different arguments ({listing})."
         )
+
+
+class UnsupportedError(UsageError, NotImplementedError):
+    """What was asked is not supported in this configuration; also a NotImplementedError, as
+    Horovod raises for the same cases (Adasum on a world whose size is not a power of two)."""
 
 
 class ProtocolError(UsageError):

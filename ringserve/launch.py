@@ -1,9 +1,18 @@
-"""``ringserve run -np N command...``: a coordinator and N local worker processes, like torchrun.
+"""``ringserve run -np N command...``: a coordinator and N workers, on this host or on several, like
+horovodrun.
 
 The coordinator runs inside the launcher on a background loop. Each worker gets
 RINGSERVE_COORDINATOR and RINGSERVE_RANK_HINT (its process index, which becomes its rank in the
-first view). Output lines are prefixed with the rank. When one worker fails, the others are
-stopped (SIGTERM, then SIGKILL after a grace) and the launcher exits with that worker's code.
+first view), and Horovod's and torchrun's variables (see launch_env). Output lines are prefixed with the rank. When one worker
+fails, the others are stopped (SIGTERM, then SIGKILL after a grace) and the launcher exits with
+that worker's code.
+
+With hosts (``-H host1:4,host2:4``, ``--hostfile``) the coordinator still runs here, on the
+launching host; workers on other hosts start over ssh (launch_procs, launch_remote) and those on
+this host without it. The failure of any host (ssh cannot reach it, the connection is lost, a
+worker there exits non-zero) stops the run with a sentence naming the host and the rank, and the
+failure's exit code (ssh's 255 for ssh's own failures). See launch_group for what a run over
+several hosts sets up, and launch_elastic for elastic runs and host discovery.
 
 A worker that exits with STATE_LOST_EXIT_CODE (65: an uncaught StateLostError, see
 ringserve.elastic.run) lost the job's committed state. Elastic or not, with --restart-failed or
@@ -15,119 +24,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
+import socket
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import IO, Any
 
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
-from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError
-from ringserve.launch_env import horovod_env
+from ringserve.errors import InvalidArgumentError
+from ringserve.launch_elastic import Discovery, supervise
+from ringserve.launch_group import Outcome, Placement, Workers, networked_config
+from ringserve.launch_hosts import Blacklist, HostSpec, assign_slots
+from ringserve.launch_procs import is_local_host
 from ringserve.loop import LoopThread
 
-TERMINATE_GRACE_S = 5.0
-
-
-@dataclass
-class Outcome:
-    """How a launch ended: the exit code, and the rank that failed first (None if none did)."""
-
-    code: int
-    failed_rank: int | None = None
-
-
-def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
-    """Copies a child's output line by line, each line (and each carriage-return redraw, as a
-    progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave."""
-    pending = b""
-    while True:
-        data = os.read(stream.fileno(), 65536)
-        if not data:
-            break
-        parts = (pending + data).splitlines(keepends=True)
-        pending = parts.pop() if not parts[-1].endswith((b"\n", b"\r")) else b""
-        if parts:
-            with lock:
-                out.write(b"".join(prefix + part for part in parts))
-                out.flush()
-    if pending:
-        with lock:
-            out.write(prefix + pending + b"\n")
-            out.flush()
-    stream.close()
-
-
-def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with _suppress_lookup():
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with _suppress_lookup():
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-class _suppress_lookup:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is ProcessLookupError
-
-
-FINISH_GRACE_S = 30.0
-
-
-class _Group:
-    """The worker processes, each with an output pump; a slot can be started again."""
-
-    def __init__(self, command: Sequence[str], env: Mapping[str, str], address: str, sink: IO[bytes],
-                 num_proc: int = 1) -> None:
-        self._num_proc = num_proc
-        self._command = list(command)
-        self._env = dict(env)
-        self._address = address
-        self._sink = sink
-        self._lock = threading.Lock()
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.pumps: list[threading.Thread] = []
-
-    def start(self, slot: int) -> None:
-        child_env = {
-            **self._env,
-            **horovod_env(slot, self._num_proc),  # what horovodrun exports: see launch_env
-            "RINGSERVE_COORDINATOR": self._address,
-            "RINGSERVE_RANK_HINT": str(slot),
-            "PYTHONUNBUFFERED": "1",
-        }
-        proc = subprocess.Popen(
-            self._command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        self.procs[slot] = proc
-        assert proc.stdout is not None
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{slot}] ".encode(), self._sink, self._lock), daemon=True)
-        pump.start()
-        self.pumps.append(pump)
-
-    def note(self, text: str) -> None:
-        with self._lock:
-            self._sink.write(f"ringserve run: {text}\n".encode())
-            self._sink.flush()
-
-    def stop(self) -> None:
-        _stop_all(list(self.procs.values()))
-        for pump in self.pumps:
-            pump.join(5.0)
+__all__ = ["Outcome", "Placement", "launch"]
 
 
 def launch(
@@ -140,11 +53,12 @@ def launch(
     elastic: bool = False,
     restart_failed: bool = False,
     max_restarts: int = 10,
+    placement: Placement | None = None,
 ) -> Outcome:
     """Runs ``command`` as ``num_proc`` workers of a fresh coordinator, and waits for them.
 
     Args:
-        num_proc: number of worker processes started.
+        num_proc: number of worker processes started (elastic: the slots needed to start).
         command: the program and its arguments.
         coordinator: coordinator settings; min and max workers default to num_proc.
         env: environment for the workers; defaults to this process's.
@@ -152,45 +66,82 @@ def launch(
         elastic: a failed worker does not stop the others (they go on in a smaller world).
         restart_failed: start a failed worker again, up to max_restarts times in all; it rejoins.
             Implies elastic.
+        placement: the hosts to run on (None: all on this host); a discovery script in it makes
+            the run elastic.
 
     Returns:
         The Outcome. Not elastic: 0 when every worker exited 0, else the first failing worker's
-        code and slot. Elastic: 0 when some worker finished with 0 (the stragglers are stopped
-        after a grace), else the last failure; STATE_LOST_EXIT_CODE as soon as a worker exits
-        with it.
+        code, index, host and reason. Elastic: 0 when some worker finished with 0 (the
+        stragglers are stopped after a grace), else the last failure; STATE_LOST_EXIT_CODE as
+        soon as a worker exits with it.
+
+    Raises:
+        InvalidArgumentError: num_proc below 1, no command, or fewer slots than num_proc.
     """
     if num_proc < 1:
         raise InvalidArgumentError(f"The number of processes ({num_proc}) must be at least 1.")
     if not command:
         raise InvalidArgumentError("ringserve run needs a command to start, e.g. python train.py.")
     config = coordinator or CoordinatorConfig(min_workers=num_proc, max_workers=num_proc, settle_s=0.2)
+    discovery_script = placement.discovery_script if placement is not None else ""
+    hosts = list(placement.hosts) if placement is not None else [HostSpec(socket.gethostname(), num_proc)]
+    if not discovery_script:
+        assign_slots(hosts, num_proc)  # fewer slots than -np is an error before anything starts
+    elastic = elastic or restart_failed or bool(discovery_script)
     thread = LoopThread(use_uvloop=True, name="ringserve-launcher")
-    coord = Coordinator(config)
-    group: _Group | None = None
+    workers: Workers | None = None
+    discovery: Discovery | None = None
     # SIGTERM (a scheduler, `timeout`) must stop the workers too: they run in sessions of their
     # own, so only this process can. Turning it into SystemExit runs the cleanup below.
     previous = _exit_on_sigterm()
+    coord: Coordinator | None = None
     try:
+        local = {h.name: is_local_host(h.name) for h in hosts} if placement is not None else {}
+        networked = bool(discovery_script) or not all(local.values())
+        if networked:
+            config = networked_config(config)
+        coord = Coordinator(config)
         thread.run(coord.start(), 30.0)
-        group = _Group(command, os.environ if env is None else env, coord.address, out or sys.stdout.buffer,
-                       num_proc=num_proc)
-        group.note(f"coordinator at {coord.address}; starting {num_proc} workers")
-        for slot in range(num_proc):
-            group.start(slot)
-        if elastic or restart_failed:
-            return _supervise_elastic(group, max_restarts if restart_failed else 0)
-        return _wait(group.procs)
+        workers = Workers(command, os.environ if env is None else env, out or sys.stdout.buffer,
+                          coordinator=config, port=coord.port, placement=placement, networked=networked,
+                          known_local=local)
+        where = f" on {','.join(f'{h.name}:{h.slots}' for h in hosts)}" if placement is not None and hosts else ""
+        if discovery_script:
+            where = f" on the hosts {discovery_script!r} discovers"
+        workers.note(f"coordinator at {coord.address}; starting {num_proc} workers{where}")
+        if not elastic:
+            return _run_fixed(workers, hosts, num_proc)
+        if discovery_script:
+            assert placement is not None
+            discovery = Discovery(discovery_script, placement.slots_per_host, placement.discovery_interval_s,
+                                  timeout_s=placement.ssh.start_timeout_s, note=workers.note)
+            first = discovery.first()
+            if isinstance(first, Outcome):
+                return first
+            discovery.start()
+        return supervise(
+            workers, num_proc=num_proc, max_np=max(config.max_workers, num_proc),
+            hosts=None if discovery_script else hosts, discovery=discovery,
+            restart_failed=restart_failed, max_restarts=max_restarts if restart_failed else 0,
+            blacklist=Blacklist(placement.cooldown_range) if placement is not None else None,
+            elastic_timeout_s=placement.elastic_timeout_s if placement is not None else 600.0,
+        )
     except KeyboardInterrupt:
         return Outcome(130)
     finally:
-        if group is not None:
-            group.stop()
         try:
-            thread.run(coord.stop(0.2), 10.0)
+            if discovery is not None:
+                discovery.stop()
+            if workers is not None:
+                workers.stop()
         finally:
-            thread.stop()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            try:
+                if coord is not None:
+                    thread.run(coord.stop(0.2), 10.0)
+            finally:
+                thread.stop()
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_on_sigterm() -> Any:
@@ -203,53 +154,34 @@ def _exit_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _exit_code(code: int) -> int:
-    return code if code > 0 else 128 - code
-
-
-def _wait(procs: Mapping[int, subprocess.Popen[bytes]]) -> Outcome:
-    remaining = set(procs)
-    while remaining:
-        for slot in sorted(remaining):
-            code = procs[slot].poll()
-            if code is None:
-                continue
-            remaining.discard(slot)
-            if code != 0:
-                return Outcome(_exit_code(code), failed_rank=slot)
-        time.sleep(0.05)
-    return Outcome(0)
-
-
-def _supervise_elastic(group: _Group, restarts_left: int) -> Outcome:
-    running = set(group.procs)
-    finished_at: float | None = None
-    last_failure: Outcome | None = None
-    while running:
-        for slot in sorted(running):
-            code = group.procs[slot].poll()
-            if code is None:
-                continue
-            running.discard(slot)
-            if code == 0:
-                finished_at = finished_at or time.monotonic()
-                continue
-            last_failure = Outcome(_exit_code(code), failed_rank=slot)
-            if code == STATE_LOST_EXIT_CODE:
-                group.note(f"worker {slot} lost the job's committed state (exit code {code}, StateLostError); "
-                           f"restarting nobody and ending the run")
-                return last_failure
-            if finished_at is None and restarts_left > 0:
-                restarts_left -= 1
-                group.note(f"worker {slot} exited with code {code}; starting it again ({restarts_left} restarts left)")
-                group.start(slot)
-                running.add(slot)
+def _run_fixed(workers: Workers, hosts: Sequence[HostSpec], num_proc: int) -> Outcome:
+    """Not elastic: every slot gets a worker; the first failure ends the run. Remote workers start
+    first, so that local ones can advertise the address the remote hosts see this one by."""
+    slots = assign_slots(hosts, num_proc)
+    local_index: dict[str, int] = {}
+    pending = []
+    for index, slot in enumerate(slots):
+        local_index[slot.host] = local_index.get(slot.host, -1) + 1
+        pending.append((index, local_index[slot.host], slot))
+    pending.sort(key=lambda item: workers.is_local(item[2].host))
+    started = []
+    while True:
+        still = []
+        for index, local, slot in pending:
+            proc = workers.start(index, local, slot)
+            if proc is None:
+                still.append((index, local, slot))
             else:
-                group.note(f"worker {slot} exited with code {code}; the others go on")
-        if finished_at is not None and running and time.monotonic() - finished_at > FINISH_GRACE_S:
-            group.note(f"training finished; stopping {len(running)} worker(s) still waiting to join")
-            break
+                started.append(proc)
+        pending = still
+        done = 0
+        for proc in started:
+            code = proc.poll()
+            if code is None:
+                continue
+            if code != 0:
+                return Outcome(code, failed_rank=proc.index, host=proc.host, reason=proc.reason())
+            done += 1
+        if not pending and done == len(started):
+            return Outcome(0)
         time.sleep(0.05)
-    if finished_at is not None:
-        return Outcome(0)
-    return last_failure or Outcome(0)

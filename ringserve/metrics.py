@@ -78,6 +78,7 @@ class CoordinatorCollector(Collector):
             "view_size": ("gauge", "Workers in the current view."),
             "workers_waiting": ("gauge", "Workers joined but not yet in a view."),
             "watch_streams": ("gauge", "WatchView streams open (capped by max_watch_streams)."),
+            "heartbeat_streams": ("gauge", "Heartbeats streams open (capped by max_heartbeat_streams)."),
             "param_bytes": ("gauge", "Parameter bytes held, stored and streaming (capped by max_param_bytes)."),
             "committed_step": ("gauge", "The job's last commit reported by a synced worker (-1: none yet)."),
             "committed_lineage": ("gauge", "Resumes from a durable copy after every holder of the last commit died."),

@@ -13,7 +13,10 @@ error at start and never mid-training.
   probe of a suspect worker, ``ringserve status``, the health probe) speak TLS when ``tls_ca`` or
   ``tls_cert`` is set, and present ``tls_cert`` as their client certificate. The token rides as call
   credentials on a TLS channel and through a client interceptor on a plaintext one (gRPC sends call
-  credentials only over a secure transport).
+  credentials only over a secure transport). A bidirectional stream on a plaintext channel carries
+  it as explicit metadata instead (``call_metadata``): grpc.aio's stream-stream interceptor turns
+  each ``write`` into two tasks, and a stream that the server refuses leaves one of them pending
+  forever, so a worker re-opening its heartbeat stream would leak a task each time.
 - **The health service stays open**: ``grpc.health.v1.Health`` needs no token, because the probes
   that call it (Docker's health check, Kubernetes' gRPC probe) cannot send one. It tells only
   SERVING or not. Under ``tls_require_client_auth`` it needs a client certificate like every other
@@ -154,8 +157,14 @@ class Security:
         extra = [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
         return [*options, *extra]
 
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a bidirectional stream on one of our channels must send itself: the token on a
+        plaintext channel (see the module docstring); nothing with TLS or without a token."""
+        return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token and not self.tls else ()
+
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        """An asyncio channel to address that speaks TLS and sends the token as configured."""
+        """An asyncio channel to address that speaks TLS and sends the token as configured
+        (on bidirectional streams, pass ``call_metadata()`` to the call)."""
         opts = self.channel_options(options)
         if self.tls:
             return grpc.aio.secure_channel(address, self.channel_credentials(), options=opts)
@@ -256,18 +265,11 @@ class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
         return await continuation(_with_token(client_call_details, self._header), request_iterator)
 
 
-class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, header: tuple[str, str]) -> None:
-        self._header = header
-
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._header), request_iterator)
-
-
 def token_client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add ``authorization: Bearer <token>`` to every call of a channel."""
+    """Interceptors that add ``authorization: Bearer <token>`` to every call of a channel but the
+    bidirectional streams (they send ``Security.call_metadata()`` themselves)."""
     header = (AUTH_HEADER, f"Bearer {token}")
-    return [_TokenUnaryUnary(header), _TokenUnaryStream(header), _TokenStreamUnary(header), _TokenStreamStream(header)]
+    return [_TokenUnaryUnary(header), _TokenUnaryStream(header), _TokenStreamUnary(header)]
 
 
 class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor):

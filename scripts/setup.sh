@@ -4,6 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The multi-host launcher tests run real sshd servers in network namespaces (tests/cli/sshnet.py):
+# as root (where those tests run), install OpenSSH if it is missing.
+if [ "$(id -u)" = 0 ] && { ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1; then
+    # policy-rc.d keeps the package from starting a system sshd; the tests start their own.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; rc_made=1; fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null; } \
+      || echo "setup.sh: could not install openssh-server; the multi-host launcher tests will fail" >&2
+    if [ "${rc_made:-0}" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  else
+    echo "setup.sh: sshd is missing and apt-get is not here; the multi-host launcher tests will fail" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -2,7 +2,8 @@
 
 A simulated worker does what a real one does on the control plane and nothing else: it joins,
 holds a WatchView stream, and sends a heartbeat every heartbeat interval (from a random phase, as
-workers started apart would). Each has its own channel and TCP connection (a local subchannel
+workers started apart would), through the real worker's client (``HeartbeatStream``: on one
+long-lived stream, unary calls while it is down). Each has its own channel and TCP connection (a local subchannel
 pool: gRPC would otherwise multiplex every channel of a process onto one connection), so the
 coordinator sees what it would see from as many processes.
 
@@ -14,7 +15,9 @@ A swarm prints one JSON line when it is ready, joins on the next line of stdin, 
 line when all its workers have joined, then obeys commands on stdin,
 one per line, each answered with one JSON line: ``silence K`` (its first K workers stop
 heartbeating and drop their streams, as a hung or unplugged host would), ``report`` (heartbeat
-latencies and counts so far) and ``stop``. ``Scale`` below runs a coordinator process and swarms
+latencies and counts so far), ``unary`` and ``stream`` (every worker heartbeats with unary calls
+only from its next beat on, or on its stream again: the benchmark compares the two on one
+coordinator) and ``stop``. ``Scale`` below runs a coordinator process and swarms
 and watches the views; the scale tests and benchmarks/coordinator_scale.py both use it.
 """
 
@@ -41,8 +44,12 @@ if str(ROOT) not in sys.path:  # run as a script: import the ringserve of this c
 
 from ringserve._proto import coordinator_pb2 as pb  # noqa: E402
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from ringserve.errors import RingserveError  # noqa: E402
+from ringserve.worker.control import HeartbeatStream  # noqa: E402
 
 WATCH = "/ringserve.v1.Coordinator/WatchView"
+# A real worker's default rpc_timeout_s: a heartbeat not answered within it is missed.
+BEAT_TIMEOUT_S = 5.0
 # Each simulated channel gets its own connection, as a worker process would.
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
@@ -69,12 +76,17 @@ class SimWorker:
         self.interval = interval
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.beats = HeartbeatStream(self.stub, address, BEAT_TIMEOUT_S)
         self.worker_id = ""
         self.view_id = 0
         self.first_view_at = 0.0
         self.latencies: list[tuple[float, float]] = []  # (sent at, seconds)
         self.unknown = 0  # heartbeats answered "known: false": this worker was declared dead
         self.errors = 0
+        self.missed = 0  # heartbeats that failed (no answer in time, or refused)
+        # The longest time between two heartbeats sent: past the timeout, the coordinator rightly
+        # drops this worker, however fast its answers (a swarm starved of CPU sends late).
+        self.longest_gap = 0.0
         self._tasks: list[asyncio.Task[None]] = []
 
     async def join(self) -> None:
@@ -83,6 +95,12 @@ class SimWorker:
             pb.JoinRequest(address=f"{host}:{7000 + self.index % 8}", hostname=host), timeout=30
         )
         self.worker_id = answer.worker_id
+
+    async def join_and_start(self) -> None:
+        """Joins, then heartbeats and watches at once, as a real worker does (not only once all
+        of its swarm has joined: in a long join storm the first would go silent past the timeout)."""
+        await self.join()
+        self.start()
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -104,16 +122,19 @@ class SimWorker:
 
     async def _beat(self) -> None:
         await asyncio.sleep(random.uniform(0, self.interval))
+        previous = 0.0
         while True:
             sent = time.monotonic()
+            if previous:
+                self.longest_gap = max(self.longest_gap, sent - previous)
+            previous = sent
             try:
-                answer = await self.stub.Heartbeat(
-                    pb.HeartbeatRequest(worker_id=self.worker_id, view_id=self.view_id), timeout=10
-                )
+                answer = await self.beats.beat(pb.HeartbeatRequest(worker_id=self.worker_id, view_id=self.view_id))
                 self.latencies.append((sent, time.monotonic() - sent))
                 self.unknown += not answer.known
-            except grpc.aio.AioRpcError:
-                self.errors += 1
+                self.interval = answer.heartbeat_interval_s or self.interval
+            except RingserveError:
+                self.missed += 1
             await asyncio.sleep(max(0.0, sent + self.interval - time.monotonic()))
 
     async def stop(self) -> None:
@@ -123,6 +144,7 @@ class SimWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        self.beats.close()
         await self.channel.close()
 
 
@@ -133,9 +155,7 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
     # long each took to start.
     _say({"ready": count})
     await loop.run_in_executor(None, sys.stdin.readline)
-    await asyncio.gather(*(w.join() for w in workers))
-    for w in workers:
-        w.start()
+    await asyncio.gather(*(w.join_and_start() for w in workers))
     _say({"joined": [w.worker_id for w in workers], "at": time.monotonic()})
     silenced: list[SimWorker] = []
     try:
@@ -156,8 +176,16 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
                     "heartbeats": sum(len(w.latencies) for w in workers),
                     "unknown": sum(w.unknown for w in live),
                     "errors": sum(w.errors for w in live),
+                    "missed": sum(w.missed for w in live),
+                    "streaming": sum(w.beats.streaming for w in live),
+                    "longest_gap": max((w.longest_gap for w in live), default=0.0),
                     "first_view_at": [w.first_view_at for w in workers],
                 })
+            elif line[0] in ("unary", "stream"):
+                for w in workers:
+                    w.beats.close()  # a beat in flight on it goes on as a unary call
+                    w.beats = HeartbeatStream(w.stub, address, BEAT_TIMEOUT_S, use_stream=line[0] == "stream")
+                _say({"mode": line[0]})
     finally:
         await asyncio.gather(*(w.stop() for w in workers if w not in silenced))
 
@@ -273,13 +301,25 @@ class Scale:
         answers = [await self._read(swarm, timeout_s=60) for swarm in self.swarms]
         return [w for a in answers for w in a["silenced"]], min(a["at"] for a in answers)
 
+    async def broadcast(self, line: str) -> list[dict[str, Any]]:
+        """Sends one command to every swarm at once (``unary``, ``stream``); returns their answers."""
+        for swarm in self.swarms:
+            assert swarm.stdin is not None
+            swarm.stdin.write(line.encode() + b"\n")
+        await asyncio.gather(*(swarm.stdin.drain() for swarm in self.swarms if swarm.stdin is not None))
+        return [await self._read(swarm, timeout_s=60) for swarm in self.swarms]
+
     async def report(self) -> dict[str, Any]:
         """The swarms' reports, merged: latencies, heartbeat count, unknown and errors."""
-        merged: dict[str, Any] = {"latencies": [], "heartbeats": 0, "unknown": 0, "errors": 0, "first_view_at": []}
+        merged: dict[str, Any] = {"latencies": [], "heartbeats": 0, "unknown": 0, "errors": 0, "missed": 0,
+                                  "streaming": 0, "first_view_at": []}
+        gaps = []
         for swarm in self.swarms:
             answer = await self.command(swarm, "report")
             for key in merged:
                 merged[key] += answer[key]
+            gaps.append(answer["longest_gap"])
+        merged["longest_gap"] = max(gaps, default=0.0)
         return merged
 
     def coordinator_cpu_s(self) -> float:

@@ -106,20 +106,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage")
+    __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage", "heartbeat_interval_s")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STALL_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     MARK_STEP_FIELD_NUMBER: _ClassVar[int]
     MARK_LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     view_id: int
     known: bool
     pending_workers: int
     stall_warnings: _containers.RepeatedScalarFieldContainer[str]
     mark_step: int
     mark_lineage: int
-    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_s: float
+    def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("worker_id", "view_id")

@@ -50,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/ringserve.v1.Coordinator/Heartbeats',
+                request_serializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.WatchView = channel.unary_stream(
                 '/ringserve.v1.Coordinator/WatchView',
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.WatchViewRequest.SerializeToString,
@@ -106,6 +111,18 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Proves a worker is alive and carries its counters; answers with the current view id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeats(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream per worker: each request is answered by one
+        response, in order, as Heartbeat would answer it (a unary call costs the coordinator about
+        twice a stream message's CPU). Every request carries the worker id of the stream's first;
+        a newer stream under that id replaces this one (ABORTED on its next request). The stream
+        ends after an answer with known = false (rejoin, then open a new one), and after
+        heartbeat_timeout_s without a request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,6 +195,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -296,6 +318,33 @@ class Coordinator:
             request,
             target,
             '/ringserve.v1.Coordinator/Heartbeat',
+            ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ringserve.v1.Coordinator/Heartbeats',
             ringserve_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             ringserve_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import commits, membership
+from ringserve import commits, membership, pacing
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator.beats import HeartbeatStreams
 from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
 
@@ -82,12 +83,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             max_workers=config.max_workers,
             settle_s=config.settle_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
-            failure_window_s=failure_window(config),
+            failure_window_s=pacing.failure_window(config.heartbeat_interval_s, config.heartbeat_timeout_s),
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_heartbeats_per_s=config.max_heartbeats_per_s,
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()
         self._watches_by_worker: dict[str, int] = {}
         self.watch_streams = 0
+        self.heartbeat_streams = HeartbeatStreams(config.heartbeat_stream_cap, config.heartbeat_timeout_s)
         self._encoded = _EncodedView(self._state.view)
         # Workers waiting to be admitted, recomputed only when the workers or the view change
         # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
@@ -125,7 +129,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         must not cost work proportional to the number of workers)."""
         state = self._state
         tables, count = self._waiting
-        if tables is None or any(a is not b for a, b in zip(tables, (state.workers, state.view, state.held), strict=True)):
+        if tables is None or tables[0] is not state.workers or tables[1] is not state.view or tables[2] is not state.held:
             count = membership.admissible(state)
             self._waiting = ((state.workers, state.view, state.held), count)
         return count
@@ -197,6 +201,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "view_size": len(self._state.view.members),
             "workers_waiting": membership.waiting(self._state),
             "watch_streams": self.watch_streams,
+            "heartbeat_streams": self.heartbeat_streams.open,
             "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
             "committed_step": self.mark.commit.step if self.mark.commit is not None else -1,
             "committed_lineage": self.mark.commit.lineage if self.mark.commit is not None else 0,
@@ -225,7 +230,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim))
         return pb.JoinResponse(
             worker_id=worker_id,
-            heartbeat_interval_s=self._config.heartbeat_interval_s,
+            heartbeat_interval_s=membership.heartbeat_interval(self._state),
             heartbeat_timeout_s=self._config.heartbeat_timeout_s,
         )
 
@@ -234,6 +239,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaveResponse()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        return self._beat(request)
+
+    async def Heartbeats(self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext) -> None:
+        """Heartbeat on one long-lived stream, each request answered in order (see beats.py)."""
+        await self.heartbeat_streams.serve(context, self._beat)
+
+    def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """A heartbeat's effect and its answer, on a unary call or a stream."""
         known = membership.is_known(self._state, request.worker_id)
         warnings: list[str] = []
         if known:
@@ -248,7 +261,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._record_commit(request)
         answer = pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
-            stall_warnings=warnings,
+            stall_warnings=warnings, heartbeat_interval_s=membership.heartbeat_interval(self._state),
         )
         if self.mark.commit is not None:
             answer.mark_step, answer.mark_lineage = self.mark.commit.step, self.mark.commit.lineage
@@ -452,11 +465,3 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         return answer
 
-
-def failure_window(config: CoordinatorConfig) -> float:
-    """How long a view without expired workers waits for the nearly silent ones to speak or
-    expire too (see membership). Workers that died together sent their last heartbeats over one
-    interval, and those arrived with latencies that vary under load: two intervals cover both.
-    Only workers that missed two heartbeats count as nearly silent."""
-    interval, timeout = config.heartbeat_interval_s, config.heartbeat_timeout_s
-    return max(0.0, min(2 * interval, timeout - 2 * interval))

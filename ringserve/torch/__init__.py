@@ -13,7 +13,8 @@ A script written for ``horovod.torch`` runs after changing only its import::
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 Elastic training is ``hvd.elastic`` (``run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``),
-with no import besides this one.
+with no import besides this one. This import also registers torch.distributed's "ringserve" backend
+(``ringserve.torch.distributed``), so ``dist.init_process_group("ringserve")`` works after it.
 
 Errors: every error raised here is a ``RuntimeError`` (see ringserve.errors), as Horovod's are.
 ``hvd.HorovodInternalError`` is ringserve's ``RecoverableError`` (what Horovod's elastic mode
@@ -23,9 +24,8 @@ HorovodInternalError, since retrying it would fail again. Argument errors (an un
 second collective of a name still in flight) are ``InvalidArgumentError``, a ValueError.
 
 The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
-Adasum (a clear error says so), process sets other than the global one, alltoall, grouped
-allgather and reducescatter, and Horovod's join semantics for uneven data (``join()`` here is a
-barrier that names the last rank).
+process sets other than the global one (``process_set=`` is taken, and any other set raises
+InvalidArgumentError).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from ringserve.torch.collectives import (
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.exchange import alltoall, alltoall_async
 from ringserve.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -83,10 +84,14 @@ from ringserve.torch.functions import (
     broadcast_parameters,
 )
 from ringserve.torch.grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
 )
 from ringserve.torch.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringserve.torch.optimizer import DistributedOptimizer
@@ -97,6 +102,9 @@ from ringserve.torch.timeline import start_timeline, stop_timeline
 # Last: hvd.elastic builds on the functions above (``import ringserve.torch as hvd`` then
 # ``hvd.elastic.run`` works, as in Horovod).
 from ringserve.torch import elastic  # noqa: E402  isort: skip
+
+# torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
+from ringserve.torch import distributed  # noqa: E402  isort: skip
 
 __all__ = [
     "Adasum",
@@ -121,6 +129,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -133,15 +143,20 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "distributed",
     "ddl_built",
     "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
     "is_initialized",
     "join",

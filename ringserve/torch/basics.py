@@ -34,9 +34,7 @@ global_process_set = ProcessSet()
 def check_process_set(process_set: object) -> None:
     """Raises InvalidArgumentError unless ``process_set`` is None or the global process set."""
     if process_set is not None and process_set is not global_process_set:
-        raise InvalidArgumentError(
-            "ringserve supports only the global process set; pass process_set=global_process_set."
-        )
+        raise InvalidArgumentError("process sets other than the global one are not supported yet")
 
 
 def init(comm: object = None, process_sets: object = None, *, coordinator: str | None = None,

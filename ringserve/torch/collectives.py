@@ -12,7 +12,6 @@ Grouped allreduce is in ``grouped``, the sparse reduction in ``sparse``.
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -98,11 +97,12 @@ def _claim(kind: str, name: str | None) -> str | None:
 
 def _allreduce_start(
     tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
-    prescale_factor: float, postscale_factor: float, out: torch.Tensor | None,
+    prescale_factor: float, postscale_factor: float, out: torch.Tensor | None, parts: list[int] | None = None,
 ) -> Handle[torch.Tensor]:
     with basics.named_call(_claim("allreduce", name)) as call:
         source = tensor.detach()
-        compression, codec = split(compression)
+        # Adasum adds no codec on the wire: a compressor casts around it (fp16 as in Horovod).
+        compression, codec = (compression, None) if op is ops.Adasum else split(compression)
         wire, cctx = compression.compress(_scaled(source, prescale_factor))
         array, layout = _tensors.reducible(wire)
         # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
@@ -112,8 +112,13 @@ def _allreduce_start(
                     and array.__array_interface__["data"][0] == out.data_ptr())
         target = array if into_out or not aliases_input else None
         core = ops.core_op(op)
-        codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-        future = call.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec))
+        if core == "average" and array.dtype.kind in "iu":
+            # Horovod averages integers as a sum scaled by 1 / size in float64, which truncates
+            # toward zero (the core's integer average floors): a joined rank's zeros show it.
+            core, postscale_factor = "sum", postscale_factor / api.size()
+        codec = None if core == "adasum" else wire_codec(codec, wire.dtype, array.dtype.kind)
+        future = call.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec,
+                                                   parts=parts))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
@@ -294,7 +299,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle[torch.Tensor]:
     """Starts reducescatter() and returns its handle."""
     basics.check_process_set(process_set)
-    core = ops.core_op(ops.resolve(op))
+    core = ops.core_op(ops.resolve(op), "reducescatter")
     with basics.named_call(_claim("reducescatter", name)) as call:
         compression, codec = split(compression)
         wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
@@ -344,10 +349,15 @@ def barrier(process_set: object = None) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Waits until every rank has called join(); returns the rank that called it last.
+    """Horovod's join for uneven data: this rank has run out of data.
 
-    Unlike Horovod, ranks that have joined do not stand in for the allreduces of ranks still
-    training, so every rank must issue the same collectives before joining.
+    Until every rank has joined, this rank takes part in the others' allreduces with zeros (so an
+    Average still divides by the world size, as in Horovod) and in their barriers, including the
+    gradient allreduces of a DistributedOptimizer; their allgathers, broadcasts, alltoalls and
+    reducescatters fail with a RuntimeError on every rank while a rank has joined, as Horovod's do.
+    Returns the rank that joined last, the same on every rank.
+
+    Args:
+        device: Horovod's device for its zero tensors; ringserve stands in on the CPU.
     """
-    arrivals = api.allgather_object(time.time(), name="ringserve.torch.join")
-    return int(max(range(len(arrivals)), key=lambda r: arrivals[r]))  # type: ignore[arg-type, return-value]
+    return api.join()

@@ -1,5 +1,12 @@
-"""Grouped allreduce: a list of tensors reduced as one fused collective per wire dtype and device,
-with Horovod's names and arguments (``grouped_allreduce``, its in-place and async forms)."""
+"""Grouped collectives with Horovod's names and arguments: a list of tensors as one fused collective.
+
+- ``grouped_allreduce`` (its in-place and async forms): one allreduce per wire dtype and device;
+- ``grouped_allgather``: one allgather for the whole list, whatever its dtypes;
+- ``grouped_reducescatter``: one reduce-scatter per dtype.
+
+All three are differentiable, with Horovod's gradients: a grouped allreduce of the gradients, the
+averaged gradients narrowed to this rank's rows, and the scaled gradients gathered.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,13 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ringserve.torch import basics, ops
-from ringserve.torch.collectives import Handle, _allreduce_start
-from ringserve.torch.compression import Compression, Compressor, split
+from ringserve import api
+from ringserve.torch import _tensors, basics, ops
+from ringserve.torch.collectives import Handle, _allreduce_start, _claim, _rescale, _scaled
+from ringserve.torch.compression import Compression, Compressor, split, wire_codec
 
 
 def _grouped_start(
@@ -31,9 +40,11 @@ def _grouped_start(
     for k, members in enumerate(groups.values()):
         flat = torch.cat([compressed[i][0].reshape(-1) for i in members])
         part_name = None if name is None else f"{name}.{k}"
+        # Adasum: each tensor keeps its own coefficients, as Horovod's fused Adasum does.
+        parts = [compressed[i][0].numel() for i in members] if op is ops.Adasum else None
         handles.append((members, _allreduce_start(
             flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, out=None)))
+            postscale_factor=postscale_factor, out=None, parts=parts)))
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
     future.set_result(None)
 
@@ -113,3 +124,117 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     basics.check_process_set(process_set)
     return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=Compression.none,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=True)
+
+
+# -- grouped allgather and reducescatter ------------------------------------------------------
+
+def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None) -> Handle[list[torch.Tensor]]:
+    """One collective for the whole list (see ringserve.worker.grouped), any mix of dtypes."""
+    with basics.named_call(_claim("grouped_allgather", name)) as call:
+        pairs = [_tensors.raw(t) if t.dim() else (t.detach().cpu().numpy(), None) for t in tensors]
+        arrays = [a for a, _ in pairs]
+        future = call.submit(lambda w: w.grouped_allgather(arrays, name=name))
+
+    def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
+        return [_tensors.restore(r, layout, rows=r.shape[0]) for r, (_, layout) in zip(results, pairs, strict=True)
+                if layout is not None]
+
+    return Handle(future, finish, claim=call.claim)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] for t in tensors]
+        return tuple(_grouped_allgather_start(tensors, name).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # Horovod's: the gradients averaged over the ranks, then this rank's rows of each.
+        reduced = _grouped_start(grads, op=ops.Average, name=None, compression=Compression.none,
+                                 prescale_factor=1.0, postscale_factor=1.0, in_place=False).wait()
+        rows = api.allgather(np.array([ctx.rows], dtype=np.int64))  # (world, tensors)
+        offsets = rows[: api.rank()].sum(axis=0).tolist()
+        return (None, *(g.narrow(0, int(at), n) for g, at, n in zip(reduced, offsets, ctx.rows, strict=True)))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: object = basics.global_process_set) -> list[torch.Tensor]:
+    """allgather() of each tensor of a list, in one collective (differentiable).
+
+    Each tensor's dimension 0 may differ between ranks; the other dimensions and the dtypes match.
+    """
+    basics.check_process_set(process_set)
+    return list(_GroupedAllgather.apply(name, *tensors))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: object = basics.global_process_set) -> Handle[list[torch.Tensor]]:
+    """Starts grouped_allgather() and returns its handle."""
+    basics.check_process_set(process_set)
+    return _grouped_allgather_start(tensors, name)
+
+
+def _grouped_reducescatter_start(
+    tensors: Sequence[torch.Tensor], *, name: str | None, op: ops.ReduceOp,
+    compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
+) -> Handle[list[torch.Tensor]]:
+    """One fused reduce-scatter per wire dtype (see ringserve.worker.grouped)."""
+    core = ops.core_op(op, "grouped_reducescatter")
+    with basics.named_call(_claim("grouped_reducescatter", name)) as call:
+        around, codec = split(compression)
+        compressed = [around.compress(_scaled(t.detach(), prescale_factor)) for t in tensors]
+        pairs = [_tensors.reducible(w) if w.dim() else (w.cpu().numpy(), None) for w, _ in compressed]
+        arrays = [a for a, _ in pairs]
+        wire = [wire_codec(codec, w.dtype, a.dtype.kind) for (w, _), a in zip(compressed, arrays, strict=True)]
+        future = call.submit(lambda w: w.grouped_reduce_scatter(arrays, op=core, name=name, compression=wire))
+
+    def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
+        out = []
+        for r, (_, layout), (_, cctx) in zip(results, pairs, compressed, strict=True):
+            assert layout is not None
+            part = _tensors.restore(r, layout, rows=r.shape[0])
+            out.append(_rescale(around.decompress(part, cctx), postscale_factor))
+        return out
+
+    return Handle(future, finish, claim=call.claim)
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ops.ReduceOp, prescale: float, postscale: float,
+                compression: type[Compressor] | Compressor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.scale = (api.size() if op is ops.Sum else 1.0) * prescale * postscale
+        return tuple(_grouped_reducescatter_start(tensors, name=name, op=op, compression=compression,
+                                                  prescale_factor=prescale, postscale_factor=postscale).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # Horovod's, as reducescatter's: every rank's rows of each gradient gathered, scaled by the
+        # world size for Sum and by the pre- and postscale factors.
+        scaled = [g * ctx.scale if ctx.scale != 1.0 else g for g in grads]
+        return (None, None, None, None, None, *_grouped_allgather_start(scaled, None).wait())
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] | Compressor = Compression.none,
+                          op: ops.ReduceOp | None = None, process_set: object = basics.global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """reducescatter() of each tensor of a list, fused into one collective per dtype (differentiable).
+
+    Returns this rank's rows of each reduced tensor (the first ranks get one row more, as Horovod).
+    """
+    basics.check_process_set(process_set)
+    return list(_GroupedReducescatter.apply(name, ops.resolve(op), prescale_factor, postscale_factor,
+                                            compression, *tensors))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ops.ReduceOp | None = None, process_set: object = basics.global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                                compression: type[Compressor] | Compressor = Compression.none,
+                                ) -> Handle[list[torch.Tensor]]:
+    """Starts grouped_reducescatter() and returns its handle."""
+    basics.check_process_set(process_set)
+    return _grouped_reducescatter_start(tensors, name=name, op=ops.resolve(op), compression=compression,
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor)

@@ -28,7 +28,7 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
-_CORE_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+_CORE_OPS = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product", Adasum: "adasum"}
 
 
 def resolve(op: ReduceOp | str | None, average: bool | None = None) -> ReduceOp:
@@ -49,13 +49,15 @@ def resolve(op: ReduceOp | str | None, average: bool | None = None) -> ReduceOp:
             raise InvalidArgumentError(f"The reduce op {op!r} is unknown; use one of {names}.") from None
     if not isinstance(op, ReduceOp):
         raise InvalidArgumentError(f"The reduce op {op!r} is not a ringserve.torch.ReduceOp.")
-    if op is Adasum:
-        raise InvalidArgumentError(
-            "Adasum is not supported by ringserve yet; use op=Average (or Sum) instead."
-        )
     return op
 
 
-def core_op(op: ReduceOp) -> str:
-    """The core's name of a supported op ("average", "sum", "min", "max" or "product")."""
+def core_op(op: ReduceOp, collective: str = "allreduce") -> str:
+    """The core's name of an op ("average", "sum", "min", "max", "product" or "adasum").
+
+    Raises:
+        InvalidArgumentError: Adasum for a collective other than an allreduce (as in Horovod).
+    """
+    if op is Adasum and collective not in ("allreduce", "grouped_allreduce"):
+        raise InvalidArgumentError(f"{collective} does not support Adasum (nor does Horovod's); use Sum or Average.")
     return _CORE_OPS[op]

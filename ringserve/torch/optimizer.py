@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics, collectives, ops, sparse
@@ -63,7 +64,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression: Compression.none (default), fp16, bf16 or int8: how gradients travel on the
             wire (sums are added in float32; see ringserve.torch.compression).
         backward_passes_per_step: backward passes to accumulate locally before one allreduce.
-        op: Average (default) or Sum.
+        op: Average (default), Sum, or Adasum: on more than one rank, Adasum makes this an
+            ``AdasumOptimizer`` (ringserve.torch.adasum), Horovod's delta optimizer.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size / factor after it.
         num_groups, groups: Horovod's explicit fusion groups (a count, or lists of parameters).
@@ -91,6 +93,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         opt.step()
     """
 
+    def __new__(cls, optimizer: torch.optim.Optimizer, named_parameters: Any = None, compression: Any = None,
+                backward_passes_per_step: int = 1, op: ops.ReduceOp = ops.Average, *args: Any,
+                **kwargs: Any) -> DistributedOptimizer:
+        # op=Adasum on more than one rank is Horovod's other optimizer, which reduces each step's
+        # change to the parameters instead of the gradients (ringserve.torch.adasum).
+        if cls is DistributedOptimizer and ops.resolve(op) is ops.Adasum and api.size() > 1:
+            from ringserve.torch.adasum import AdasumOptimizer  # noqa: PLC0415  (it builds on this module)
+
+            return super().__new__(AdasumOptimizer)
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -111,8 +124,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ is skipped on purpose: all optimizer state lives in ``optimizer``.
         basics.check_process_set(process_set)
         reduce_op = ops.resolve(op)
-        if reduce_op not in (ops.Average, ops.Sum):
-            raise InvalidArgumentError(f"DistributedOptimizer reduces with Average or Sum, not {reduce_op!r}.")
+        if reduce_op not in (ops.Average, ops.Sum, ops.Adasum):
+            raise InvalidArgumentError(f"DistributedOptimizer reduces with Average, Sum or Adasum, not {reduce_op!r}.")
         if gradient_predivide_factor != 1.0 and reduce_op is not ops.Average:
             raise InvalidArgumentError("gradient_predivide_factor needs op=Average.")
         if gradient_predivide_factor <= 0:
@@ -280,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _scales(self) -> tuple[str, float, float]:
         """The reduction, the factor before it, and the factor after it times the world size (0:
         none): the size is the view's that runs the allreduce, read on the loop as it starts."""
-        if self._op is ops.Sum:
+        if self._op in (ops.Sum, ops.Adasum):  # Adasum here: a world of one, where it is the identity
             return "sum", 1.0, 0.0
         if self._predivide == 1.0:
             return "average", 1.0, 0.0

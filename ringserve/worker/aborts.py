@@ -20,9 +20,25 @@ import logging
 
 from ringserve import wire
 from ringserve.errors import CorruptFrameError, MismatchError, RingserveError
-from ringserve.worker.inbox import MISMATCH, Inbox
+from ringserve.worker.inbox import MISMATCH, Inbox, Received
 
 log = logging.getLogger("ringserve.worker")
+
+
+def damage(frame: Received, rank: int, view_id: int, checksum: bool) -> str:
+    """Why a DATA frame that reached ``rank`` must not be used ("" if it may): a failed checksum,
+    or a missing one where this worker requires ``checksum``. Pure: it reads the frame only."""
+    header = frame.header
+    where = (f"frame {header.step}/{header.chunk} from rank {header.sender_rank} reached rank "
+             f"{rank} in view {view_id}")
+    if header.HasField("crc32"):
+        if wire.frame_crc(header, frame.payload) != header.crc32:
+            return f"{where} corrupted (crc32 mismatch); it was not used"
+    elif checksum:
+        return (f"{where} without a checksum, but this worker requires checksums "
+                f"(set RINGSERVE_CHECKSUM on every worker)")
+    return ""
+
 
 class Aborts:
     """The abort protocol of one plane: this rank of one view."""

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from ringserve import codecs, wire
 from ringserve.codecs import Codec
-from ringserve.errors import InvalidArgumentError, NonFiniteError
+from ringserve.errors import InvalidArgumentError, MismatchError, NonFiniteError
 from ringserve.ring import check_op, segment_bounds
 from ringserve.worker import executor, programs
 from ringserve.worker.executor import ring_of
 from ringserve.worker.session import Session
-from ringserve.worker.values import Blocks, Coded, Raw
+from ringserve.worker.values import Blocks, Coded, Exchange, Raw, Values
 
 CONFIRM_SLOT = programs.CONFIRM_SLOT
+REFUSE_SLOT = 1 << 29  # the lap of a refused collective (see refuse): apart from the confirmation lap's
 
 
 def _as_array(a: Any) -> np.ndarray:
@@ -235,6 +236,85 @@ async def allgather(session: Session, a: Any, *, name: str | None, chunk_bytes: 
     blocks = await allgather_blocks(session, flat, row=math.prod(rest), name=name,
                                     descriptor=descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
     return np.concatenate([b.reshape((-1, *rest)) for b in blocks], axis=0)
+
+
+async def refuse(session: Session, name: str | None, descriptor: str, problem: str, timeout_s: float) -> NoReturn:
+    """Takes part in a collective whose arguments are wrong on this rank, then raises.
+
+    The other ranks wait for this rank's frames, so raising at once would leave them waiting until
+    their deadline. Instead this rank opens the collective under a descriptor that names the
+    problem and sends one empty frame round the ring (programs.confirm): ranks whose arguments are
+    right see a descriptor that differs from theirs, and every rank fails with MismatchError (which
+    names the problem) within ``abort_grace_s``; ranks that are all wrong alike finish the lap.
+
+    Raises:
+        InvalidArgumentError: always, naming ``problem`` (a ValueError, as Horovod's are).
+    """
+    where = f"{descriptor} invalid: {problem}"
+    try:
+        await executor.run(session, name, where, timeout_s, programs.confirm(ring_of(session), REFUSE_SLOT), Values())
+    except MismatchError as exc:
+        raise InvalidArgumentError(f"{problem[0].upper()}{problem[1:]}.") from exc
+    raise InvalidArgumentError(f"{problem[0].upper()}{problem[1:]}.")
+
+
+def split_rows(splits: Any, rows: int, world: int) -> tuple[list[int], str]:
+    """The rows an alltoall sends to each rank, and what is wrong with ``splits`` ("" if nothing).
+
+    As Horovod: no splits (or empty ones) split the first dimension evenly, which must then be a
+    multiple of the world size; otherwise one non-negative integer per rank, summing to at most
+    the first dimension (rows after the sum are not sent).
+    """
+    if splits is None or np.size(splits) == 0:
+        if rows % world:
+            return [], (f"the first dimension ({rows}) is not a multiple of the world size ({world}); "
+                        f"pass splits to send uneven parts")
+        return [rows // world] * world, ""
+    parts = np.asarray(splits)
+    if parts.dtype.kind not in "iu" or parts.ndim != 1:
+        return [], f"splits must be one integer per rank, not an array of {parts.dtype} of shape {parts.shape}"
+    if parts.size != world:
+        return [], f"splits has {parts.size} entries, but the world has {world} ranks"
+    if (parts < 0).any():
+        return [], f"splits {parts.tolist()} holds a negative number of rows"
+    total = int(parts.sum())
+    if total > rows:
+        return [], f"splits {parts.tolist()} sum to {total}, more than the first dimension ({rows})"
+    return [int(p) for p in parts], ""
+
+
+async def alltoall(session: Session, a: Any, *, splits: Any = None, name: str | None, chunk_bytes: int,
+                   timeout_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Sends ``splits[d]`` rows of ``a`` (along axis 0, in order) to rank d; returns the rows every
+    rank sent this one, concatenated in rank order, and how many came from each (int64).
+
+    Arguments that are wrong on a rank (see split_rows, a scalar) fail on every rank within
+    ``abort_grace_s`` (see refuse), never by a deadline.
+    """
+    array = _as_array(a)
+    world, rank = session.place.size, session.place.rank
+    rest = tuple(array.shape[1:])
+    descriptor = f"alltoall {array.dtype} (*, {', '.join(map(str, rest))})"
+    if array.ndim == 0:
+        await refuse(session, name, descriptor, "alltoall needs an array with at least one dimension", timeout_s)
+    rows, problem = split_rows(splits, array.shape[0], world)
+    if problem:
+        await refuse(session, name, descriptor, problem, timeout_s)
+    row = math.prod(rest)
+    if row == 0:  # blocks of no elements tell no row counts: exchange the counts themselves
+        counts, _ = await alltoall(session, np.array(rows, dtype=np.int64).reshape(world, 1), name=name,
+                                   chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+        return np.empty((int(counts.sum()), *rest), dtype=array.dtype), counts.reshape(-1)
+    flat = np.ascontiguousarray(array).reshape(-1)
+    starts = np.concatenate([[0], np.cumsum(rows)]) * row
+    outgoing = [flat[starts[d]: starts[d + 1]] for d in range(world)]
+    values = Exchange(array.dtype, outgoing, row=row)
+    values.blocks[rank] = outgoing[rank]  # a rank's block to itself never travels
+    program = programs.alltoall_ring(ring_of(session), [b.size for b in outgoing], _chunk_elems(array.dtype, chunk_bytes))
+    await executor.run(session, name, descriptor, timeout_s, program, values)
+    received = [b if b is not None else flat[:0] for b in values.blocks]
+    counts = np.array([b.size // row for b in received], dtype=np.int64)
+    return np.concatenate(received).reshape((-1, *rest)), counts
 
 
 def _pickled(obj: object) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""The worker's client of the coordinator: unary calls with deadlines, and the view watch."""
+"""The worker's client of the coordinator: unary calls with deadlines, heartbeats on a stream, and
+the view watch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,122 @@ from ringserve.security import Security
 from ringserve.transport import channel_options, coordinator_error
 
 PARAM_CHUNK_BYTES = 1 << 20
+# After a heartbeat stream fails, unary heartbeats are sent until it is opened again, first this
+# long after the failure, then twice as long after each failure in a row, up to the cap: a
+# coordinator that refuses streams (its cap, an older version) is asked again now and then,
+# not at every beat.
+REOPEN_FIRST_S = 1.0
+REOPEN_MAX_S = 60.0
+
+
+class HeartbeatStream:
+    """A worker's heartbeats on one long-lived Heartbeats stream, unary Heartbeat calls while the
+    stream is down: the same answers for about half the coordinator's CPU (see
+    ringserve.coordinator.beats).
+
+    One request is in flight at a time. A beat whose answer has not come within ``timeout_s``
+    is missed (CoordinatorUnreachableError, as a unary call past its deadline), and the stream is
+    dropped: an answer that comes late would be taken for the next request's. Any other failure
+    of the stream (ended by the coordinator, refused, replaced, a coordinator without the
+    method) drops it too, and the beat goes as a unary call within what is left of its deadline,
+    so that the beat's outcome is the coordinator's, not the stream's. A dropped stream is opened
+    again with backoff (REOPEN_FIRST_S doubling to REOPEN_MAX_S); after an answer with
+    ``known: false`` (the coordinator ends that stream) a new one is opened at once, for the
+    beats after the rejoin.
+
+    Example::
+
+        beats = HeartbeatStream(pb_grpc.CoordinatorStub(channel), "10.0.0.2:50051", timeout_s=5.0)
+        answer = await beats.beat(pb.HeartbeatRequest(worker_id=worker_id, view_id=view_id))
+    """
+
+    def __init__(
+        self, stub: pb_grpc.CoordinatorStub, address: str, timeout_s: float, *,
+        metadata: tuple[tuple[str, str], ...] = (), use_stream: bool = True,
+    ) -> None:
+        """``metadata``: sent with each stream (the token on a plaintext channel, see
+        Security.call_metadata)."""
+        self._stub = stub
+        self._metadata = metadata
+        self.address = address
+        self.timeout_s = timeout_s
+        self.use_stream = use_stream  # False: unary calls only (the benchmark's comparison)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reopen_at = 0.0
+        self._failures = 0
+        self._lock = asyncio.Lock()
+        self.streams_opened = 0
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream is open now (the next beat goes on it)."""
+        return self._call is not None
+
+    async def beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """Sends one heartbeat and returns the coordinator's answer.
+
+        Raises:
+            CoordinatorUnreachableError: no answer within timeout_s.
+            RingserveError: the coordinator refused the heartbeat (a bad token, ...).
+        """
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout_s
+            if self._call is None and self.use_stream and loop.time() >= self._reopen_at:
+                self._call = self._stub.Heartbeats(metadata=self._metadata or None)
+                self.streams_opened += 1
+            call = self._call
+            if call is not None:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await call.write(request)
+                        answer = await call.read()
+                except TimeoutError:
+                    self._drop(loop.time())
+                    raise CoordinatorUnreachableError(
+                        self.address, self.timeout_s, "DEADLINE_EXCEEDED: no answer on the heartbeat stream"
+                    ) from None
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                    self._drop(loop.time(), give_up=code == grpc.StatusCode.UNIMPLEMENTED)
+                except BaseException:
+                    self._drop(loop.time())  # cancelled mid-beat: the stream's state is unknown
+                    raise
+                else:
+                    if answer is grpc.aio.EOF:
+                        self._drop(loop.time())
+                    else:
+                        assert isinstance(answer, pb.HeartbeatResponse)
+                        self._failures = 0
+                        if not answer.known:  # the coordinator ends this stream; a new one after the rejoin
+                            self._drop(loop.time(), failed=False)
+                        return answer
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise CoordinatorUnreachableError(self.address, self.timeout_s, "DEADLINE_EXCEEDED: heartbeat")
+            try:
+                answer = await self._stub.Heartbeat(request, timeout=remaining)
+            except grpc.aio.AioRpcError as exc:
+                raise coordinator_error(exc, self.address, self.timeout_s) from None
+            assert isinstance(answer, pb.HeartbeatResponse)
+            return answer
+
+    def _drop(self, now: float, *, failed: bool = True, give_up: bool = False) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if not failed:
+            self._reopen_at = now
+            return
+        self._failures += 1
+        wait = REOPEN_MAX_S if give_up else min(REOPEN_MAX_S, REOPEN_FIRST_S * 2 ** (self._failures - 1))
+        self._reopen_at = now + wait
+
+    def close(self) -> None:
+        """Ends the stream (the channel's owner closes the channel)."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
 
 
 class ControlClient:
@@ -29,6 +146,7 @@ class ControlClient:
         self._security = security
         self._channel = security.channel(self.address, channel_options(64 << 20))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.heartbeats = HeartbeatStream(self._stub, self.address, config.rpc_timeout_s, metadata=security.call_metadata())
 
     async def _call(self, method: str, request: object, timeout_s: float, wait_for_ready: bool = False) -> object:
         try:
@@ -94,7 +212,7 @@ class ControlClient:
         )
         if committed is not None:
             request.committed_step, request.committed_lineage = committed.step, committed.lineage
-        return await self._call("Heartbeat", request, self._config.rpc_timeout_s)  # type: ignore[return-value]
+        return await self.heartbeats.beat(request)
 
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:
         request = pb.ReportFailureRequest(reporter_id=worker_id, view_id=view_id, suspect_rank=suspect_rank, reason=reason)
@@ -164,4 +282,5 @@ class ControlClient:
         return b"".join(parts)
 
     async def close(self) -> None:
+        self.heartbeats.close()
         await self._channel.close()

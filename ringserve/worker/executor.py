@@ -14,6 +14,7 @@ for an empty segment), which is what lets each rank check its predecessor.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -45,25 +46,44 @@ def ring_of(session: Session) -> Ring:
 
 
 async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Program,
-              values: Values) -> str:
+              values: Values, *, key: str | None = None) -> str:
     """Runs one collective's program under its deadline, counts it, and forgets its frames afterwards.
 
+    ``key``: the collective's key, when this rank stands in for a collective of the others that it
+    learned of from their frames (see join.py); otherwise the session makes it from ``name``.
     Returns the collective's key. The results are in ``values``.
     """
-    key, inbox = session.open(name, descriptor)
-    values.key = key
+    return await run_stages(session, name, descriptor, timeout_s, iter([(program, values)]), key=key)
+
+
+async def run_stages(session: Session, name: str | None, descriptor: str, timeout_s: float,
+                     stages: Iterator[tuple[Program, Values]], *, key: str | None = None) -> str:
+    """Runs a collective made of several programs, one after the other, under one key and deadline.
+
+    ``stages`` gives each program with its values once the one before has finished (so a stage may
+    compute its values from the results of the last): a collective that needs rounds of
+    communication with computation between them (Adasum) is still one collective, with one name,
+    one descriptor and one timeline span. Each stage must use slots of its own (programs.shifted).
+    """
+    key, inbox = session.open(name, descriptor, key=key)
     kind = descriptor.split(" ", 1)[0]
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
         "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.plane.place.rank,
     })
     ok = False
+    values = Values()
     try:
         # NaN and Inf are data here (check_finite reports them): inf - inf in a sum must not warn,
         # or, under -W error, raise on one rank in the middle of the ring. numpy keeps this
         # setting per task (a context variable), so it covers this collective only.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             async with asyncio.timeout(timeout_s):
-                await execute(session, key, inbox, program, values)
+                for program, values in stages:
+                    values.key = key
+                    try:
+                        await execute(session, key, inbox, program, values)
+                    finally:
+                        program.close()
                 if session.checksum:
                     await execute(session, key, inbox, programs.confirm(ring_of(session)), values)
         ok = True
@@ -73,7 +93,6 @@ async def run(session: Session, name: str | None, descriptor: str, timeout_s: fl
             f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:
-        program.close()
         session.release(key)
         elapsed = span.end(ok)
     session.counters.observe(kind, elapsed)

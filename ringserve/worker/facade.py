@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from ringserve.config import WorkerConfig
-from ringserve.worker import collectives
+from ringserve.errors import InvalidArgumentError
+from ringserve.worker import adasum, collectives, grouped
+from ringserve.worker import join as joining
 from ringserve.worker.session import Session
 from ringserve.worker.standing import Standing
 
@@ -104,6 +106,7 @@ class Facade:
         compression: str | None = None,
         residual: np.ndarray | None = None,
         check_finite: bool = False,
+        parts: Sequence[int] | None = None,
     ) -> np.ndarray:
         """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank.
 
@@ -114,7 +117,21 @@ class Facade:
         (float64 for float64), turns on error feedback: it is added to ``a`` and then replaced by
         what this rank's encodings lost; keep it from call to call. ``check_finite`` raises
         NonFiniteError on every rank when the result holds NaN or Inf.
+
+        ``op="adasum"``: Adasum (see worker/adasum.py) of floating point arrays, on a world whose
+        size is a power of two, without compression or residual; ``parts`` (element counts that
+        tile ``a``) gives each tensor fused in ``a`` its own coefficients, as Horovod does.
         """
+        if op == "adasum":
+            if compression is not None or residual is not None:
+                raise InvalidArgumentError("op adasum takes no compression and no residual.")
+            result = await adasum.allreduce(self._session(), a, name=name, out=out,
+                                            parts=None if parts is None else list(parts), **self._opts())
+            if check_finite and not np.isfinite(result).all():
+                raise collectives._non_finite_error(name or "adasum")
+            return result
+        if parts is not None:
+            raise InvalidArgumentError("parts is for op adasum only.")
         return await collectives.allreduce(self._session(), a, op=op, name=name, out=out, compression=compression,
                                            residual=residual, check_finite=check_finite, **self._opts())
 
@@ -145,6 +162,30 @@ class Facade:
         """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more)."""
         return await collectives.reduce_scatter(self._session(), a, op=op, name=name, compression=compression,
                                                 **self._opts())
+
+    async def alltoall(self, a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sends ``splits[d]`` rows of ``a`` to rank d (an even split of axis 0 without splits);
+        returns the rows every rank sent this one, in rank order, and how many came from each."""
+        return await collectives.alltoall(self._session(), a, splits=splits, name=name, **self._opts())
+
+    async def grouped_allgather(self, arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+        """allgather of each array of a list, in one collective."""
+        return await grouped.grouped_allgather(self._session(), list(arrays), name=name, **self._opts())
+
+    async def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
+                                     compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+        """reduce_scatter of each array of a list, in one collective per dtype (and codec: one for
+        every floating point array, or one per array)."""
+        return await grouped.grouped_reduce_scatter(self._session(), list(arrays), op=op, name=name,
+                                                    compression=compression, **self._opts())
+
+    async def join(self) -> int:
+        """Horovod's join for uneven data: until every rank has joined, this rank takes part in the
+        others' allreduces with zeros (and refuses their other collectives, as Horovod does; see
+        join.py); returns the rank that joined last, the same on every rank. A join is over the
+        whole view: collectives over sub-rings are not stood in for."""
+        return await joining.join(self._session(), chunk_bytes=self.config.chunk_bytes,
+                                  timeout_s=self.config.collective_timeout_s, join_timeout_s=self.config.join_timeout_s)
 
     async def barrier(self) -> None:
         """Returns once every rank has called barrier."""

@@ -42,6 +42,7 @@ class Inbox:
         self._timer: asyncio.TimerHandle | None = None
         self._starved: BaseException | None = None
         self.span: Span | None = None
+        self.announced = False  # its first frame was reported to a joined rank (Plane.on_unopened)
 
     def deliver(self, key: tuple[int, int], frame: Received) -> None:
         fut = self._slots.get(key)
@@ -54,6 +55,11 @@ class Inbox:
     def untaken(self) -> int:
         """How many frames arrived here and were never taken."""
         return sum(1 for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None)
+
+    def heard(self) -> str:
+        """The descriptor of a frame already here ("" if none: only an abort came)."""
+        frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
+        return frames[0].header.descriptor if frames else ""
 
     def foreign(self, descriptor: str) -> dict[int, str]:
         """The authors of frames already here whose descriptor differs from ``descriptor``."""

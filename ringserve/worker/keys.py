@@ -11,6 +11,8 @@ be confused, whatever order the ranks make them in.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from ringserve.errors import ProtocolError
 from ringserve.worker.programs import Ring
 
@@ -60,3 +62,62 @@ def source(ring: Ring) -> int:
     if ring.size == 1:
         return -1
     return ring.members[(ring.index - 1) % ring.size]
+
+
+# A joined rank opens the others' keys as their frames come (join.py); they come nearly in order,
+# so a key far past the last of its name is a broken peer, not a gap to remember.
+MAX_SKIPPED = 1 << 12
+
+
+class Numbering:
+    """The keys one rank has handed out in one view: how many collectives of each (name, ring) it
+    opened, and the whole view's keys a joined rank passed over by opening a later one (join.py).
+
+    Only the whole view's collectives are stood in for (join is over the whole view, as Horovod's
+    is over the global process set), so ``claim``, ``counts``, ``behind`` and ``opened`` concern
+    keys of spec "" only; a sub-ring's collectives are numbered apart and never claimed.
+    """
+
+    def __init__(self) -> None:
+        self._counts: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self._skipped: set[str] = set()
+        self.opened = 0  # whole-view collectives opened of this rank's own accord since its last join
+
+    def next(self, base: str, spec: str) -> str:
+        """The key of the next collective named ``base`` over the ring ``spec``."""
+        self._counts[(base, spec)] += 1
+        if not spec:
+            self.opened += 1
+        return make(base, self._counts[(base, spec)], spec)
+
+    def claim(self, key: str) -> None:
+        """Takes ``key``, a whole-view key the others opened (a joined rank stands in for it); the
+        keys of its name it passes over stay open to their frames until claimed.
+
+        Raises:
+            ProtocolError: the key is not a whole view's, or is far past the last of its name.
+        """
+        base, number, spec = split(key)
+        if spec or not number.isdigit():
+            raise ProtocolError(f"Collective {key!r} is not one of the whole view's, so no joined rank stands in for it.")
+        seen, n = self._counts[(base, "")], int(number)
+        if n - seen > MAX_SKIPPED:
+            raise ProtocolError(f"Collective {key!r} is {n - seen} past the last of its name on this rank.")
+        self._skipped.update(make(base, m, "") for m in range(seen + 1, n))
+        self._skipped.discard(key)
+        self._counts[(base, "")] = max(seen, n)
+
+    def handed_out(self, key: str) -> bool:
+        """Whether ``key`` was opened here already (by ``next`` or ``claim``)."""
+        base, number, spec = split(key)
+        return number.isdigit() and int(number) <= self._counts.get((base, spec), 0) and key not in self._skipped
+
+    def counts(self) -> dict[str, int]:
+        """How many of the whole view's collectives of each name this rank has opened (the last
+        key's number)."""
+        return {base: n for (base, spec), n in self._counts.items() if not spec}
+
+    def behind(self, counts: dict[str, int]) -> bool:
+        """Whether some whole-view collective of ``counts`` (another rank's) is one this rank has
+        not opened."""
+        return bool(self._skipped) or any(self._counts.get((b, ""), 0) < n for b, n in counts.items())

@@ -6,9 +6,10 @@ the moment it happens:
 - **watch**: every view the coordinator publishes is installed (``Worker._install``). A view that
   cannot be installed makes the worker give up (ViewInstallError, it leaves). A broken watch
   (the coordinator is away) is watched again, with a backoff.
-- **heartbeat**: every heartbeat interval (or at once when asked, see ``beat_now``) the worker's
-  counters, stalled collectives, ring link and commit go to the coordinator, which answers with
-  the joiners waiting and the job's commit mark. A worker the coordinator does not know rejoins
+- **heartbeat**: every heartbeat interval (or at once when asked, see ``heartbeat_now``) the
+  worker's counters, stalled collectives, ring link and commit go to the coordinator, which
+  answers with the joiners waiting, the job's commit mark and the interval to keep (it stretches
+  the interval as the world grows). A worker the coordinator does not know rejoins
   under its id, claiming the view it runs in. A worker silent to the coordinator for a heartbeat
   timeout asks its peers whether they went on without it (see exclusion.py) and, if they did,
   stops with ExcludedError.
@@ -137,6 +138,8 @@ class Lifeline:
                     return
                 continue
             self.heard_at = sent_at
+            # The coordinator stretches the interval as the world grows (0: an older coordinator).
+            self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self.planes.current.view_id if self.planes.current is not None else 0

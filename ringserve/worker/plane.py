@@ -23,15 +23,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
 
 from ringserve import wire
-from ringserve.errors import PeerUnavailableError, ProtocolError
+from ringserve.errors import PeerUnavailableError, ProtocolError, UsageError
 from ringserve.observe import Counters, Timeline
-from ringserve.worker import keys
+from ringserve.worker import aborts, keys
 from ringserve.worker.aborts import Aborts
 from ringserve.worker.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.link import Link
@@ -73,7 +72,9 @@ class Plane:
         self._gone: dict[int, BaseException] = {}  # ranks whose stream in has ended
         self._ended = False  # every link was ended or closed: no new one opens
         self._inboxes: dict[str, Inbox] = {}
-        self._occurrences: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.numbering = keys.Numbering()
+        # join.py's hook while joined: told (key, descriptor) of a whole-view collective not opened here.
+        self.on_unopened: Callable[[str, str], None] | None = None
         self._damaged = ""  # a damaged frame named no open collective: the next one is aborted
         self._aborts = Aborts(place.rank, place.view_id, abort_grace_s)
         self.error: BaseException | None = None
@@ -115,9 +116,11 @@ class Plane:
         link.open(hello, functools.partial(self._link_failed, rank))
         return link
 
-    def open(self, name: str | None, descriptor: str, ring: Ring, spec: str = "") -> tuple[str, Inbox, Link | None]:
+    def open(self, name: str | None, descriptor: str, ring: Ring, spec: str = "", *,
+             key: str | None = None) -> tuple[str, Inbox, Link | None]:
         """Registers a collective over ``ring`` (``spec`` names a sub-ring); returns its key, its
-        inbox, and the link to the ring's next rank (opened now if this is its first use)."""
+        inbox, and the link to the ring's next rank (opened now if this is its first use). ``key``:
+        that very key of the whole view's (a joined rank stands in for it: ``Numbering.claim``)."""
         if self.error is not None:
             raise self.error
         if self.retired is not None:
@@ -125,9 +128,12 @@ class Plane:
         if ring.size > 1 and ring.next in self._broken:
             raise self._broken[ring.next]
         link = self.link_to(ring.next) if ring.size > 1 else None
-        base = name if name is not None else ""
-        self._occurrences[(base, spec)] += 1
-        key = keys.make(base, self._occurrences[(base, spec)], spec)
+        if key is None:
+            key = self.numbering.next(name if name is not None else "", spec)
+        elif spec:
+            raise UsageError(f"A joined rank stands in for the whole view's collectives only, not {key!r} on {spec}.")
+        else:
+            self.numbering.claim(key)
         inbox = self._inbox(key, ring)
         inbox.descriptor = descriptor
         inbox.known[self.place.rank] = descriptor
@@ -140,6 +146,11 @@ class Plane:
         self._active += 1
         self._opened[key] = time.monotonic()
         return key, inbox, link
+
+    def unopened(self) -> list[tuple[str, str]]:
+        """(key, descriptor) of the whole view's collectives with frames here not opened here."""
+        return [(k, inbox.heard()) for k, inbox in self._inboxes.items()
+                if inbox.descriptor is None and not keys.split(k)[2]]
 
     def stalled(self, older_than_s: float) -> list[str]:
         """Keys of the collectives in flight for longer than older_than_s."""
@@ -232,7 +243,7 @@ class Plane:
         key = header.op_key
         if header.kind == wire.DATA:
             # Before anything reads the header: with a checksum, a damaged one is not to be trusted.
-            damage = self._damage(frame)
+            damage = aborts.damage(frame, self.place.rank, self.view_id, self.checksum)
             if damage:
                 self.counters.frames_rejected += 1
                 self._on_damage(key, damage)
@@ -257,6 +268,10 @@ class Plane:
             return
         if inbox is None:
             inbox = self._inbox(key, ring)
+        if (inbox.descriptor is None and self.on_unopened is not None and not inbox.announced
+                and not keys.split(key)[2]):
+            inbox.announced = True
+            self.on_unopened(key, header.descriptor)
         if header.kind == wire.DATA:
             if inbox.error is None:
                 inbox.deliver((header.step, header.chunk), frame)
@@ -318,10 +333,7 @@ class Plane:
 
     def _finished(self, key: str) -> bool:
         """Whether ``key`` names a collective this rank opened and has since released."""
-        if key in self._inboxes:
-            return False
-        base, number, spec = keys.split(key)
-        return number.isdigit() and int(number) <= self._occurrences.get((base, spec), 0)
+        return key not in self._inboxes and self.numbering.handed_out(key)
 
     def _inbox(self, key: str, ring: Ring) -> Inbox:
         inbox = self._inboxes.get(key)
@@ -352,19 +364,6 @@ class Plane:
             link.close()
         if why and self._on_peer_failure is not None:
             self._on_peer_failure(self.view_id, rank, why)
-
-    def _damage(self, frame: Received) -> str:
-        """Why a DATA frame must not be used ("" if it may): a failed or a missing checksum."""
-        header = frame.header
-        where = (f"frame {header.step}/{header.chunk} from rank {header.sender_rank} reached rank "
-                 f"{self.place.rank} in view {self.view_id}")
-        if header.HasField("crc32"):
-            if wire.frame_crc(header, frame.payload) != header.crc32:
-                return f"{where} corrupted (crc32 mismatch); it was not used"
-        elif self.checksum:
-            return (f"{where} without a checksum, but this worker requires checksums "
-                    f"(set RINGSERVE_CHECKSUM on every worker)")
-        return ""
 
     def _on_damage(self, key: str, reason: str) -> None:
         """Aborts the collective a damaged frame belongs to, on every rank.

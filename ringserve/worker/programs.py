@@ -17,8 +17,11 @@ so the same program runs a sub-ring of a subset of the view's ranks (a process s
 it runs on (session.py) sends on the plane's link to ``Ring.next``, and takes its frames from the
 stream of the ring's previous member. A point-to-point pattern routed around the ring (alltoall) is
 a program too: ``Give`` a block for each destination, and ``Place`` or ``Forward`` what arrives,
-by how far its origin is. The simulator (tests/ringsim.py) runs these very programs, through the
-executor, over in-memory links.
+by how far its origin is (``alltoall_ring``). The simulator (tests/ringsim.py) runs these very
+programs, through the executor, over in-memory links.
+
+A collective made of several programs run one after the other under one key (Adasum's exchange,
+its rounds of dot products, its gather) gives each its own range of slots with ``shifted``.
 """
 
 from __future__ import annotations
@@ -254,7 +257,7 @@ def allgather_blocks(ring: Ring, total: int, chunk_elems: int) -> Program:
                 yield FORWARD
 
 
-def confirm(ring: Ring) -> Program:
+def confirm(ring: Ring, base: int = CONFIRM_SLOT) -> Program:
     """A lap of empty frames: each rank returns only once every other rank has finished.
 
     With checksums on, a rank that finds a damaged frame aborts the collective, but the other
@@ -266,9 +269,67 @@ def confirm(ring: Ring) -> Program:
     n, me = ring.size, ring.index
     if n == 1:
         return
-    yield Signal(CONFIRM_SLOT + me)
+    yield Signal(base + me)
     for step in range(n - 1):
         _, origin = allgather_step(me, n, step)
-        yield Recv(CONFIRM_SLOT + origin, 0)
+        yield Recv(base + origin, 0)
         if step < n - 2:
             yield FORWARD
+
+
+def alltoall_ring(ring: Ring, sizes: list[int], chunk_elems: int) -> Program:
+    """Alltoall routed around the ring: this position sends ``sizes[d]`` elements of block ``d`` to
+    position ``d`` and receives one block from every other position (its size from the frames).
+
+    The block from position ``o`` to position ``d`` is keyed ``o * size + d`` and travels
+    ``(d - o) % size`` hops, forwarded byte for byte by the positions between: each rank gives its
+    own blocks farthest destination first, then, origin by origin (one hop behind, two, ...),
+    receives the blocks that reach or pass it in the order their origin gave them, places the one
+    addressed to it and forwards the others. So every link carries its frames in the order the
+    receiver takes them, and a forwarded block leaves as soon as its chunk has arrived. Every block
+    is at least one frame (an empty block: one empty frame), so every receiver learns every size and
+    checks its predecessor's arguments. A position's block to itself is the caller's to copy: it
+    never travels.
+
+    Cost: a block travels as many hops as its distance, so each link carries ``(size - 1) / 2`` of
+    a rank's data on average, where links to every peer would carry each block once. The keys do
+    not depend on the route: with a link to every peer, the same exchange is a ``Give`` of each
+    block to its destination and a ``Recv`` of key ``o * size + me`` from each origin, and the
+    values (values.Exchange) and the checks stay as they are.
+    """
+    n, me = ring.size, ring.index
+    if n == 1:
+        return
+    for dist in range(n - 1, 0, -1):
+        dest = (me + dist) % n
+        for c, (a, b) in enumerate(chunk_bounds(0, sizes[dest], chunk_elems)):
+            yield Give(me * n + dest, c, dest, a, b, sizes[dest])
+    for behind in range(1, n):
+        origin = (me - behind) % n
+        for dist in range(n - 1, behind - 1, -1):
+            slot = origin * n + (origin + dist) % n
+            size = yield Recv(slot, 0)
+            assert size is not None
+            if behind == 1 and dist == n - 1:
+                yield Phase("alltoall")
+            for c, (a, b) in enumerate(chunk_bounds(0, size, chunk_elems)):
+                if c:
+                    yield Recv(slot, c)
+                if dist == behind:
+                    yield Place(origin, a, b, size)
+                else:
+                    yield FORWARD
+
+
+def shifted(program: Program, offset: int) -> Program:
+    """``program`` with every slot moved up by ``offset`` (NO_SEND stays NO_SEND): a stage of a
+    collective that runs several programs under one key, in slots of its own."""
+    reply: int | None = None
+    while True:
+        try:
+            step = program.send(reply)
+        except StopIteration:
+            return
+        if isinstance(step, Recv | Lead | Fold | Give | Signal) or (isinstance(step, Own) and step.slot != NO_SEND):
+            step = step._replace(slot=step.slot + offset)
+        reply = yield step

@@ -87,10 +87,15 @@ class Session:
     def timeline(self) -> Timeline | None:
         return self.plane.timeline
 
-    def open(self, name: str | None, descriptor: str) -> tuple[str, Inbox]:
+    def open(self, name: str | None, descriptor: str, *, key: str | None = None) -> tuple[str, Inbox]:
         """Registers a collective; its key is equal on every rank of the ring that calls it in the
-        same order. The link to the ring's next member opens here if this is its first use."""
-        key, inbox, self._next = self.plane.open(name, descriptor, self.ring, self.spec)
+        same order. The link to the ring's next member opens here if this is its first use.
+
+        ``key``: open that very key (a rank that has joined stands in for the others' collectives
+        of the whole view, see join.py); the keys of its name it passes over stay open to their
+        frames until opened.
+        """
+        key, inbox, self._next = self.plane.open(name, descriptor, self.ring, self.spec, key=key)
         return key, inbox
 
     def release(self, key: str) -> None:

@@ -212,3 +212,15 @@ class Blocks(Values):
                 )
             block = self.blocks[origin] = np.empty(total, dtype=self.np_dtype)
         block[a:b] = payload_of(frame, self.np_dtype, b - a, self.key)
+
+
+class Exchange(Blocks):
+    """An alltoall's data: the blocks this rank sends, by destination position (what ``Give``
+    takes), and the blocks it receives, by origin (what ``Place`` fills, as in ``Blocks``)."""
+
+    def __init__(self, dtype: np.dtype, outgoing: list[np.ndarray], *, row: int = 1, key: str = "") -> None:
+        super().__init__(dtype, [None] * len(outgoing), row=row, key=key)
+        self.outgoing = outgoing
+
+    def block(self, origin: int) -> np.ndarray:
+        return self.outgoing[origin]

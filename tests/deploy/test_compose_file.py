@@ -120,7 +120,8 @@ def test_settings_come_from_the_shell_environment() -> None:
     assert environment(services["coordinator"])["RINGSERVE_PORT"] == "6000"
     assert environment(services["coordinator"])["RINGSERVE_MIN_WORKERS"] == "8"
     assert environment(services["worker"])["RINGSERVE_COORDINATOR"] == "coordinator:6000"
-    assert services["worker"]["command"][-2:] == ["--epochs", "3"]
+    worker_command = services["worker"]["command"]
+    assert worker_command[worker_command.index("--epochs") + 1] == "3"
     assert services["coordinator"]["healthcheck"]["test"][4] == "127.0.0.1:6000"
 
 
@@ -130,7 +131,9 @@ def test_the_image_holds_what_the_worker_command_runs(services: dict) -> None:
     source = image_path(build, script)
     assert source, f"no COPY puts {script} into the image's {build.workdir}"
     assert (ROOT / source).is_file(), f"{source} does not exist"
-    assert script == "examples/train_digits.py"
+    assert script == "examples/train_digits_elastic.py"
+    # It imports the plain demo's model and hash from beside it.
+    assert image_path(build, "examples/train_digits.py")
 
 
 def test_the_dockerfile_builds_a_slim_python_311_image_with_cpu_torch_and_a_non_root_user() -> None:
@@ -148,3 +151,54 @@ def test_the_build_context_leaves_out_the_virtualenv_and_git() -> None:
     for sources, _ in dockerfile().copies:
         for source in sources:
             assert source not in ignored, f"{source} is copied but excluded from the context"
+
+
+# Compose defaults that differ from the config's on purpose, each with its reason. Any other
+# ${RINGSERVE_X:-default} in the file must be the config's own default, so that a container runs
+# what `ringserve run` runs (the 1 MiB chunk that the file once held against the config's 2 MiB).
+CONTAINER_DEFAULTS = {
+    ("coordinator", "RINGSERVE_PORT"): "workers dial the coordinator's service name at a known port",
+    ("coordinator", "RINGSERVE_SETTLE_S"): "replicas start seconds apart; a longer window puts them in one view",
+}
+
+
+def _passthrough_defaults(service: dict) -> dict[str, str]:
+    """The service's settings written ``NAME: ${NAME:-default}``: the default compose gives each."""
+    found = {}
+    for name, value in environment(service).items():
+        match = re.fullmatch(r"\$\{(\w+):-([^}]*)\}", value)
+        if match and match.group(1) == name:
+            found[name] = match.group(2)
+    return found
+
+
+@pytest.mark.parametrize(("name", "config"), [("coordinator", CoordinatorConfig), ("worker", WorkerConfig)])
+def test_the_compose_defaults_are_the_configs_defaults(name: str, config: type) -> None:
+    service = load_raw()["services"][name]
+    defaults = {k: v for k, v in _passthrough_defaults(service).items() if k.startswith("RINGSERVE_")}
+    assert "RINGSERVE_CHUNK_BYTES" in defaults or name == "coordinator"
+    own = config.from_env({})
+    checked = 0
+    for variable, default in defaults.items():
+        field = variable.removeprefix("RINGSERVE_").lower()
+        composed = getattr(config.from_env({variable: default}), field)
+        if (name, variable) in CONTAINER_DEFAULTS:
+            assert composed != getattr(own, field), f"{variable} now matches the config: drop its exception"
+            continue
+        assert composed == getattr(own, field), (
+            f"{name}: {COMPOSE_FILE.name} defaults {variable} to {default!r}, "
+            f"{config.__name__} to {getattr(own, field)!r}")
+        checked += 1
+    assert checked >= 3
+
+
+def test_the_readme_gives_the_compose_files_defaults() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Docker and docker compose"):readme.index("## Kubernetes")]
+    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section, flags=re.M))
+    raw = load_raw()
+    for name in ("coordinator", "worker"):
+        for variable, default in _passthrough_defaults(raw["services"][name]).items():
+            assert documented.get(variable) == default, (
+                f"README's compose table gives {variable} as {documented.get(variable)!r}, "
+                f"{COMPOSE_FILE.name} as {default!r}")

@@ -1,4 +1,4 @@
-"""The compose services' own commands and environment, run as local processes, train the demo.
+"""The compose services' own commands and environment, run as local processes, train the elastic demo.
 
 What Docker would do for ``docker compose up --scale worker=N`` is done here by hand: the file is
 interpolated (with a free port for RINGSERVE_PORT), each container's environment is the image's
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -83,12 +84,25 @@ def wait_until_healthy(service: Mapping[str, object], env: dict[str, str], names
     pytest.fail(f"the coordinator never became healthy: {last.stdout if last else ''}{last.stderr if last else ''}")
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("scale", [2, 4])
-def test_scale_worker_n_forms_one_view_of_n_and_trains_the_demo_to_completion(
-    processes: list[subprocess.Popen[str]], scale: int, tmp_path: Path,
-) -> None:
-    compose = load({"RINGSERVE_PORT": str(free_port())})
+@dataclass
+class Up:
+    """The coordinator service running and healthy, with what its workers need."""
+
+    coordinator: subprocess.Popen[str]
+    coordinator_log: Path
+    worker_argv: list[str]
+    worker_env: dict[str, str]
+    epochs: int
+
+    def start_worker(self, log: Path) -> subprocess.Popen[str]:
+        with log.open("w") as out:
+            return subprocess.Popen(self.worker_argv, env=self.worker_env, cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def up(processes: list[subprocess.Popen[str]], tmp_path: Path, shell: Mapping[str, str]) -> Up:
+    """What ``docker compose up`` does before it starts the workers, with ``shell``'s settings."""
+    compose = load({"RINGSERVE_PORT": str(free_port()), **shell})
     services = compose["services"]
     names = list(services)
     coordinator_service, worker_service = services["coordinator"], services["worker"]
@@ -104,17 +118,70 @@ def test_scale_worker_n_forms_one_view_of_n_and_trains_the_demo_to_completion(
 
     worker_env = container_env(worker_service, names)
     assert worker_env["RINGSERVE_COORDINATOR"] == f"{LOOPBACK}:{coordinator_env['RINGSERVE_PORT']}"
-    workers = [
-        subprocess.Popen(local_argv(command(worker_service["command"])), env=worker_env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for _ in range(scale)
-    ]
+    argv = command(worker_service["command"])
+    return Up(coordinator, coordinator_log, local_argv(argv), worker_env, int(argv[argv.index("--epochs") + 1]))
+
+
+def final_hashes(output: str, size: int) -> set[str]:
+    """The parameter hashes that ranks of a world of ``size`` printed at the end."""
+    return set(re.findall(rf"^rank \d+ of {size}: parameters sha256 ([0-9a-f]{{64}})$", output, flags=re.M))
+
+
+def wait_for(pattern: str, logs: list[Path], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for log in logs:
+            found = re.search(pattern, log.read_text(), flags=re.M)
+            if found:
+                return found.group(0)
+        time.sleep(0.2)
+    pytest.fail(f"no worker printed {pattern!r} within {timeout_s} s:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scale", [2, 4])
+def test_scale_worker_n_trains_the_elastic_demo_to_completion_with_n_identical_replicas(
+    processes: list[subprocess.Popen[str]], scale: int, tmp_path: Path,
+) -> None:
+    started = up(processes, tmp_path, {})
+    logs = [tmp_path / f"worker-{i}.log" for i in range(scale)]
+    workers = [started.start_worker(log) for log in logs]
     processes.extend(workers)
-    outputs = [w.communicate(timeout=200)[0] for w in workers]
-    for i, (w, out) in enumerate(zip(workers, outputs, strict=True)):
-        assert w.returncode == 0, f"worker {i} exited with {w.returncode}:\n{out}\ncoordinator:\n{coordinator_log.read_text()}"
-    everything = "\n".join(outputs)
-    # Rank 0 prints these once every rank's parameters were gathered and compared: one view of 4.
-    assert re.search(r"final: train loss [\d.]+, test accuracy [\d.]+%", everything), everything
+    for i, w in enumerate(workers):
+        code = w.wait(200)
+        assert code == 0, f"worker {i} exited with {code}:\n{logs[i].read_text()}\ncoordinator:\n{started.coordinator_log.read_text()}"
+    everything = "\n".join(log.read_text() for log in logs)
+    # Rank 0 prints these once the last epoch is committed and every rank's parameters were
+    # gathered and compared (late replicas join at a commit, so the last world holds all N).
+    epochs = started.epochs
+    assert re.search(rf"epoch {epochs}/{epochs} on {scale} workers: .* test accuracy [\d.]+%", everything), everything
     assert f"all {scale} ranks hold identical parameters" in everything, everything
-    assert coordinator.poll() is None, "the coordinator stopped while the workers trained"
+    assert len(final_hashes(everything, scale)) == 1, everything
+    assert started.coordinator.poll() is None, "the coordinator stopped while the workers trained"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_replica_added_while_the_demo_trains_joins_at_a_commit_and_one_stopped_leaves_at_one(
+    processes: list[subprocess.Popen[str]], tmp_path: Path,
+) -> None:
+    """``--scale worker=3`` on a running world of 2, then ``docker stop`` (SIGTERM) of a first one."""
+    started = up(processes, tmp_path, {"DEMO_EPOCHS": "200"})
+    logs = [tmp_path / f"worker-{i}.log" for i in range(3)]
+    workers = [started.start_worker(log) for log in logs[:2]]
+    processes.extend(workers)
+    wait_for(r"^epoch 1/200 on 2 workers", logs[:2], 120)
+    workers.append(started.start_worker(logs[2]))
+    processes.append(workers[2])
+    joined = wait_for(r"^training on 3 workers from commit (\d+)", logs, 120)
+    assert int(joined.split()[-1]) > 0, joined
+    wait_for(r"^epoch \d+/200 on 3 workers", logs, 120)
+    workers[1].send_signal(signal.SIGTERM)
+    assert workers[1].wait(30) == 0, logs[1].read_text()
+    assert "leaving the world after a commit, as SIGTERM asked" in logs[1].read_text()
+    wait_for(r"^training on 2 workers from commit [1-9]", [logs[0], logs[2]], 60)
+    for i in (0, 2):
+        assert workers[i].wait(240) == 0, logs[i].read_text()
+    everything = logs[0].read_text() + logs[2].read_text()
+    assert "epoch 200/200 on 2 workers" in everything, everything
+    assert len(final_hashes(everything, 2)) == 1 and "all 2 ranks hold identical parameters" in everything, everything

@@ -38,7 +38,9 @@ async def _form_fail_and_recover(scale: Scale, *, settle: float, timeout: float)
     await asyncio.sleep(timeout / 2)
     assert [v.view_id for v in scale.views] == [1, 2]
     report = await scale.report()
-    assert report["unknown"] == 0 and report["errors"] == 0
+    assert report["unknown"] == 0 and report["errors"] == 0 and report["missed"] == 0
+    # Every live worker heartbeats on its stream (none fell back to unary calls).
+    assert report["streaming"] == scale.n - len(silenced)
 
 
 async def _status_table(address: str, *args: str) -> list[str]:

@@ -32,6 +32,19 @@ async def _one(stream: AsyncIterator[Any]) -> None:
         return
 
 
+async def _first_answer(call: Any) -> None:
+    """A Heartbeats stream's first answer; a refused stream raises its status."""
+    try:
+        await call.write(pb.HeartbeatRequest(worker_id=WORKER_ID, view_id=1, stalled=["x#1"], committed_step=9))
+    except grpc.aio.AioRpcError:
+        pass  # the refusal is read below
+    try:
+        if await call.read() is grpc.aio.EOF:
+            raise AssertionError("the stream ended without an answer")
+    finally:
+        call.cancel()
+
+
 async def _chunks() -> AsyncIterator[pb.ParamChunk]:
     yield pb.ParamChunk(key="p", offset=0, total_bytes=3, data=b"new")
 
@@ -42,6 +55,7 @@ CALLS: dict[str, Callable[[pb_grpc.CoordinatorStub, Any], Awaitable[Any]]] = {
     "Leave": lambda s, md: s.Leave(pb.LeaveRequest(worker_id=WORKER_ID), metadata=md, timeout=5),
     "Heartbeat": lambda s, md: s.Heartbeat(pb.HeartbeatRequest(worker_id=WORKER_ID, view_id=1, stalled=["x#1"], committed_step=9),
                                            metadata=md, timeout=5),
+    "Heartbeats": lambda s, md: _first_answer(s.Heartbeats(metadata=md, timeout=5)),
     "WatchView": lambda s, md: _one(s.WatchView(pb.WatchViewRequest(worker_id=WORKER_ID), metadata=md, timeout=5)),
     "ReportFailure": lambda s, md: s.ReportFailure(
         pb.ReportFailureRequest(reporter_id=WORKER_ID, view_id=1, suspect_rank=0, reason="test"), metadata=md, timeout=5),
@@ -78,7 +92,8 @@ def snapshot(service: Any) -> tuple[Any, ...]:
     members = (state.workers, membership.seen(state), state.view, state.suspects, state.claims, state.admit,
                state.bump, state.check, state.held)
     return (members, dict(service.params._blobs), dict(service.params._versions), dict(service.counts),
-            dict(service._counters), dict(service._stalled), service.views_formed, len(service._probes), service.mark)
+            dict(service._counters), dict(service._stalled), service.views_formed, len(service._probes), service.mark,
+            service.heartbeat_streams.open)
 
 
 async def code_of(call: Awaitable[Any]) -> grpc.StatusCode:
@@ -159,6 +174,34 @@ async def test_a_worker_with_a_wrong_token_cannot_join_and_leaves_no_trace(make_
             with pytest.raises(RingserveError, match=f"The coordinator at {coord.address} answered UNAUTHENTICATED"):
                 await worker.start()
         assert snapshot(coord.service) == before
+
+
+async def test_a_heartbeat_stream_with_a_wrong_token_is_refused_and_the_client_says_so(make_coordinator_config, make_worker_config) -> None:
+    from ringserve import Coordinator
+    from ringserve.worker.control import ControlClient
+
+    async with Coordinator(make_coordinator_config(token=TOKEN)) as coord:
+        member = ControlClient(make_worker_config(coord.address, token=TOKEN))
+        stranger = ControlClient(make_worker_config(coord.address, token="wrong"))
+        try:
+            joined = await member.join(address="127.0.0.1:9", hostname="h", rank_hint=-1)
+            async with asyncio.timeout(5):
+                while coord.service.view.view_id == 0:
+                    await asyncio.sleep(0.01)
+            before = snapshot(coord.service)
+            tasks = asyncio.all_tasks()
+            with pytest.raises(RingserveError, match=f"The coordinator at {coord.address} answered UNAUTHENTICATED"):
+                await stranger.heartbeat(joined.worker_id, 0, pb.WorkerCounters(collectives_done=5), ["x#1"])
+            await asyncio.sleep(0.05)
+            assert snapshot(coord.service) == before and coord.service.heartbeat_streams.open == 0
+            # The refused stream left no task behind (grpc.aio's stream-stream interceptor would);
+            # the coordinator's server (in this loop too) waits for calls in tasks of its own.
+            assert [t for t in asyncio.all_tasks() - tasks if "AioServer" not in repr(t)] == []
+            assert (await member.heartbeat(joined.worker_id, 0, pb.WorkerCounters())).known
+            assert member.heartbeats.streaming and coord.service.heartbeat_streams.open == 1
+        finally:
+            await member.close()
+            await stranger.close()
 
 
 async def test_a_job_with_a_token_file_runs_and_the_token_is_never_logged_or_shown(

@@ -154,10 +154,10 @@ def test_objects_barrier_and_join(ranks: list[dict[str, Any]]) -> None:
     assert 0 <= last < N
 
 
-def test_adasum_fails_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+def test_adasum_on_a_world_of_three_fails_as_horovods_does(ranks: list[dict[str, Any]]) -> None:
     errors = ranks[0]["errors"]
-    assert "Adasum is not supported by ringserve yet" in errors["adasum"]
-    assert "Adasum is not supported by ringserve yet" in errors["optimizer_adasum"]
+    for label in ("adasum", "optimizer_adasum"):
+        assert errors[label].startswith("UnsupportedError: Running Adasum with non-power of 2 ranks"), errors[label]
 
 
 def test_broadcast_parameters_makes_every_rank_equal_to_the_root(ranks: list[dict[str, Any]]) -> None:

@@ -93,14 +93,15 @@ def test_compressors_cast_floats_and_restore_the_dtype() -> None:
     assert hvd.Compression.none.compress(t)[0] is t
 
 
-def test_ops_resolve_horovods_names_and_refuse_adasum_clearly() -> None:
+def test_ops_resolve_horovods_names_and_adasum_is_an_allreduce_op_only() -> None:
     from ringserve.torch import ops
 
     assert ops.resolve(None) is hvd.Average
     assert ops.resolve(None, average=False) is hvd.Sum
     assert ops.resolve("max") is hvd.Max
-    with pytest.raises(InvalidArgumentError, match="Adasum is not supported by ringserve yet"):
-        ops.resolve(hvd.Adasum)
+    assert ops.resolve(hvd.Adasum) is hvd.Adasum and ops.core_op(hvd.Adasum) == "adasum"
+    with pytest.raises(InvalidArgumentError, match="reducescatter does not support Adasum"):
+        ops.core_op(hvd.Adasum, "reducescatter")
     with pytest.raises(InvalidArgumentError, match="not both"):
         ops.resolve(hvd.Sum, average=True)
     with pytest.raises(InvalidArgumentError, match="unknown"):
@@ -134,10 +135,10 @@ def test_the_distributed_optimizer_behaves_as_the_optimizer_it_wraps() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"op": hvd.Min}, "Average or Sum"),
+    ({"op": hvd.Min}, "Average, Sum or Adasum"),
     ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "needs op=Average"),
     ({"backward_passes_per_step": 0}, "at least 1"),
-    ({"process_set": object()}, "global process set"),
+    ({"process_set": object()}, "process sets other than the global one are not supported yet"),
     ({"error_feedback": True}, "error_feedback needs a wire compression"),
 ])
 def test_the_distributed_optimizer_refuses_bad_arguments(kwargs: dict, message: str) -> None:

@@ -156,3 +156,11 @@ def test_the_peer_servers_grpc_cap_leaves_room_for_every_unverified_stream_besid
     assert config.server_rpc_cap == 12
     with pytest.raises(InvalidArgumentError, match=r"peer_hello_timeout_s \(0\) must be greater than zero"):
         WorkerConfig(peer_hello_timeout_s=0)
+
+
+def test_torchs_rank_is_the_rank_hint_unless_ringserve_names_one() -> None:
+    assert WorkerConfig.from_env({"RANK": "2"}).rank_hint == 2
+    assert WorkerConfig.from_env({"RANK": "2", "RINGSERVE_RANK_HINT": "0"}).rank_hint == 0
+    assert WorkerConfig.from_env({"RANK": "2"}, rank_hint=1).rank_hint == 1
+    assert WorkerConfig.from_env({}).rank_hint == -1
+    assert WorkerConfig.from_env({"RANK": "not-a-rank"}).rank_hint == -1

@@ -443,6 +443,32 @@ def test_a_nearly_silent_worker_that_speaks_again_holds_the_failure_view_back_bu
     assert m.view.view_id == 2 and m.ids() == ["a", "c"] and m.view.failed == ("b",)
 
 
+def test_a_slow_worker_that_expired_and_spoke_again_does_not_cut_short_a_later_failure_windows_wait() -> None:
+    m = Machine()
+    m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=2.0))
+    m.join(0.0, "a", "b", "c", "z")
+    m.at(0.5)
+    # At 5.1 a (a loaded, slow worker) has been silent past the timeout while b is nearly so: the
+    # view waits for b. Then both speak again: nobody is expired, and the episode is over.
+    m.at(1.5, Heartbeat("b"))
+    m.at(4.0, Heartbeat("c"), Heartbeat("z"))
+    m.at(5.1)
+    m.at(5.2, Heartbeat("a"), Heartbeat("b"))
+    m.at(5.2)
+    assert [v.view_id for v in m.views] == [1]
+    # Much later c and b die together, their last beats 0.6 s apart: the view waits for b to
+    # expire too (a failure window of its own, not one left over from 5.1), then drops both.
+    for t in range(6, 20):
+        m.at(float(t), Heartbeat("a"), Heartbeat("z"), *([Heartbeat("c")] if t < 19 else []), Heartbeat("b"))
+    m.at(19.6, Heartbeat("b"), Heartbeat("a"), Heartbeat("z"))
+    for tick in range(1, 31):
+        now = 23.9 + tick * 0.1
+        m.at(now, Heartbeat("a"), Heartbeat("z"))
+        m.at(now)
+    assert [v.view_id for v in m.views] == [1, 2]
+    assert m.views[1].failed == ("b", "c") and m.ids() == ["a", "z"]
+
+
 def test_the_failure_view_waits_no_longer_than_the_failure_window() -> None:
     m = Machine()
     m.state = State(rules=Rules(1, 16, 0.5, 5.0, failure_window_s=1.0))

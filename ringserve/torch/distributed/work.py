@@ -1,0 +1,177 @@
+"""torch ``Work`` objects over ringserve's collectives, and the threads that complete them.
+
+A collective runs on ringserve's event loop and finishes there. Its torch future must not be
+completed on that loop: torch runs a future's ``then`` callbacks on the thread that completes it,
+and DDP's comm hooks do real work in them; PowerSGD's even start another all_reduce and wait for
+it inside a callback, which on the loop would wait for the loop forever. So a finished collective
+is handed to a small pool of completion threads, which copy the result where torch expects it
+(staged tensors, gathered lists), then complete the future. A callback that blocks holds one
+thread; the next completion takes another (up to ``MAX_THREADS``, idle ones are reused).
+
+Errors: a ringserve error becomes ``torch.distributed.DistBackendError`` (a RuntimeError) with the
+ringserve error as its ``__cause__``, which is what ``work.wait()`` raises. An argument error
+(``InvalidArgumentError``, a ValueError) stays as it is. The torch future must fail in C++ terms,
+for C++ waiters (DDP's reducer) to see a failure: ``Future.set_exception`` only stores the
+exception as the future's *value* (a Python-side unwrap raises it), and DDP's reducer, reading
+that value as its tensors, crashes the process. So the future handed out is a ``then`` of an inner
+one, whose callback raises the error: torch turns that into a real C++ error, a RuntimeError that
+reads "...DistBackendError: ringserve: all_reduce failed: RingChangedError: ..." when waited on,
+and which DDP's ``backward()`` raises.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringserve.errors import InvalidArgumentError, NotInitializedError
+
+# Completion threads per process group at most: each callback blocked in a nested wait holds one.
+MAX_THREADS = 32
+
+
+def backend_error(exc: BaseException, what: str) -> BaseException:
+    """What a failed collective raises in torch: ``DistBackendError`` caused by ringserve's error."""
+    if isinstance(exc, InvalidArgumentError | NotInitializedError | NotImplementedError):
+        return exc
+    if isinstance(exc, concurrent.futures.CancelledError):
+        error = dist.DistBackendError(f"ringserve: {what} was cancelled (the process group was shut down).")
+    else:
+        error = dist.DistBackendError(f"ringserve: {what} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+class RingserveWork(dist._Work):
+    """An op in flight: ``wait()``, ``get_future()``, ``is_completed()``, as torch's Work has.
+
+    ``get_future()`` resolves to what gloo's does (the op's output tensors) once the op has
+    finished and its outputs are in place.
+    """
+
+    def __init__(self, what: str, wait_limit_s: float) -> None:
+        super().__init__()
+        self.what = what
+        self._inner: torch.futures.Future[Any] = torch.futures.Future()
+        self.future: torch.futures.Future[Any] = self._inner.then(_unwrap)
+        self.done = threading.Event()
+        self._wait_limit_s = wait_limit_s
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the op (at most ``timeout``; a zero or no timeout: the op's own deadline).
+
+        Raises:
+            DistBackendError: the op failed (ringserve's error is the cause), or ``timeout`` passed.
+        """
+        limit = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
+        if not self.done.wait(self._wait_limit_s if limit is None else limit):
+            raise dist.DistBackendError(
+                f"ringserve: {self.what} did not complete within {limit if limit is not None else self._wait_limit_s:g} s."
+            )
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def is_success(self) -> bool:
+        return self.done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self.future.value()
+
+    def _complete(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._error = error
+        # The event first: a callback of the future that waits on this work must not wait long.
+        self.done.set()
+        self._inner.set_result(value if error is None else _Failed(error))
+
+
+class _Failed:
+    """An op's error, carried to ``_unwrap`` as the inner future's value."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(inner: torch.futures.Future[Any]) -> Any:
+    value = inner.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+def finished(what: str, value: Any) -> RingserveWork:
+    """A Work that is already complete (an op with nothing to send, a world of one)."""
+    work = RingserveWork(what, 0.0)
+    work._complete(value)
+    return work
+
+
+class Completer:
+    """The completion threads of one process group (see the module's docstring)."""
+
+    def __init__(self, wait_limit_s: float) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="ringserve-dist")
+        self._wait_limit_s = wait_limit_s
+        self._closed = False
+
+    def track(self, what: str, parts: list[concurrent.futures.Future[Any]],
+              finish: Callable[[list[Any]], Any]) -> RingserveWork:
+        """A Work that completes once every one of ``parts`` has: with ``finish(results)`` (run on
+        a completion thread; it puts the outputs in place and returns the future's value), or with
+        the first part's error."""
+        work = RingserveWork(what, self._wait_limit_s)
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def complete() -> None:
+            errors = [f.exception() if not f.cancelled() else concurrent.futures.CancelledError() for f in parts]
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                work._complete(error=backend_error(failed, what))
+                return
+            try:
+                value = finish([f.result() for f in parts])
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the op failed
+                work._complete(error=backend_error(exc, what))
+            else:
+                work._complete(value)
+
+        def on_done(_: concurrent.futures.Future[Any]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if not last:
+                return
+            try:
+                self._pool.submit(complete)
+            except RuntimeError:  # the pool is shut down: complete here, after the group is gone
+                complete()
+
+        if not parts:
+            self._pool.submit(complete)
+        for part in parts:
+            part.add_done_callback(on_done)
+        return work
+
+    def close(self) -> None:
+        """Lets the threads end once the completions queued so far have run."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=False)
