@@ -17,10 +17,20 @@ What a worker reports is a commit every member of its view holds: the one it syn
 whose commit-time allreduce finished (every rank entered it after saving). A commit that only
 one rank finished before the view broke is never reported, so the survivors redoing that step
 is not mistaken for a loss.
+
+A holder out of the view is not yet a holder gone. The coordinator declares a worker dead when
+its heartbeats stop for a timeout, and a live one can miss it: stopped (SIGSTOP), or starved on a
+loaded machine. Such a holder comes back (it rejoins under its id at its next heartbeat) with the
+state. So before a loss is declared, ``judge_holders`` weighs what was seen of each holder: one
+back with the coordinator is admitted and the view syncs again; one whose address refuses
+connections is gone; one that answers, or stays silent, is waited for, up to a bound
+(``WorkerConfig.holder_wait_s``). StateLostError (or a resume from a durable copy) comes only when
+every holder is gone, or none came back within the bound.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,10 +65,15 @@ class Holder:
 
 @dataclass(frozen=True)
 class Mark:
-    """The furthest commit reported so far (None: none yet) and the workers that reported it."""
+    """The furthest commit reported so far (None: none yet) and the workers that reported it.
+
+    ``present``: in a worker's copy of the coordinator's answer, the holders the coordinator knew
+    when it answered (members, or waiting to be admitted). The coordinator's own mark leaves it empty.
+    """
 
     commit: Commit | None = None
     holders: tuple[Holder, ...] = ()
+    present: frozenset[str] = frozenset()
 
 
 # Holders named per commit, at most: the first to report it (a world of 2,000 names 32).
@@ -81,6 +96,19 @@ def record(mark: Mark, holder: Holder, held: Commit) -> Mark:
             return mark
         return Mark(held, (*others, holder))
     return mark
+
+
+def record_view(mark: Mark, holders: Sequence[Holder], held: Commit) -> Mark:
+    """The mark after the members of a view (``holders``, in rank order) are known to hold
+    ``held``: a commit-time allreduce of that view finished, which every member entered after
+    saving. Each is recorded as by ``record``, up to MAX_HOLDERS named in all."""
+    if mark.commit is not None and held < mark.commit:
+        return mark
+    if mark.commit is None or held > mark.commit:
+        return Mark(held, tuple(holders[:MAX_HOLDERS]))
+    named = {h.worker_id for h in holders}
+    others = tuple(h for h in mark.holders if h.worker_id not in named)
+    return Mark(held, (*holders, *others)[:MAX_HOLDERS])
 
 
 @dataclass(frozen=True)
@@ -148,3 +176,61 @@ def after_loss(lost: Lost, durable: Commit | None) -> Resume | None:
     if durable >= lost.best:
         return Resume(commit=durable, durable=True, root=0, lineage=lineage)
     return Resume(commit=lost.best, durable=False, root=lost.best_rank, lineage=lineage)
+
+
+class Seen(enum.Enum):
+    """What a sync that lost the mark found of one of the mark's holders."""
+
+    BACK = "back with the coordinator"  # it rejoined: a request for admission brings it in
+    ALIVE = "alive (its peer server answers)"  # it will rejoin at its next heartbeat
+    SILENT = "silent (no answer)"  # stopped, starved, cut off, or its host is down
+    GONE = "gone (nothing, or another worker, listens at its address)"
+
+
+@dataclass(frozen=True)
+class Readmit:
+    """Holders are back: ask for the waiting workers to be admitted, and sync in that view."""
+
+    holders: tuple[Holder, ...]
+
+
+@dataclass(frozen=True)
+class Await:
+    """Holders may still come back: look again shortly."""
+
+    holders: tuple[Holder, ...]
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Every holder is gone, or none came back within the bound: the commit is lost. ``why``
+    says what was seen of each, for the error."""
+
+    why: str
+
+
+def judge_holders(seen: Sequence[tuple[Holder, Seen]], waited_s: float, bound_s: float) -> Readmit | Await | Gone:
+    """Whether a view that holds less than the mark may declare it lost yet.
+
+    Args:
+        seen: each holder of the mark with what was found of it.
+        waited_s: how long this loss has been waited on already (across syncs).
+        bound_s: how long it may be waited on at most (``WorkerConfig.holder_wait_s``).
+
+    Returns:
+        Readmit when a holder is back with the coordinator (within the bound); Gone when every
+        holder is gone, when none is named, or when the bound has passed; else Await.
+    """
+    if not seen:
+        return Gone("the coordinator names no holder")
+    within = waited_s < bound_s
+    back = tuple(h for h, s in seen if s is Seen.BACK)
+    if back and within:
+        return Readmit(back)
+    maybe = tuple(h for h, s in seen if s is not Seen.GONE)
+    if maybe and within:
+        return Await(maybe)
+    described = "; ".join(f"worker {h.worker_id[:8]} at {h.address or '?'} {s.value}" for h, s in seen)
+    if not maybe:
+        return Gone(f"every holder is gone: {described}")
+    return Gone(f"no holder came back within {bound_s:g} s (holder_wait_s): {described}")

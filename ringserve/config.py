@@ -279,6 +279,14 @@ class WorkerConfig(SecuritySettings):
         checkpoint_keep: how many of the newest checkpoints are kept; older ones are deleted.
         checkpoint_timeout_s: when elastic training ends, how long it waits for the last
             checkpoint to be written.
+        holder_wait_s: in elastic training, when a sync finds that no member of its view holds
+            the job's last commit, how long it waits at most for the workers that held it to
+            come back before it declares the state lost (StateLostError, or a resume from a
+            durable copy). A holder may have been declared dead while alive: stopped, or starved
+            on a loaded machine past the heartbeat timeout; it rejoins, and the state comes from
+            it. Holders whose address refuses connections are gone at once, without a wait. The
+            other ranks wait in a collective meanwhile, so the wait is capped at half of
+            collective_timeout_s (see ``holder_wait_bound_s``). 0: never wait.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -313,6 +321,7 @@ class WorkerConfig(SecuritySettings):
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
     checkpoint_timeout_s: float = 120.0
+    holder_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",
@@ -328,6 +337,10 @@ class WorkerConfig(SecuritySettings):
             )
         if self.timeline:
             _check_timeline(self.timeline)
+        if not self.holder_wait_s >= 0:
+            raise InvalidArgumentError(
+                f"WorkerConfig.holder_wait_s ({self.holder_wait_s!r}) must be at least 0 (RINGSERVE_HOLDER_WAIT_S)."
+            )
         for port in ("bind_port", "advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:
                 raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
@@ -335,6 +348,12 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"The coordinator address ({self.coordinator!r}) must have the form host:port."
             )
+
+    @property
+    def holder_wait_bound_s(self) -> float:
+        """How long a sync waits at most for the holders of a lost commit: holder_wait_s, within
+        half of collective_timeout_s (the other ranks wait in a collective meanwhile)."""
+        return min(self.holder_wait_s, self.collective_timeout_s / 2)
 
     @property
     def max_message_bytes(self) -> int:

@@ -37,6 +37,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ from ringserve.checkpoint import CheckpointWriter
 from ringserve.commits import Commit
 from ringserve.errors import (
     STATE_LOST_EXIT_CODE,
+    CoordinatorUnreachableError,
     CorruptFrameError,
     HostsUpdatedInterrupt,
     RecoverableError,
@@ -123,6 +125,9 @@ class State:
         self.commits = 0
         # Goes up by one each time a world resumes from a durable copy (see commits.py).
         self.lineage = 0
+        # On rank 0: the commit this process found held by no member of its view, and since when
+        # (time.monotonic()), so that the wait for its holders is bounded across syncs.
+        self.loss_seen: tuple[Commit, float] | None = None
         self._writer: CheckpointWriter | None = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
@@ -141,24 +146,32 @@ class State:
         """
         self.save()
         self.commits += 1
+        worker = api.context().worker
+        view, rank = worker.running_view, worker.rank  # the commit's, before it can change the world
         try:
             self.check_host_updates()
         except HostsUpdatedInterrupt:
-            self._confirmed(world_changes=True)
+            self._confirmed(view, rank, world_changes=True)
             raise
-        self._confirmed(world_changes=False)
+        self._confirmed(view, rank, world_changes=False)
 
-    def _confirmed(self, *, world_changes: bool) -> None:
-        """The commit-time allreduce finished: every rank of the view entered it after saving, so
-        all of them hold this commit. Reported to the coordinator (heartbeats), and written to
+    def _confirmed(self, view: int, rank: int, *, world_changes: bool) -> None:
+        """The commit-time allreduce of ``view`` finished: every rank of it entered it after saving,
+        so all of them hold this commit. Reported to the coordinator (heartbeats), and written to
         the checkpoint directory by rank 0 every checkpoint_every commits."""
         ctx = api.context()
-        # At once where it matters: before the world changes (the next view may admit workers
-        # holding nothing), and at the first commit (until then the mark says 0, which no
-        # fresh process could be found to fall short of). Else with the next heartbeat.
-        ctx.worker.report_committed(Commit(self.lineage, self.commits), now=world_changes or self.commits == 1)
-        cfg = ctx.config
-        if cfg.checkpoint_dir and ctx.worker.rank == 0 and self.commits % cfg.checkpoint_every == 0:
+        worker, cfg = ctx.worker, ctx.config
+        previous = worker.committed
+        if rank == 0 and previous is not None:
+            # The mark may trail the world by this commit, never by two (see worker/reports.py).
+            ctx.call(lambda w: w.wait_reported(previous, cfg.rpc_timeout_s), timeout_s=cfg.rpc_timeout_s + 10.0)
+        # Rank 0's at once, and everyone's where it matters: before the world changes (the next
+        # view may admit workers holding nothing) and at the first commit (until then the mark
+        # says 0, which no fresh process could be found to fall short of). Else with the next
+        # heartbeat.
+        worker.report_committed(Commit(self.lineage, self.commits), view=view,
+                                now=rank == 0 or world_changes or self.commits == 1)
+        if cfg.checkpoint_dir and rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:
                 self._writer = CheckpointWriter(resume.store(cfg.checkpoint_dir, cfg.checkpoint_keep))
             self._writer.submit(Commit(self.lineage, self.commits), pickle.dumps(self.snapshot(), protocol=5))
@@ -175,17 +188,51 @@ class State:
         Each rank adds what its heartbeats say of waiting workers and whether it wants to leave;
         one allreduce of those two numbers is the decision everyone shares. Only after it, when
         every rank has finished the step, does rank 0 ask the coordinator to admit the waiting
-        workers, which always yields a new view.
+        workers and to let the leavers go, which always yields one new view for the whole change.
+
+        The leavers are named (one allgather, only at a commit where someone leaves): left to
+        their own Leave calls, each after its drain, they would go one view each, and the
+        survivors would sync in a view that still holds the next leaver, whose departure then
+        fails that sync and makes them restore.
         """
         ctx = api.context()
         worker = ctx.worker
-        mine = np.array([worker.pending_workers, 1 if _Leave.requested.is_set() else 0], dtype=np.int64)
+        # The commit's view and this rank in it, read now: the view that this commit makes can be
+        # installed before the request below goes, and a rank that is rank 0 there must not ask again.
+        view, rank = worker.running_view, worker.rank
+        leave = _Leave.requested.is_set()
+        mine = np.array([worker.pending_workers, 1 if leave else 0], dtype=np.int64)
         agreed = ctx.call(lambda w: w.allreduce(mine, op="max", name="ringserve.elastic.hosts"))
         joining, leaving = int(agreed[0]), int(agreed[1])
-        if joining and worker.rank == 0:
-            ctx.call(lambda w: w.admit_waiting())
-        if joining or leaving:
-            raise HostsUpdatedInterrupt(joining, leaving)
+        if not (joining or leaving):
+            return
+        leavers: list[str] = []
+        if leaving:
+            # Set before the allgather: rank 0 asks only once every rank has entered it, so a
+            # leaver knows it leaves before a heartbeat can hear that the coordinator dropped it.
+            worker.leaving = leave
+            try:
+                ids = api.allgather_object(worker.worker_id if leave else "", name="ringserve.elastic.leavers")
+            except BaseException:
+                worker.leaving = False  # it stays in this world after all (until its next commit)
+                raise
+            leavers = [str(i) for i in ids if i]
+            if joining and len(leavers) == worker.size:
+                # Every holder of the state would go, and the joiners would get it from nobody:
+                # all stay one more commit, which the joiners reach holding the state.
+                log.warning("%s: every member leaves at this commit while %d worker(s) wait to join; "
+                            "they leave at the next one, once the joiners hold the state", worker.tag, joining)
+                worker.leaving, leavers = False, []
+        if rank == 0:
+            try:
+                ctx.call(lambda w: w.admit_waiting(leavers, view_id=view))
+            except CoordinatorUnreachableError as exc:
+                if not leavers:
+                    raise
+                # Their own Leave calls, once the coordinator is back, still end this world.
+                log.warning("%s: could not ask the coordinator to let %d worker(s) go at this commit (%s); "
+                            "they leave by themselves", worker.tag, len(leavers), exc)
+        raise HostsUpdatedInterrupt(joining, len(leavers))
 
     def save(self) -> None:
         raise NotImplementedError
@@ -257,7 +304,15 @@ class ObjectState(State):
         self._saved = snapshot
 
 
-def _leave_now(state: State) -> None:
+def _leave_now(state: State, view: int) -> None:
+    ctx = api.context()
+    # Rank 0 asked the coordinator to let this worker go (with the others leaving at this commit)
+    # in the view that ends ``view``: that view is waited for (up to rpc_timeout_s), so that the
+    # worker's own Leave at shutdown (a no-op then, a fallback else) cannot overtake the request
+    # and make a view of its own, in which the survivors would sync without the next leaver.
+    deadline = time.monotonic() + ctx.config.rpc_timeout_s
+    while ctx.worker.latest_view <= view and time.monotonic() < deadline:
+        time.sleep(0.005)
     log.warning("leaving the world after a commit, as SIGTERM asked")
     state.close_checkpoints(api.context().config.checkpoint_timeout_s)
     api.shutdown()
@@ -327,8 +382,10 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
             state.sync()
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt as exc:
-            if exc.leaving and _Leave.requested.is_set():
-                _leave_now(state)
+            # Only a worker that was named a leaver at this commit goes: a SIGTERM that came after
+            # its flag was read leaves at its next commit (the coordinator keeps it in this world).
+            if exc.leaving and worker.leaving:
+                _leave_now(state, view)
             log.info("%s: the world changes at a commit (%s); waiting for a newer view", worker.tag, exc)
         except CorruptFrameError as exc:
             # Every rank aborted the collective and the ring is intact: no new view will come.

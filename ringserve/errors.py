@@ -83,10 +83,10 @@ class NonFiniteError(RingserveError):
 class HostsUpdatedInterrupt(RingserveError):
     """Workers join or leave at this commit: the state is already committed, so no rollback."""
 
-    def __init__(self, joining: int, leaving: int) -> None:
+    def __init__(self, joining: int, leaving: int, detail: str = "") -> None:
         self.joining = joining
         self.leaving = leaving
-        super().__init__(f"The world changes at this commit: {joining} joining, {leaving} leaving.")
+        super().__init__(detail or f"The world changes at this commit: {joining} joining, {leaving} leaving.")
 
 
 # The exit code of a worker process that ends on an uncaught StateLostError (see

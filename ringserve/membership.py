@@ -21,7 +21,8 @@ Rules, in order of precedence:
   elastic job does so at a commit, after all ranks agreed to), so that nobody's training step is
   cut in half by a joiner. That request always yields a new view at once, with the waiting workers
   or, if they are gone by then, with the same members: every rank already waits for a newer view.
-  An empty world admits at once.
+  The request also names the members that leave at that commit; they go in that same view, as
+  graceful leaves (one view for the commit's whole change). An empty world admits at once.
 - **Recovery**: a restarted coordinator knows nothing; workers rejoin claiming the view they run
   in. When every member of the newest claimed view is back, that same view (same id, same ranks)
   is adopted, so the world goes on undisturbed; when some do not come back within the heartbeat
@@ -204,10 +205,12 @@ class Linked:
 
 @dataclass(frozen=True)
 class Admit:
-    """A member of the running view asks for the waiting workers to be admitted."""
+    """A member of the running view asks for the waiting workers to be admitted, and for the
+    members in ``leaving`` (they leave at this commit) to go in the same view."""
 
     requester_id: str
     view_id: int = 0
+    leaving: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,13 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     elif isinstance(event, Admit):
         current = event.view_id in (0, state.view.view_id)
         if current and state.view.rank_of(event.requester_id) is not None:
+            # Leavers named by the requester go now, gracefully, in the one view that also admits:
+            # each leaver's own Leave (after its drain) would come later, one view per leaver, and
+            # the survivors would sync in a view that still holds the next one to go.
+            leaving = [w for w in dict.fromkeys(event.leaving) if state.view.rank_of(w) is not None and w in state.workers]
+            if leaving:
+                state = _remove_all(state, leaving, now, failed=False)
+                actions.extend(Removed(w, "left") for w in leaving)
             state = replace(state, admit=True, bump=True, dirty=True)
     elif isinstance(event, Tick):
         state, removed = _expire(state, now)

@@ -88,7 +88,7 @@ class WorkerCounters(_message.Message):
     def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view")
+    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class HeartbeatRequest(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINKED_VIEW_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VIEW_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
     counters: WorkerCounters
@@ -103,7 +104,8 @@ class HeartbeatRequest(_message.Message):
     committed_step: int
     committed_lineage: int
     linked_view: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ...) -> None: ...
+    committed_view: int
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ..., committed_view: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage", "heartbeat_interval_s")
@@ -124,12 +126,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., known: _Optional[bool] = ..., pending_workers: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id")
+    __slots__ = ("worker_id", "view_id", "leaving_worker_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ...) -> None: ...
+    leaving_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., leaving_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("admitted",)
@@ -230,16 +234,18 @@ class CommitMarkRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class CommitHolder(_message.Message):
-    __slots__ = ("worker_id", "address", "view_id", "rank")
+    __slots__ = ("worker_id", "address", "view_id", "rank", "present")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     view_id: int
     rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    present: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., present: _Optional[bool] = ...) -> None: ...
 
 class CommitMarkResponse(_message.Message):
     __slots__ = ("known", "step", "lineage", "holders")

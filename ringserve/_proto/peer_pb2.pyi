@@ -139,7 +139,9 @@ class LatestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LatestView(_message.Message):
-    __slots__ = ("view_id",)
+    __slots__ = ("view_id", "worker_id")
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     view_id: int
-    def __init__(self, view_id: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, view_id: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...

@@ -61,6 +61,8 @@ class PeerServicer:
     def Latest(self, request, context):
         """The newest view this peer has heard of. A worker that has lost the coordinator asks its peers:
         if they went on to a newer view, it was declared dead, and it stops rather than train alone.
+        A sync that finds every holder of the last commit out of its view asks them: a holder that
+        answers is alive (declared dead while stopped or starved), and is waited for.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -114,6 +114,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # report can trail the view that admits the next members).
         self.mark = commits.Mark()
         self._recent_views: dict[int, membership.ViewInfo] = {}
+        self._made: tuple[commits.Commit, int] | None = None  # the (commit, view) last named whole
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -276,7 +277,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             view_id=request.view_id, rank=-1 if rank is None else rank,
         )
         before = self.mark.commit
-        self.mark = commits.record(self.mark, holder, commits.Commit(request.committed_lineage, request.committed_step))
+        held = commits.Commit(request.committed_lineage, request.committed_step)
+        made_in = self._recent_views.get(request.committed_view) if request.committed_view else None
+        if made_in is not None and made_in.rank_of(request.worker_id) is not None and (held, made_in.view_id) != self._made:
+            # Every member of the view the commit was made in holds it (see worker/reports.py),
+            # named once per (commit, view): the other members' own reports then change nothing.
+            self._made = (held, made_in.view_id)
+            members = [commits.Holder(m.worker_id, m.address, made_in.view_id, r)
+                       for r, m in enumerate(made_in.members[: commits.MAX_HOLDERS])]
+            self.mark = commits.record_view(self.mark, members, held)
+        else:
+            self.mark = commits.record(self.mark, holder, held)
         if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
             log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
 
@@ -340,6 +351,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._watches_by_worker[worker_id] = left
             else:
                 del self._watches_by_worker[worker_id]
+                if membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
+                    # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
+                    # its elastic loop handles one, a kill), or it watches again, hears it is unknown
+                    # and rejoins: dropped now, no commit admits a dead process into its members' sync.
+                    self.apply(membership.Leave(worker_id))
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
@@ -357,7 +373,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         admitted = membership.admissible(self._state)
         if request.view_id != view.view_id or view.rank_of(request.worker_id) is None:
             admitted = 0
-        self.apply(membership.Admit(request.worker_id, request.view_id))
+        self.apply(membership.Admit(request.worker_id, request.view_id, tuple(request.leaving_worker_ids)))
         return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
@@ -427,7 +443,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.CommitMarkResponse(known=False)
         return pb.CommitMarkResponse(
             known=True, step=mark.commit.step, lineage=mark.commit.lineage,
-            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank)
+            holders=[pb.CommitHolder(worker_id=h.worker_id, address=h.address, view_id=h.view_id, rank=h.rank,
+                                     present=membership.is_known(self._state, h.worker_id))
                      for h in mark.holders],
         )
 

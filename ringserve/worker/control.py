@@ -4,7 +4,7 @@ the view watch."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 import grpc
 
@@ -205,21 +205,23 @@ class ControlClient:
 
     async def heartbeat(
         self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None,
-        linked_view: int = 0, committed: Commit | None = None,
+        linked_view: int = 0, committed: Commit | None = None, committed_view: int = 0,
     ) -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(
             worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view
         )
         if committed is not None:
             request.committed_step, request.committed_lineage = committed.step, committed.lineage
+            request.committed_view = committed_view
         return await self.heartbeats.beat(request)
 
     async def report_failure(self, worker_id: str, view_id: int, suspect_rank: int, reason: str) -> None:
         request = pb.ReportFailureRequest(reporter_id=worker_id, view_id=view_id, suspect_rank=suspect_rank, reason=reason)
         await self._call("ReportFailure", request, self._config.rpc_timeout_s)
 
-    async def admit(self, worker_id: str, view_id: int) -> int:
-        answer = await self._call("Admit", pb.AdmitRequest(worker_id=worker_id, view_id=view_id), self._config.rpc_timeout_s)
+    async def admit(self, worker_id: str, view_id: int, leaving: Sequence[str] = ()) -> int:
+        request = pb.AdmitRequest(worker_id=worker_id, view_id=view_id, leaving_worker_ids=list(leaving))
+        answer = await self._call("Admit", request, self._config.rpc_timeout_s)
         return int(answer.admitted)  # type: ignore[attr-defined]
 
     async def commit_mark(self, worker_id: str) -> Mark:
@@ -229,7 +231,8 @@ class ControlClient:
         if not answer.known:
             return Mark()
         holders = tuple(Holder(h.worker_id, h.address, h.view_id, h.rank) for h in answer.holders)
-        return Mark(Commit(answer.lineage, answer.step), holders)
+        present = frozenset(h.worker_id for h in answer.holders if h.present)
+        return Mark(Commit(answer.lineage, answer.step), holders, present)
 
     async def status(self, *, limit: int = 0, offset: int = 0, summary_only: bool = False) -> pb.StatusResponse:
         """The coordinator's status; ``limit`` members from rank ``offset`` on (0: all).

@@ -37,6 +37,7 @@ from ringserve.worker import exclusion
 from ringserve.worker.channels import ChannelCache
 from ringserve.worker.control import ControlClient
 from ringserve.worker.registry import Planes
+from ringserve.worker.reports import CommitReports
 
 log = logging.getLogger("ringserve.worker")
 
@@ -80,12 +81,15 @@ class Lifeline:
         self.heartbeat_timeout_s = joined.heartbeat_timeout_s
         self.heard_at = asyncio.get_running_loop().time()  # when the last answered heartbeat was sent
         self.pending_workers = 0
-        # The commit this worker's elastic state holds once synced (reported with heartbeats),
-        # and the job's mark from the last heartbeat answer (a fallback when the coordinator
-        # cannot be asked at a sync).
-        self.committed: Commit | None = None
+        # The commit this worker's elastic state holds once synced, reported with heartbeats (see
+        # worker/reports.py), and the job's mark from the last heartbeat answer (a fallback when
+        # the coordinator cannot be asked at a sync).
+        self.held = CommitReports()
         self.heard_mark: Commit | None = None
         self.heartbeat_now = asyncio.Event()
+        # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
+        # then (see Worker.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
+        self.leaving = False
 
     @property
     def tag(self) -> str:
@@ -127,11 +131,13 @@ class Lifeline:
             view_id = plane.view_id if plane is not None else 0
             stalled = plane.stalled(self.config.stall_warning_s) if plane is not None else []
             sent_at = asyncio.get_running_loop().time()
+            committed, committed_view = self.held.committed, self.held.view
             try:
                 answer = await self.control.heartbeat(
-                    self.worker_id, view_id, counters, stalled, self._linked_view(), self.committed
+                    self.worker_id, view_id, counters, stalled, self._linked_view(), committed, committed_view
                 )
             except RingserveError as exc:
+                self.held.failed()
                 self.counters.heartbeats_missed += 1
                 log.warning("%s: heartbeat failed: %s", self.tag, exc)
                 if await self._excluded_now():
@@ -140,6 +146,7 @@ class Lifeline:
             self.heard_at = sent_at
             # The coordinator stretches the interval as the world grows (0: an older coordinator).
             self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
+            self.held.answered(committed, answer.known)
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self.planes.current.view_id if self.planes.current is not None else 0
@@ -150,7 +157,7 @@ class Lifeline:
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known and not self._failed():  # a worker that gave up stays out
+            if not answer.known and not self._failed() and not self.leaving:  # one that gave up or leaves stays out
                 await self._rejoin()
             await self.housekeeping()
 

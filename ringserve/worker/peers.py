@@ -90,7 +90,7 @@ class PeerServicer:
         self._rings.clear()
 
     async def latest(self, request: peer_pb2.LatestRequest, context: grpc.aio.ServicerContext) -> peer_pb2.LatestView:
-        return peer_pb2.LatestView(view_id=self.planes.latest_view)
+        return peer_pb2.LatestView(view_id=self.planes.latest_view, worker_id=self.planes.state.worker_id)
 
     async def stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
         # Streams that have proved nothing are bounded in number and in time (see gate.py).

@@ -70,6 +70,7 @@ class Plane:
         self._links: dict[int, Link] = {}
         self._broken: dict[int, BaseException] = {}  # ranks whose link failed
         self._gone: dict[int, BaseException] = {}  # ranks whose stream in has ended
+        self._streaming: dict[int, int] = {}  # ranks with a verified stream in open: how many
         self._ended = False  # every link was ended or closed: no new one opens
         self._inboxes: dict[str, Inbox] = {}
         self.numbering = keys.Numbering()
@@ -217,10 +218,16 @@ class Plane:
             raise ProtocolError(f"A stream claims rank {rank}, but view {view} has ranks 0 to {size - 1}.")
         if rank == self.place.rank:
             raise ProtocolError(f"A stream claims rank {rank} of view {view}, the rank of the worker it reached.")
+        self._streaming[rank] = self._streaming.get(rank, 0) + 1
 
     def stream_ended(self, rank: int, clean: bool) -> bool:
         """The stream from ``rank`` ended (``clean``: with its BYE); the collectives waiting for its
         frames fail. Returns whether the sender looks dead, for a report to the coordinator."""
+        left = self._streaming.get(rank, 0) - 1
+        if left > 0:
+            self._streaming[rank] = left
+        else:
+            self._streaming.pop(rank, None)
         if self.retired is not None:
             self._starve(rank, self.retired)
             return False
@@ -299,9 +306,15 @@ class Plane:
             self._end_links()
 
     def starve(self, ranks: tuple[int, ...], exc: BaseException) -> None:
-        """Streams from ``ranks`` bring nothing more: collectives waiting on them fail with exc."""
+        """Streams from ``ranks`` bring nothing more: collectives waiting on them fail with exc.
+
+        Except a rank whose stream is still open: a leaver let go at a commit (elastic.py names it
+        in the admit) is dropped before it drains, and its last frames may still be on the way;
+        that stream's end starves the waits instead (``stream_ended``).
+        """
         for rank in ranks:
-            self._starve(rank, exc)
+            if rank not in self._streaming:
+                self._starve(rank, exc)
 
     def close(self, exc: BaseException) -> None:
         """Fails every collective of this view with exc and stops sending at once."""

@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ringserve import _malloc
 from ringserve._proto import coordinator_pb2 as cpb
-from ringserve.commits import Commit, Mark
+from ringserve.commits import Commit, Mark, Seen
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     ExcludedError,
@@ -41,6 +41,7 @@ from ringserve.errors import (
 from ringserve.observe import Counters, Timeline
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
+from ringserve.worker import sighting
 from ringserve.worker.channels import ChannelCache
 from ringserve.worker.control import ControlClient
 from ringserve.worker.facade import Facade
@@ -280,22 +281,44 @@ class Worker(Facade):
         self._pinned = view_id
         self._publish()
 
-    def report_committed(self, commit: Commit, *, now: bool = False) -> None:
-        """Sets the commit this worker's elastic state holds, reported with the next heartbeat.
+    @property
+    def committed(self) -> Commit | None:
+        """The commit this worker's elastic state holds (None before its first sync): a read of an
+        immutable value, which only report_committed (on the loop, waited for) replaces."""
+        lifeline = self._lifeline
+        return lifeline.held.committed if lifeline is not None else None
+
+    def report_committed(self, commit: Commit, *, now: bool = False, view: int = 0) -> None:
+        """Sets the commit this worker's elastic state holds, reported with the next heartbeat;
+        ``view``: the view every member of which holds it (a commit-time allreduce in it finished).
 
         ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
         the coordinator must know who holds what before the new view's members are admitted
-        with nothing (callable from any thread).
+        with nothing (callable from any thread; it holds once this returns).
         """
-        on_loop(self._loop, self._committed, commit, now)
+        on_loop(self._loop, self._committed, commit, now, view, wait_s=self.config.rpc_timeout_s)
 
-    def _committed(self, commit: Commit, now: bool) -> None:
+    def _committed(self, commit: Commit, now: bool, view: int) -> None:
         lifeline = self._lifeline
         if lifeline is None:
             return
-        lifeline.committed = commit
+        lifeline.held.hold(commit, view)
         if now and not self._closed:
             lifeline.heartbeat_now.set()
+
+    @property
+    def leaving(self) -> bool:
+        """Whether this worker leaves at the current commit (elastic, SIGTERM): the coordinator
+        drops it then, and a heartbeat answered "unknown" must not make it rejoin."""
+        return self._lifeline is not None and self._lifeline.leaving
+
+    @leaving.setter
+    def leaving(self, leaving: bool) -> None:
+        on_loop(self._loop, self._set_leaving, leaving, wait_s=self.config.rpc_timeout_s)
+
+    def _set_leaving(self, leaving: bool) -> None:
+        if self._lifeline is not None:
+            self._lifeline.leaving = leaving
 
     # -- the loop's side of views ----------------------------------------------------------
 
@@ -390,12 +413,31 @@ class Worker(Facade):
                         self.tag, exc, heard or "none")
             return Mark(heard)
 
-    async def admit_waiting(self) -> int:
-        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary).
+    async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
+        """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
+        worker/reports.py: not at all while the coordinator does not answer)."""
+        assert self._lifeline is not None
+        return await self._lifeline.held.wait(commit, timeout_s)
+
+    async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
+        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
+        and to let the members named in ``leaving`` (worker ids) go in that same view. ``view_id``:
+        the view of that commit (0: the current one); the coordinator ignores a request of an older one.
 
         Returns:
             How many the next view adds. A new view comes either way (with the same members if
             nobody is waiting any more), so every rank that waits for a newer view gets one.
         """
         assert self._control is not None
-        return await self._control.admit(self.worker_id, self.view_id)
+        return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The heartbeat interval the coordinator gave this worker (rpc_timeout_s before it joined)."""
+        return self._lifeline.heartbeat_interval_s if self._lifeline is not None else self.config.rpc_timeout_s
+
+    async def sight(self, worker_id: str, address: str) -> Seen:
+        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.sighting),
+        within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
+        timeout = min(self.config.rpc_timeout_s, self.heartbeat_interval_s)
+        return await sighting.sight(worker_id, address, self._make_channel, timeout)

@@ -412,3 +412,28 @@ async def test_the_commit_mark_is_the_furthest_commit_synced_workers_reported_wi
     assert (answer.mark_step, answer.mark_lineage) == (3, 1)
     mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
     assert [h.worker_id for h in mark.holders] == [a]
+
+
+@pytest.mark.parametrize("coordinator", [{"min_workers": 3}], indirect=True, ids=["min_workers=3"])
+async def test_a_commit_made_in_a_view_names_every_member_as_its_holder_and_says_who_is_present(
+    watch: Callable[[], Views], stub: Stub
+) -> None:
+    # A commit-time allreduce finished: every member entered it after saving. One member's report
+    # names them all, so a member stopped before its own heartbeat is still waited for.
+    views = watch()
+    a = await join(stub, "127.0.0.1:1001", rank_hint=0)
+    b = await join(stub, "127.0.0.1:1002", rank_hint=1)
+    c = await join(stub, "127.0.0.1:1003", rank_hint=2)
+    await next_view(views)
+    await stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, view_id=1, committed_step=9, committed_view=1), timeout=5)
+    mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
+    assert mark.step == 9 and [(h.worker_id, h.rank, h.present) for h in mark.holders] == [
+        (a, 0, True), (b, 1, True), (c, 2, True)]
+    await stub.Leave(pb.LeaveRequest(worker_id=c), timeout=5)
+    await stub.Heartbeat(pb.HeartbeatRequest(worker_id=b, view_id=2, committed_step=9, committed_view=1), timeout=5)
+    mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
+    assert {(h.worker_id, h.present) for h in mark.holders} == {(a, True), (b, True), (c, False)}
+    # A view the reporter was not in names only the reporter.
+    await stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, view_id=2, committed_step=10, committed_view=77), timeout=5)
+    mark = await stub.CommitMark(pb.CommitMarkRequest(worker_id=a), timeout=5)
+    assert mark.step == 10 and [h.worker_id for h in mark.holders] == [a]

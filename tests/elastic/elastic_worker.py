@@ -23,6 +23,16 @@ from ringserve import elastic
 DIM = 1 << 14
 
 
+def claim(marker: str) -> bool:
+    """Whether this process is the first to claim ``marker``: created exclusively, so that of the
+    ranks reaching the fault's step together only one raises (checking, then creating, let two)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def main() -> None:
     log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else ""
@@ -42,13 +52,8 @@ def main() -> None:
         while state.step < steps:
             rng = np.random.default_rng(state.step * 7919 + rs.rank())
             grad = rng.standard_normal(DIM) + 0.01 * state.w
-            if fault == f"raise@{state.step}" and not os.environ.get("FAULT_DONE"):
-                try:  # made atomically: ranks reach step K together, and only one must raise
-                    os.close(os.open(f"{log_path}.fault", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    pass
-                else:
-                    raise RuntimeError(f"injected fault at step {state.step}")
+            if fault == f"raise@{state.step}" and not os.environ.get("FAULT_DONE") and claim(f"{log_path}.fault"):
+                raise RuntimeError(f"injected fault at step {state.step}")
             avg = rs.allreduce(grad, op="average", name="grad")
             state.w = state.w - 0.05 * avg
             state.step += 1

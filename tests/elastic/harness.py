@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class Run:
     launcher: subprocess.Popen[bytes]
     started: float = field(default_factory=time.time)
     faults: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, pid)
+    lines: list[str] = field(default_factory=list)  # the output so far, once follow() was called
+    reader: threading.Thread | None = None
 
     def records(self) -> list[dict]:
         if not self.log.exists():
@@ -54,7 +57,41 @@ class Run:
         os.kill(pid, sig)
         return pid
 
+    def follow(self) -> None:
+        """Reads the launcher's output as it comes, so that a test can wait for a line."""
+        stream = self.launcher.stdout
+        assert stream is not None and self.reader is None
+
+        def read() -> None:
+            for raw in stream:
+                self.lines.append(raw.decode(errors="replace"))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+
+    def wait_for_line(self, text: str, timeout_s: float) -> str:
+        """The first line of output holding ``text`` (after follow()), once it comes."""
+        deadline = time.time() + timeout_s
+        while True:
+            found = [line for line in list(self.lines) if text in line]
+            if found:
+                return found[0]
+            assert time.time() < deadline, f"no line with {text!r} within {timeout_s} s:\n{''.join(self.lines)[-4000:]}"
+            assert self.launcher.poll() is None or self.reader is None or self.reader.is_alive(), (
+                f"the run ended without a line with {text!r}:\n{''.join(self.lines)[-4000:]}")
+            time.sleep(0.05)
+
     def finish(self, timeout_s: float) -> tuple[int, str]:
+        if self.reader is not None:
+            try:
+                self.launcher.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+                self.launcher.wait()
+                self.reader.join(10)
+                raise AssertionError(f"the run hung past {timeout_s} s:\n{''.join(self.lines)[-4000:]}") from None
+            self.reader.join(10)
+            return self.launcher.returncode, "".join(self.lines)
         try:
             out, _ = self.launcher.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -144,30 +181,39 @@ def check_no_silent_regression(records: list[dict], out: str) -> list[tuple[int,
     """Asserts that the job's committed step never went back, except to just after a commit the
     output says a world resumed from; returns each such drop as (from step, to step).
 
-    A step may repeat (survivors redo the step that one rank committed alone before the view
-    broke), never go below the furthest committed so far unless a resume was logged.
+    Views are taken in their order (the coordinator numbers them): a view's first commit may
+    repeat the furthest step of the views before it (survivors redo the step that one rank
+    committed alone before the view broke), never fall below it unless a resume was logged. In
+    view order, not time order: a process stopped (SIGSTOP) in the middle of a commit writes that
+    commit's record, of its old view, only once it runs again.
     """
     allowed = resumed_steps(out)
+    by_view: dict[int, list[int]] = defaultdict(list)
+    for r in records:
+        by_view[r["view"]].append(r["step"])
     furthest = -1
     drops = []
-    for r in sorted(records, key=lambda r: r["time"]):
-        if r["step"] < furthest:
-            assert r["step"] - 1 in allowed, (
-                f"the job's committed step went back from {furthest} to {r['step']} (view {r['view']}) "
+    for view in sorted(by_view):
+        first = min(by_view[view])
+        if first < furthest:
+            assert first - 1 in allowed, (
+                f"the job's committed step went back from {furthest} to {first} (view {view}) "
                 f"with no resume logged (resumes logged from {sorted(allowed)})"
             )
-            drops.append((furthest, r["step"]))
-            furthest = r["step"]
-        furthest = max(furthest, r["step"])
+            drops.append((furthest, first))
+            furthest = first
+        furthest = max(furthest, max(by_view[view]))
     return drops
 
 
-def wait_for_fresh_syncs(hold: Path, count: int, timeout_s: float) -> set[int]:
+def wait_for_fresh_syncs(hold: Path, count: int, timeout_s: float, ignore: set[int] | frozenset[int] = frozenset()) -> set[int]:
     """The pids of fresh workers held before taking the state (HOLD_FRESH_SYNC, see commit_log.py),
-    once there are ``count`` of them."""
+    once there are ``count`` of them. ``ignore``: pids that do not count (the workers started
+    first: one slow to start was held at its first sync too, until the hold timed out)."""
     deadline = time.time() + timeout_s
     while True:
         pids = {int(line) for line in hold.read_text().splitlines() if line.strip()} if hold.exists() else set()
+        pids -= ignore
         if len(pids) >= count:
             return pids
         assert time.time() < deadline, f"only {len(pids)} of {count} restarted workers came to take the state"

@@ -57,15 +57,12 @@ def test_many_random_kill_9s_never_hang_or_diverge(tmp_path: Path, seed: int) ->
 
 
 def test_an_exception_inside_one_worker_mid_training_is_survived(tmp_path: Path) -> None:
-    # 120 steps after the fault leave the restarted process time to start and be admitted on a
-    # loaded machine (at 80, the survivors sometimes finished first, and the restarted one, alone
-    # with nothing, rightly stopped with StateLostError).
-    run = harness.start(tmp_path, steps=150, pause_s=0.02, fault="raise@30")
+    run = harness.start(tmp_path, steps=80, pause_s=0.02, fault="raise@30")
     code, out = run.finish(150)
     assert code == 0, out[-3000:]
-    assert out.count("injected fault at step 30") == 1, out[-3000:]
+    assert out.count("RuntimeError: injected fault at step 30") == 1, out[-3000:]  # one worker raises, once
     assert "exited with code 1; starting it again" in out
-    harness.check_invariants(run.records(), 150)
+    harness.check_invariants(run.records(), 80)
 
 
 def test_a_stopped_worker_is_dropped_and_after_sigcont_its_stale_frames_are_rejected_and_it_rejoins(tmp_path: Path) -> None:

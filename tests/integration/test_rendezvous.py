@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from ringserve import Coordinator, RendezvousTimeoutError, Worker
+from ringserve import Coordinator, RendezvousTimeoutError, Worker, WorkerConfig
 
 
 async def start_staggered(address: str, make_worker_config, delays: list[float], **overrides) -> list[Worker]:
@@ -66,3 +70,33 @@ async def test_workers_beyond_max_workers_wait_outside_the_view(make_coordinator
             assert coord.service.views_formed == 1
         finally:
             await asyncio.gather(*(w.close() for w in members))
+
+
+WAITER = "import ringserve as rs; rs.init(); print('admitted', flush=True)"
+
+
+async def test_a_waiting_worker_that_dies_is_dropped_at_once_and_never_admitted(make_coordinator_config) -> None:
+    # A worker waiting to be admitted that dies (`docker stop` before its elastic loop handles
+    # SIGTERM, a kill) was admitted at the next commit as if alive, and its members' sync then
+    # failed on it: now its watch stream's end drops it, long before the heartbeat timeout (60 s).
+    config = make_coordinator_config(min_workers=1, settle_s=0.1, heartbeat_timeout_s=60.0)
+    async with Coordinator(config) as coord:
+        member = await Worker(config=WorkerConfig(coordinator=coord.address, use_uvloop=False)).start()
+        env = {**os.environ, "RINGSERVE_COORDINATOR": coord.address, "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60"}
+        waiter = subprocess.Popen([sys.executable, "-c", WAITER], env=env, stdout=subprocess.PIPE)
+        try:
+            async with asyncio.timeout(30):
+                while member.pending_workers != 1:  # its heartbeats' count of admissible workers
+                    await asyncio.sleep(0.05)
+            waiter.send_signal(signal.SIGTERM)  # no handler yet: the default action ends it
+            assert await asyncio.to_thread(waiter.wait, 10) == -signal.SIGTERM
+            async with asyncio.timeout(5):
+                while member.pending_workers:
+                    await asyncio.sleep(0.05)
+            assert await member.admit_waiting() == 0
+            assert coord.service.view.members[0].worker_id == member.worker_id and len(coord.service.view.members) == 1
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()
+            await member.close()

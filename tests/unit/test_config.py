@@ -164,3 +164,11 @@ def test_torchs_rank_is_the_rank_hint_unless_ringserve_names_one() -> None:
     assert WorkerConfig.from_env({"RANK": "2"}, rank_hint=1).rank_hint == 1
     assert WorkerConfig.from_env({}).rank_hint == -1
     assert WorkerConfig.from_env({"RANK": "not-a-rank"}).rank_hint == -1
+
+
+def test_the_wait_for_a_lost_commits_holders_is_bounded_by_half_the_collective_timeout() -> None:
+    assert WorkerConfig().holder_wait_bound_s == 30.0
+    assert WorkerConfig(holder_wait_s=100.0, collective_timeout_s=60.0).holder_wait_bound_s == 30.0
+    assert WorkerConfig.from_env({"RINGSERVE_HOLDER_WAIT_S": "0"}).holder_wait_bound_s == 0.0
+    with pytest.raises(InvalidArgumentError, match=r"holder_wait_s \(-1\.0\) must be at least 0 \(RINGSERVE_HOLDER_WAIT_S\)"):
+        WorkerConfig(holder_wait_s=-1.0)

@@ -193,6 +193,35 @@ def test_an_admit_request_lets_in_only_those_waiting_and_not_a_later_joiner() ->
     assert m.ids() == ["a"] and m.view.view_id == 2
 
 
+def test_leavers_named_in_an_admit_request_go_in_the_same_view_that_admits_the_joiners() -> None:
+    # Left to their own Leave calls (each after its drain) two leavers make two views, and the
+    # survivors sync in the first, which still holds the second leaver: one view for the commit.
+    m = Machine(min_workers=1, settle_s=1.0)
+    m.join(0.0, "a", "b", "c", "d")
+    m.at(1.0)
+    m.join(5.0, "e")
+    m.at(5.1, Admit("a", 1, leaving=("a", "c")))
+    assert m.ids() == ["b", "d", "e"] and m.view.view_id == 2
+    assert m.view.left == ("a", "c") and m.view.failed == ()
+    assert {(r.worker_id, r.reason) for r in m.removed} == {("a", "left"), ("c", "left")}
+    # Their own Leave calls, when they come, change nothing.
+    m.at(5.2, Leave("a"), Leave("c"))
+    m.at(10.0)
+    assert m.view.view_id == 2
+
+
+def test_leavers_named_in_an_admit_request_of_an_older_view_or_outside_the_view_are_ignored() -> None:
+    m = Machine(min_workers=1, settle_s=1.0)
+    m.join(0.0, "a", "b", "c")
+    m.at(1.0)
+    m.join(1.0, "w")
+    m.at(2.0, Admit("a", 7, leaving=("b",)))  # a view that is not the current one
+    m.at(2.1, Admit("w", 1, leaving=("b",)))  # the requester is not a member
+    assert m.ids() == ["a", "b", "c"] and m.view.view_id == 1
+    m.at(3.0, Admit("a", 1, leaving=("w", "zz", "b", "b")))  # a waiting worker and a stranger are no members
+    assert m.ids() == ["a", "c", "w"] and m.view.left == ("b",)
+
+
 def test_the_longest_lived_member_keeps_rank_0() -> None:
     m = Machine(min_workers=1, settle_s=0.0)
     m.join(0.0, "a")

@@ -249,12 +249,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             started.finish(results)
-            offset = 0
-            with torch.no_grad():
-                for t in output_tensors:
-                    t.copy_(output[offset: offset + t.numel()].view_as(t))
-                    offset += t.numel()
-            return list(output_tensors)
+            return ops.unflatten_into(output_tensors, output)
 
         return self._completer.track("all_to_all", started.parts, finish)
 

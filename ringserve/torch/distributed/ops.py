@@ -155,14 +155,19 @@ def allreduce_coalesced(plane: Plane, tensors: Sequence[torch.Tensor], op: str, 
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
         started.finish(results)
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
-        return list(tensors)
+        return unflatten_into(tensors, flat)
 
     return Started(started.parts, finish)
+
+
+def unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Copies consecutive parts of ``flat`` into ``tensors``, each its own shape; returns them."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return list(tensors)
 
 
 def broadcast(plane: Plane, tensor: torch.Tensor, root: int) -> Started:
