@@ -306,15 +306,16 @@ class Plane:
             self._end_links()
 
     def starve(self, ranks: tuple[int, ...], exc: BaseException) -> None:
-        """Streams from ``ranks`` bring nothing more: collectives waiting on them fail with exc.
-
-        Except a rank whose stream is still open: a leaver let go at a commit (elastic.py names it
-        in the admit) is dropped before it drains, and its last frames may still be on the way;
-        that stream's end starves the waits instead (``stream_ended``).
-        """
+        """Streams from ``ranks`` bring nothing more: collectives waiting on them fail with exc."""
         for rank in ranks:
-            if rank not in self._streaming:
-                self._starve(rank, exc)
+            self._starve(rank, exc)
+
+    def let_go(self, ranks: tuple[int, ...], exc: BaseException) -> None:
+        """``ranks`` left in a graceful change (policy.Starve): starves those without an open
+        stream in. A leaver let go at a commit (elastic.py names it in the admit) is dropped
+        before it drains, and its last frames may still be on the way: that stream's end starves
+        the waits instead (``stream_ended``)."""
+        self.starve(tuple(r for r in ranks if r not in self._streaming), exc)
 
     def close(self, exc: BaseException) -> None:
         """Fails every collective of this view with exc and stops sending at once."""

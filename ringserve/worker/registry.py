@@ -119,7 +119,7 @@ class Planes:
             case policy.Starve(view_id, ranks, error):
                 for plane in self.all:
                     if plane.view_id == view_id:
-                        plane.starve(ranks, error)
+                        plane.let_go(ranks, error)
             case policy.Open(place):
                 self._open(place)
 

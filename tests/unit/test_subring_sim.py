@@ -174,6 +174,35 @@ async def test_a_stream_that_ends_fails_only_the_collectives_that_wait_on_its_se
         await shut(planes)
 
 
+async def test_a_leaver_with_its_stream_still_open_is_not_starved_until_that_stream_ends() -> None:
+    # A leaver let go at a commit is dropped from the view before it drains: its last frames may
+    # still be on their way, so a graceful change starves only the leavers that stream nothing.
+    planes = make_ring(3, random.Random(8))
+    try:
+        x = np.ones(8)
+        # Rank 0's link to rank 1 opens with its first send: a whole-view allreduce.
+        outs = await asyncio.gather(*(collectives.allreduce(p.session(), x, op="sum", name="a", chunk_bytes=16,
+                                                            timeout_s=T) for p in planes))
+        assert [o.tolist() for o in outs] == [[3.0] * 8] * 3
+        error = RingChangedError(1, 2)
+        planes[1].let_go((0,), error)  # rank 0 left, its stream to rank 1 is still open
+        late = asyncio.ensure_future(collectives.allreduce(planes[1].session(), x, op="sum", name="b",
+                                                           chunk_bytes=16, timeout_s=T))
+        await asyncio.sleep(0.05)
+        assert not late.done(), "a leaver whose stream is open was starved at once"
+        link = planes[0].link_to(1)
+        assert link is not None
+        link.end()
+        with pytest.raises((RingChangedError, PeerUnavailableError)):
+            await late
+        # Rank 0 never streamed to rank 2: a leaver that streams nothing starves rank 2's waits at once.
+        planes[2].let_go((0,), error)
+        with pytest.raises(RingChangedError):
+            await collectives.allreduce(planes[2].session((0, 2)), x, op="sum", name="c", chunk_bytes=16, timeout_s=T)
+    finally:
+        await shut(planes)
+
+
 @pytest.mark.parametrize(("members", "says"), [
     ((), "at least one rank"),
     ((0, 0, 1), "must not repeat"),
