@@ -53,6 +53,7 @@ from ringserve.errors import (
     UnsupportedError,
     UsageError,
     ViewInstallError,
+    WorkerFailedError,
 )
 from ringserve.worker.runtime import Worker
 
@@ -80,6 +81,7 @@ __all__ = [
     "ViewInstallError",
     "Worker",
     "WorkerConfig",
+    "WorkerFailedError",
     "allgather",
     "allgather_object",
     "allreduce",

@@ -241,15 +241,16 @@ class WorkerConfig(SecuritySettings):
             (``{rank}`` in it is replaced, else ``.<rank>.json`` is appended); empty: none. Its
             directory must exist or be creatable (checked here, made at the first view).
         tls_*, token, token_file: see SecuritySettings.
-        max_unverified_streams: peer streams that have not yet proved to come from a ring
-            neighbour (no HELLO yet, or a HELLO not yet checked against a view) that the peer
+        max_unverified_streams: peer streams that have not yet proved to come from a member of
+            a view (no HELLO yet, or a HELLO not yet checked against a view) that the peer
             server holds at once; a new one past it ends the oldest (RESOURCE_EXHAUSTED), so
-            streams that squat cannot keep out the predecessor's (see worker/gate.py). A stream
-            whose HELLO is verified as this view's (or a retired view's) predecessor never counts.
+            streams that squat cannot keep out a member's (see worker/gate.py). A stream whose
+            HELLO is verified against this view (or a retired view) never counts.
         max_concurrent_rpcs: RPCs the peer server serves at once besides the unverified
-            streams: the verified streams (one per view from the predecessor), health checks and
-            probes. gRPC's own cap is this plus max_unverified_streams; beyond it, every RPC gets
-            RESOURCE_EXHAUSTED.
+            streams: the verified streams (one per view from each rank that sends to this one:
+            the ring predecessor, and the predecessors in the sub-rings this rank is in),
+            health checks and probes. gRPC's own cap is this plus max_unverified_streams; beyond
+            it, every RPC gets RESOURCE_EXHAUSTED.
         peer_hello_timeout_s: a new peer stream must send a HELLO that is verified against a
             view within this; else it is aborted with DEADLINE_EXCEEDED. A new connection must
             also finish its handshake (TLS, HTTP/2 settings) within it.

@@ -18,6 +18,7 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
         ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
         ├── ViewInstallError          this worker could not take its place in a view; it left the world
+        ├── WorkerFailedError         a task the worker needs (heartbeat, view watch) crashed; it left
         └── UsageError                a bug in the calling program; retrying will not help
             ├── NotInitializedError   a collective called before init()
             ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
@@ -172,6 +173,15 @@ class ViewInstallError(RingserveError):
     """This worker could not set up its place in a view (a setting the host refused, a file it
     could not write); it left the world, so the others get a view without it. The cause is chained.
     Retrying will fail again until the cause is fixed."""
+
+
+class WorkerFailedError(RingserveError):
+    """A background task the worker cannot do without (its heartbeats, its view watch) crashed.
+
+    The worker left the world, so the others get a view without it at once; every call on it
+    fails with this error from then on, the crash chained as the cause. Not recoverable: the
+    worker's own machinery broke (a bug worth reporting), and a new worker must be started.
+    """
 
 
 class UsageError(RingserveError):

@@ -291,11 +291,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._start(bucket)
 
     def _scales(self) -> tuple[str, float, float]:
+        """The reduction, the factor before it, and the factor after it times the world size (0:
+        none): the size is the view's that runs the allreduce, read on the loop as it starts."""
         if self._op in (ops.Sum, ops.Adasum):  # Adasum here: a world of one, where it is the identity
-            return "sum", 1.0, 1.0
+            return "sum", 1.0, 0.0
         if self._predivide == 1.0:
-            return "average", 1.0, 1.0
-        return "sum", 1.0 / self._predivide, self._predivide / api.size()
+            return "average", 1.0, 0.0
+        return "sum", 1.0 / self._predivide, self._predivide
 
     def _start(self, bucket: Bucket) -> None:
         """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce."""
@@ -333,14 +335,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         residual = self._residual(bucket, array) if codec is not None and self._error_feedback else None
 
         async def reduce(worker: Any) -> tuple[Any, float]:
+            size = worker.size  # on the loop, in the view the allreduce below starts in
             # In place: the array is the bucket's own buffer (or its compressed copy).
             result = await worker.allreduce(array, op=core, name=name, out=array, compression=codec,
                                             residual=residual)
-            return result, time.perf_counter()
+            return (result, size), time.perf_counter()
 
-        def finish(result: Any) -> torch.Tensor:
+        def finish(done: tuple[Any, int]) -> torch.Tensor:
+            result, size = done
             reduced = self._compression.decompress(_tensors.restore(result, layout), cctx)
-            return reduced.mul_(postscale) if postscale != 1.0 else reduced
+            return reduced.mul_(postscale / size) if postscale else reduced
 
         bucket.started_at = time.perf_counter()
         bucket.future = basics.submit(reduce)

@@ -41,8 +41,8 @@ from ringserve.worker.values import Values
 
 
 def ring_of(session: Session) -> Ring:
-    """The ring of every rank of the session's view."""
-    return Ring.whole(session.place.rank, session.place.size)
+    """The ring the session runs over: every rank of its view, or a sub-ring (see session.py)."""
+    return session.ring
 
 
 async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Program,
@@ -68,7 +68,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     key, inbox = session.open(name, descriptor, key=key)
     kind = descriptor.split(" ", 1)[0]
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
-        "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.place.rank,
+        "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.plane.place.rank,
     })
     ok = False
     values = Values()
@@ -90,7 +90,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     except TimeoutError:
         raise CollectiveTimeoutError(
             f"Collective {key!r} ({descriptor}) did not finish within {timeout_s:g} s on rank "
-            f"{session.place.rank} of view {session.view_id}."
+            f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:
         session.release(key)

@@ -1,7 +1,7 @@
 """The peer server's gate: how many peer streams may be unproven at once, and for how long.
 
 A peer stream is *unverified* from its start until its HELLO has been checked against a view
-this worker holds (the sender is that view's predecessor). Anyone who can reach the port can
+this worker holds (the sender is another rank of that view; see peers.py and ``Plane.accept``). Anyone who can reach the port can
 open streams, and one that never sends a HELLO (or names a view that never comes) would hold a
 server slot for ever: 63 of them once filled a worker's 64 RPC slots, and after the next view
 change the real predecessor's stream was refused and the ring could not form again.
@@ -17,19 +17,18 @@ So the gate, not gRPC's RPC cap, bounds the streams that have proved nothing:
 - a verified stream leaves the gate: it never counts against the cap, so the real ring always
   gets in (gRPC's own cap is set above this one, see ``WorkerConfig.server_rpc_cap``).
 
-A HELLO for a view this worker has not installed yet (its predecessor heard of the view first)
-stays unverified until the view is installed, and is verified then (``verify_where``), whether or
-not more frames arrive meanwhile.
+A HELLO for a view this worker has not installed yet (its sender heard of the view first) stays
+unverified until the view is installed: its stream reads nothing more until then, and is verified
+when the view comes, within its deadline.
 
-Without a job token or mTLS a stranger who knows the view and the predecessor's rank can still
-pass as the predecessor; the gate bounds the ones that cannot.
+Without a job token or mTLS a stranger who knows the view and a member's rank can still pass as
+that member; the gate bounds the ones that cannot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 from ringserve import wire
 
@@ -96,12 +95,6 @@ class StreamGate:
         if deadline is not None and not deadline.expired():
             with contextlib.suppress(RuntimeError):
                 deadline.reschedule(None)
-
-    def verify_where(self, check: Callable[[wire.FrameHeader], bool]) -> None:
-        """Verifies every waiting stream whose HELLO passes ``check`` (after a view is installed)."""
-        for admitted in list(self._waiting):
-            if admitted.hello is not None and check(admitted.hello):
-                self.verify(admitted)
 
     def leave(self, admitted: Pass) -> None:
         self._waiting.pop(admitted, None)

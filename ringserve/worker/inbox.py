@@ -9,6 +9,7 @@ from typing import NamedTuple
 from ringserve import wire
 from ringserve.errors import ProtocolError
 from ringserve.observe import Span
+from ringserve.worker.programs import Ring
 
 MISMATCH = "mismatch"  # the abort reason of ranks that disagree; any other reason is a corruption
 
@@ -22,9 +23,15 @@ class Received(NamedTuple):
 
 
 class Inbox:
-    """The frames of one collective, by (step, chunk), and how that collective failed if it did."""
+    """The frames of one collective, by (step, chunk), and how that collective failed if it did.
 
-    def __init__(self) -> None:
+    ``ring`` is the ring the collective runs over (its key names it, see plane.py), and ``source``
+    the one rank whose stream may bring its frames: this rank's predecessor in that ring.
+    """
+
+    def __init__(self, ring: Ring | None = None, source: int = -1) -> None:
+        self.ring = ring
+        self.source = source
         self._slots: dict[tuple[int, int], asyncio.Future[Received]] = {}
         self.error: BaseException | None = None
         self._failed = asyncio.get_running_loop().create_future()
@@ -35,7 +42,7 @@ class Inbox:
         self._timer: asyncio.TimerHandle | None = None
         self._starved: BaseException | None = None
         self.span: Span | None = None
-        self.announced = False  # its first frame was reported to a joined rank (Session.on_unopened)
+        self.announced = False  # its first frame was reported to a joined rank (Plane.on_unopened)
 
     def deliver(self, key: tuple[int, int], frame: Received) -> None:
         fut = self._slots.get(key)

@@ -4,7 +4,7 @@ rank has joined it takes part in the others' collectives, and join returns the l
 How a joined rank takes part: it learns of the others' collectives from their frames. Every frame
 names its collective's key and descriptor (op, dtype, shape), and the ring brings every
 collective's frames to every rank, so a frame of a collective this rank has not opened reaches it
-(``Session.on_unopened``, or ``Session.unopened()`` for those that came before the join). It then
+(``Plane.on_unopened``, or ``Plane.unopened()`` for those that came before the join). It then
 opens that very key (``Session.open(key=...)``) with what ``stand_in`` decides for the descriptor,
 as Horovod's joined ranks do:
 
@@ -18,6 +18,10 @@ as Horovod's joined ranks do:
   supported with Join at this time", controller.cc), and so does this rank: it opens the collective
   under a descriptor that says so, and every rank in it fails at once with MismatchError (a
   RuntimeError, which is what Horovod's tests catch).
+
+A join is over the whole view, as Horovod's is over the global process set: a joined rank stands
+in for the whole view's collectives only (keys without a ring spec, see keys.py), and counts only
+those; a sub-ring's collectives are not stood in for, and wait for this rank to open them.
 
 The join itself is an allgather (name ``ringserve.join``): each rank gives its clock and how many
 collectives of each name it has opened. A rank's frames of it wait in the inboxes of ranks still
@@ -48,7 +52,7 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
-from ringserve.worker import adasum, collectives, executor, programs
+from ringserve.worker import adasum, collectives, executor, keys, programs
 from ringserve.worker.collectives import REFUSE_SLOT, _chunk_elems, _coder, _values
 from ringserve.worker.executor import ring_of
 from ringserve.worker.session import Session
@@ -158,7 +162,10 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
         CollectiveTimeoutError: not every rank joined within ``join_timeout_s``.
         RingChangedError and the other errors of a collective, from the join's own allgather.
     """
-    if session.on_unopened is not None:
+    plane = session.plane
+    if session.spec:
+        raise UsageError(f"join() runs over the whole view, not over the sub-ring {session.ring.members}.")
+    if plane.on_unopened is not None:
         raise UsageError("join() is already running on this rank.")
     loop = asyncio.get_running_loop()
     stands: set[asyncio.Task[None]] = set()
@@ -175,8 +182,8 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
     served: set[str] = set()
 
     def serve(key: str, descriptor: str) -> None:
-        base, _, number = key.rpartition("#")
-        if base == JOIN or key in served or not number.isdigit():
+        base, number, spec = keys.split(key)
+        if base == JOIN or key in served or spec or not number.isdigit():
             return
         served.add(key)
         task = loop.create_task(_stand(session, key, descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s),
@@ -185,11 +192,12 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
         task.add_done_callback(done)
         heard.set()
 
-    session.on_unopened = serve
+    plane.on_unopened = serve
     try:
-        for key, descriptor in session.unopened():
+        for key, descriptor in plane.unopened():
             serve(key, descriptor)
-        mine = json.dumps([session.opened, time.time(), session.counts()]).encode()
+        numbering = plane.numbering
+        mine = json.dumps([numbering.opened, time.time(), numbering.counts()]).encode()
         blocks = await collectives.allgather_blocks(
             session, np.frombuffer(mine, dtype=np.uint8), row=1, name=JOIN, descriptor="join",
             chunk_bytes=chunk_bytes, timeout_s=join_timeout_s)
@@ -200,7 +208,7 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
                 union[base] = max(union.get(base, 0), n)
         try:
             async with asyncio.timeout(join_timeout_s):
-                while session.behind(union) or stands:
+                while numbering.behind(union) or stands:
                     heard.clear()
                     await heard.wait()
         except TimeoutError:
@@ -210,12 +218,12 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
             ) from None
         # A last lap: no rank leaves join (and starts new collectives) before every rank has stopped
         # standing in, so no rank takes a collective of after the join for one of before.
-        session.on_unopened = None
+        plane.on_unopened = None
         await executor.run(session, JOIN, "join done", join_timeout_s, programs.confirm(ring_of(session), 0), Values())
-        session.opened = 0  # the next join compares what the ranks did after this one
+        numbering.opened = 0  # the next join compares what the ranks did after this one
         return last_to_join([(opened, clock) for opened, clock, _ in gathered])
     finally:
-        session.on_unopened = None
+        plane.on_unopened = None
         for task in list(stands):
             task.cancel()
         if stands:

@@ -1,16 +1,17 @@
-"""Links: how one rank's frames reach the next rank of its ring, in order, with backpressure.
+"""Links: how one rank's frames reach another rank of its view, in order, with backpressure.
 
-A link is the outbound half of one ring edge. The executor hands it DATA frames (new ones, and
-frames forwarded as they came); the session hands it ABORT frames. The link encodes them, puts a
+A link is the outbound half of one edge between two ranks of a view; a plane (plane.py) holds one
+per rank it sends to. The executor hands it DATA frames (new ones, and frames forwarded as they
+came); the plane hands it ABORT frames. The link encodes them, puts a
 payload into the shared-memory lane when the lane is attached and has a free slot (the header then
 names the slot, see shared.py), and moves the frames, in the order they were given, to the peer,
-where they arrive at that peer's ``Session.on_frame``. A new way to move frames (fd passing between
+where they arrive at that peer's ``Plane.on_frame``. A new way to move frames (fd passing between
 containers, a faster lane between hosts) is one new subclass: it implements ``_run``, which takes
 frames with ``_next`` until it returns None, then ends the stream cleanly.
 
-- ``StreamLink``: the gRPC stream to the successor (the contract between hosts), optionally with
-  the shared-memory lane of ``OutboundRing`` for payloads between processes of one host.
-- ``MemoryLink`` (memlink.py): a Session in the same process, for tests and the simulator.
+- ``StreamLink``: the gRPC stream to a peer (the contract between hosts), optionally with the
+  shared-memory lane of ``OutboundRing`` for payloads between processes of one host.
+- ``MemoryLink`` (memlink.py): a Plane in the same process, for tests and the simulator.
 
 Backpressure: at most ``window`` DATA frames (``SEND_WINDOW`` by default) wait in a link's queue,
 and one more is being written. The executor asks ``has_room`` before it sends and waits on
@@ -43,6 +44,7 @@ from ringserve._proto import peer_pb2
 from ringserve.errors import PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.transport import peer_error
+from ringserve.worker.channels import Lease
 from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
@@ -57,7 +59,7 @@ OnFailure = Callable[[BaseException, str], None]
 
 
 class Link:
-    """The outbound half of one ring edge: frames to one peer, in order, with backpressure."""
+    """The outbound half of one edge: frames to one peer, in order, with backpressure."""
 
     def __init__(self, counters: Counters, *, lane: OutboundRing | None = None, window: int = SEND_WINDOW) -> None:
         if window < 1:
@@ -149,7 +151,7 @@ class Link:
     def close(self) -> None:
         """Stops at once: queued frames are dropped, and waiting senders are let go."""
         self._closed = True
-        self._on_failure = _ignore  # the session is closing: nothing to tell it (and no cycle left)
+        self._on_failure = _ignore  # the plane is closing: nothing to tell it (and no cycle left)
         if self._task is not None:
             self._task.cancel()
         if self.lane is not None:
@@ -177,7 +179,7 @@ class Link:
         hold it back, a cycle that kept the channel (and gRPC's poller thread) until the next GC."""
         self._task = None
         if not task.cancelled():
-            task.exception()  # logged by _pump, and the session failed with it: seen, not raised twice
+            task.exception()  # logged by _pump, and the plane failed with it: seen, not raised twice
 
     # -- for subclasses --------------------------------------------------------------------
 
@@ -225,13 +227,13 @@ class Link:
         try:
             await self._run(hello)
         except Exception as exc:
-            log.exception("a link to the next rank of view %d failed", hello.view_id)
+            log.exception("a link from rank %d of view %d failed", hello.sender_rank, hello.view_id)
             self._fail(exc)
             raise
         finally:
             if self.lane is not None:
                 self.lane.close()
-            # The session holds the link, and the callback holds the session: break the cycle, so
+            # The plane holds the link, and the callback holds the plane: break the cycle, so
             # that both (and the channel, whose poller thread waits for its last user) go at once
             # when the worker drops them, not at the next garbage collection.
             self._on_failure = _ignore
@@ -242,17 +244,30 @@ def _ignore(exc: BaseException, why: str) -> None:
 
 
 class StreamLink(Link):
-    """The gRPC stream to the successor: a client stream of encoded frames, HELLO first, BYE last."""
+    """The gRPC stream to a peer: a client stream of encoded frames, HELLO first, BYE last.
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, counters: Counters, *, drain_timeout_s: float,
+    It holds a lease on the peer's channel (see channels.py) until it has ended.
+    """
+
+    def __init__(self, lease: Lease, counters: Counters, *, drain_timeout_s: float,
                  lane: OutboundRing | None = None, window: int = SEND_WINDOW) -> None:
         super().__init__(counters, lane=lane, window=window)
-        self.channel = channel
-        self.address = address
+        self.lease = lease
+        self.address = lease.address
         self.drain_timeout_s = drain_timeout_s
 
+    def close(self) -> None:
+        super().close()
+        if self._task is None:  # never started, or already ended: nothing will release it later
+            self.lease.release()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        super()._ended(task)
+        self.lease.release()
+
     async def _run(self, hello: wire.FrameHeader) -> None:
-        method = self.channel.stream_unary(STREAM_METHOD, response_deserializer=peer_pb2.StreamSummary.FromString)
+        method = self.lease.channel.stream_unary(STREAM_METHOD,
+                                                 response_deserializer=peer_pb2.StreamSummary.FromString)
         call = method()
         view = hello.view_id
         try:
@@ -260,8 +275,8 @@ class StreamLink(Link):
             while (frame := await self._next()) is not None:
                 await call.write(frame)
             # A clean end, said in so many words: a process killed -9 also closes its socket
-            # cleanly, so the successor takes an end without BYE as the predecessor's failure.
-            # The answer comes once the successor has routed every frame.
+            # cleanly, so the peer takes an end without BYE as the sender's failure.
+            # The answer comes once the peer has routed every frame.
             await call.write(wire.encode(wire.FrameHeader(kind=wire.BYE, view_id=view, sender_rank=hello.sender_rank)))
             await call.done_writing()
             async with asyncio.timeout(self.drain_timeout_s):

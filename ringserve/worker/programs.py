@@ -13,12 +13,12 @@ origin), chosen so that a frame forwarded unchanged keeps its key from hop to ho
 
 Programs run over a ``Ring``: ranks in ring order and this rank's position among them. Segments,
 slots and origins are positions, and every send goes to the ring's next member (``Ring.next``),
-so the same program runs a sub-ring of a subset of the view's ranks (a process set) once the
-executor maps ``Ring.next`` to a link (today every collective runs on the whole view, whose next
-member is the session's successor). A point-to-point pattern routed around the ring (alltoall) is
+so the same program runs a sub-ring of a subset of the view's ranks (a process set): the session
+it runs on (session.py) sends on the plane's link to ``Ring.next``, and takes its frames from the
+stream of the ring's previous member. A point-to-point pattern routed around the ring (alltoall) is
 a program too: ``Give`` a block for each destination, and ``Place`` or ``Forward`` what arrives,
-by how far its origin is (``alltoall_ring``). The simulator in tests/unit/test_ring.py runs these
-very programs, through the executor, over in-memory links.
+by how far its origin is (``alltoall_ring``). The simulator (tests/ringsim.py) runs these very
+programs, through the executor, over in-memory links.
 
 A collective made of several programs run one after the other under one key (Adasum's exchange,
 its rounds of dot products, its gather) gives each its own range of slots with ``shifted``.

@@ -115,7 +115,7 @@ async def test_a_ring_offered_by_a_stream_that_is_not_the_predecessor_is_never_m
     try:
         async with grpc.aio.insecure_channel(target.address) as channel:
             call = channel.stream_unary(STREAM, response_deserializer=peer_pb2.StreamSummary.FromString)()
-            # Rank 1 claims to be rank 1's predecessor in its own view: refused, ring untouched.
+            # A stream that claims the target's own rank in its view: refused, ring untouched.
             hello = wire.FrameHeader(kind=wire.HELLO, view_id=target.view_id, sender_rank=1)
             hello.shared_ring.CopyFrom(ring.offer())
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -140,14 +140,45 @@ async def test_frames_of_a_past_view_are_dropped_and_counted_never_summed(world_
     await still_serving(world, "old")
 
 
-async def test_a_hello_that_claims_a_rank_other_than_the_predecessor_is_refused(world_factory, impostors) -> None:
+@pytest.mark.parametrize(("rank", "says"), [(3, "claims rank 3, but view {v} has ranks 0 to 2"),
+                                           (1, "claims rank 1 of view {v}, the rank of the worker it reached")],
+                         ids=["not a member", "the target itself"])
+async def test_a_hello_that_claims_no_other_member_of_the_view_is_refused_at_once(
+    world_factory, impostors, rank: int, says: str
+) -> None:
     world = await world_factory(3)
-    target = world.workers[1]  # its only predecessor is rank 0
+    target = world.workers[1]
+    impostor = impostors(target.address)
+    await impostor.write(hello(target.view_id, rank))
+    code, details = await impostor.code()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert says.format(v=target.view_id) in details
+    await still_serving(world, f"after-claim-{rank}")
+
+
+async def test_a_frame_from_a_member_that_does_not_precede_this_rank_in_its_ring_is_refused(world_factory, impostors) -> None:
+    # Any member may stream to rank 1 (sub-rings), but the whole view's collectives reach rank 1
+    # from rank 0 only: rank 2's frame for one of them is refused, and never summed.
+    world = await world_factory(3)
+    target = world.workers[1]
     impostor = impostors(target.address)
     await impostor.write(hello(target.view_id, 2), data(target.view_id, "claim#1", 0, [1, 2]))
     code, details = await impostor.code()
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "claims rank 2, but rank 0 is the only predecessor of rank 1" in details
+    assert (f"A frame of collective 'claim#1' came from rank 2, but rank 1 of view {target.view_id} receives "
+            "that collective's frames from rank 0 only") in details
+    await still_serving(world, "after-stray-sender")
+
+
+async def test_a_frame_whose_key_names_a_ring_without_this_rank_is_refused(world_factory, impostors) -> None:
+    world = await world_factory(3)
+    target = world.workers[1]
+    impostor = impostors(target.address)
+    await impostor.write(hello(target.view_id, 0), data(target.view_id, "sub#1/0.2", 0, [1, 2]))
+    code, details = await impostor.code()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "names a ring (0.2) that is not made of distinct ranks of view" in details
+    await still_serving(world, "after-foreign-ring")
 
 
 async def test_a_refused_impostor_leaves_the_real_ring_working(world_factory, impostors) -> None:
@@ -376,25 +407,31 @@ async def test_two_rejoins_that_claim_one_rank_neither_crash_the_coordinator_nor
             assert (await stub.Status(pb.StatusRequest(), timeout=5)).view.view_id >= 10
 
 
-async def test_a_hello_for_a_view_not_yet_installed_is_let_in_when_the_view_comes_and_a_wrong_one_is_ended_at_the_deadline(
+async def test_a_hello_for_a_view_not_yet_installed_is_let_in_when_the_view_comes_and_a_wrong_one_is_refused(
     world_factory, impostors
 ) -> None:
     world = await world_factory(3, coordinator={"min_workers": 2}, peer_hello_timeout_s=1.0)
     target, leaving = world.workers[0], world.workers[2]
     future = target.view_id + 1
     # The next view has two ranks: one of these claims the target's predecessor there, the other
-    # claims the target itself. Neither sends anything after its HELLO.
+    # claims the target itself; a third claims a view that never comes. None sends anything after
+    # its HELLO.
     claims = {rank: impostors(target.address) for rank in (0, 1)}
     for rank, impostor in claims.items():
         await impostor.write(hello(future, rank))
+    never = impostors(target.address)
+    await never.write(hello(future + 100, 0))
     await leaving.close()
     async with asyncio.timeout(5):
         while target.latest_view < future:
             await asyncio.sleep(0.01)
     world.workers.remove(leaving)
-    await asyncio.sleep(1.5)  # past the deadline
     true_rank = predecessor(target.rank, target.size)
+    code, details = await claims[1 - true_rank].code(1)  # refused as soon as the view came
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"claims rank {1 - true_rank} of view {future}, the rank of the worker it reached" in details
+    await asyncio.sleep(1.5)  # past the deadline
     assert not claims[true_rank].call.done()  # verified when the view came: no deadline
-    code, details = await claims[1 - true_rank].code(1)
+    code, details = await never.code(1)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert f"sent a HELLO (view {future}, rank {1 - true_rank}) that no view of this worker verified within 1 s" in details
+    assert f"sent a HELLO (view {future + 100}, rank 0) that no view of this worker verified within 1 s" in details

@@ -1,7 +1,7 @@
-"""Who owns what on the data plane: a link's queue is bounded, a session's close honours its
-caller's deadline across sessions, and shared-memory rings are unmapped when closed.
+"""Who owns what on the data plane: a link's queue is bounded, a plane's close honours its
+caller's deadline across planes, and shared-memory rings are unmapped when closed.
 
-Sessions here are linked by in-memory links (tests/ringsim.py); nothing opens a socket.
+Planes here are linked by in-memory links (tests/ringsim.py); nothing opens a socket.
 """
 
 from __future__ import annotations
@@ -17,27 +17,34 @@ import pytest
 from ringsim import make_ring, shut
 
 from ringserve import wire
-from ringserve.errors import RingChangedError
+from ringserve.errors import CollectiveTimeoutError, RingChangedError
 from ringserve.observe import Counters
 from ringserve.worker import collectives, shared
 from ringserve.worker.link import SEND_WINDOW, Link
 from ringserve.worker.memlink import MemoryLink
-from ringserve.worker.session import Place, Session
+from ringserve.worker.plane import Plane
+from ringserve.worker.session import Place
 from ringserve.worker.shared import InboundRing, OutboundRing
 
 needs_shared = pytest.mark.skipif(not shared.supported(), reason="shared rings need Linux memfds on x86-64")
 
 
-def pair(window: int = SEND_WINDOW) -> tuple[Session, Session, MemoryLink]:
-    """Two sessions of one view; rank 0's link to rank 1 is returned too."""
-    sessions: list[Session] = []
+def pair(window: int = SEND_WINDOW) -> tuple[Plane, Plane, MemoryLink]:
+    """Two planes of one view; rank 0's link to rank 1 is returned too."""
+    planes: list[Plane] = []
     counters = [Counters(), Counters()]
-    link = MemoryLink(lambda: sessions[1], counters[0], window=window)
-    back = MemoryLink(lambda: sessions[0], counters[1], window=window)
+    link = MemoryLink(lambda: planes[1], counters[0], window=window)
+    back = MemoryLink(lambda: planes[0], counters[1], window=window)
     for r, lk in enumerate((link, back)):
         place = Place(view_id=1, rank=r, size=2, addresses=("a", "b"))
-        sessions.append(Session(place, None, counters[r], 1.0, link=lk))
-    return sessions[0], sessions[1], link
+        planes.append(Plane(place, counters[r], 1.0, connect=lambda to, lk=lk: lk))
+    return planes[0], planes[1], link
+
+
+def next_link(plane: Plane) -> Link:
+    """The plane's link to its successor in the view."""
+    link = plane._links[plane.ring.next]
+    return link
 
 
 def data_header(chunk: int) -> wire.FrameHeader:
@@ -67,27 +74,27 @@ async def test_a_link_queues_at_most_its_window_of_data_frames_and_lets_the_send
 
 async def test_a_collective_with_a_window_of_one_frame_still_completes_and_never_queues_more() -> None:
     rng = random.Random(1)
-    sessions = make_ring(3, rng)
+    planes = make_ring(3, rng)
     peaks = [0, 0, 0]
-    for s in sessions:
-        s._link.window = 1  # type: ignore[union-attr]
-    original = [s._link.send for s in sessions]  # type: ignore[union-attr]
-    for r, s in enumerate(sessions):
+    for p in planes:
+        next_link(p).window = 1
+    original = [next_link(p).send for p in planes]
+    for r, p in enumerate(planes):
         def send(header: wire.FrameHeader, payload: object, whole: bytes = b"", r: int = r) -> None:
             original[r](header, payload, whole)  # type: ignore[arg-type]
-            peaks[r] = max(peaks[r], sessions[r]._link._queued)  # type: ignore[union-attr]
-        s._link.send = send  # type: ignore[union-attr,method-assign]
+            peaks[r] = max(peaks[r], next_link(planes[r])._queued)
+        next_link(p).send = send  # type: ignore[method-assign]
     x = np.arange(30000, dtype=np.float32)
-    outs = await asyncio.gather(*(collectives.allreduce(s, x, op="sum", name=None, chunk_bytes=1024, timeout_s=10)
-                                  for s in sessions))
+    outs = await asyncio.gather(*(collectives.allreduce(p.session(), x, op="sum", name=None, chunk_bytes=1024,
+                                                        timeout_s=10) for p in planes))
     for out in outs:
         np.testing.assert_array_equal(out, x * 3)
     assert peaks == [1, 1, 1]
-    await shut(sessions)
+    await shut(planes)
 
 
-async def test_close_waits_on_every_retired_session_within_one_deadline_and_is_not_swallowed() -> None:
-    # Three sessions whose peers hang: their links never end. One deadline must cover the waits
+async def test_close_waits_on_every_retired_plane_within_one_deadline_and_is_not_swallowed() -> None:
+    # Three planes whose peers hang: their links never end. One deadline must cover the waits
     # on all three (it once covered only the first, and the rest waited without limit).
     pairs = [pair() for _ in range(3)]
     for a, b, link in pairs:
@@ -136,13 +143,13 @@ async def test_a_link_unmaps_its_shared_ring_when_it_closes_and_the_receiver_onc
 @needs_shared
 async def test_sessions_that_shared_memory_leave_no_mapping_behind() -> None:
     rng = random.Random(2)
-    sessions = make_ring(3, rng, lanes=True, lane_slots=4, slot_bytes=256)
-    lanes = [s._link.lane for s in sessions]  # type: ignore[union-attr]
+    planes = make_ring(3, rng, lanes=True, lane_slots=4, slot_bytes=256)
+    lanes = [next_link(p).lane for p in planes]
     x = np.arange(200, dtype=np.float32)
-    await asyncio.gather(*(collectives.allreduce(s, x, op="sum", name=None, chunk_bytes=256, timeout_s=10)
-                           for s in sessions))
-    assert sum(s.counters.shared_bytes_sent for s in sessions) > 0
-    await shut(sessions)
+    await asyncio.gather(*(collectives.allreduce(p.session(), x, op="sum", name=None, chunk_bytes=256, timeout_s=10)
+                           for p in planes))
+    assert sum(p.counters.shared_bytes_sent for p in planes) > 0
+    await shut(planes)
     assert all(lane is not None and lane.closed for lane in lanes)
 
 
@@ -155,22 +162,24 @@ class Sink(Link):
 
 
 @pytest.mark.parametrize("how", ["retired", "closed"])
-async def test_a_session_and_its_link_are_freed_when_dropped_without_waiting_for_the_garbage_collector(how: str) -> None:
-    # The worker's gRPC poller thread stays until the last channel is freed: a session and link
+async def test_a_plane_and_its_link_are_freed_when_dropped_without_waiting_for_the_garbage_collector(how: str) -> None:
+    # The worker's gRPC poller thread stays until the last channel is freed: a plane and link
     # kept alive by a reference cycle kept it running after shutdown.
     gc.disable()
     try:
         counters = Counters()
-        session = Session(Place(view_id=1, rank=0, size=2, addresses=("a", "b")), None, counters, 1.0,
-                          link=Sink(counters))
-        await asyncio.sleep(0)
+        plane = Plane(Place(view_id=1, rank=0, size=2, addresses=("a", "b")), counters, 1.0,
+                      connect=lambda to: Sink(counters))
+        x = np.ones(4, dtype=np.float32)
+        with pytest.raises(CollectiveTimeoutError):  # a session used, and its collective finished
+            await collectives.allreduce(plane.session(), x, op="sum", name=None, chunk_bytes=8, timeout_s=0.05)
         if how == "retired":
-            session.retire(RingChangedError(1, 2, "test"))
+            plane.retire(RingChangedError(1, 2, "test"))
         else:
-            session.close(RingChangedError(1, 2, "test"))
-        await session.wait_closed()
-        refs = [weakref.ref(session), weakref.ref(session._link)]  # type: ignore[arg-type]
-        del session
+            plane.close(RingChangedError(1, 2, "test"))
+        await plane.wait_closed()
+        refs = [weakref.ref(plane), weakref.ref(next_link(plane))]
+        del plane
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()

@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 from ringsim import simulate
 
-from ringserve.errors import MismatchError
+from ringserve.errors import MismatchError, ProtocolError, UsageError
+from ringserve.observe import Counters
 from ringserve.worker import collectives, grouped, join
-from ringserve.worker.session import Session
+from ringserve.worker.keys import MAX_SKIPPED
+from ringserve.worker.plane import Plane
+from ringserve.worker.session import Place, Session
 
 T = 10.0
 CHUNK = 16
@@ -189,19 +192,78 @@ async def test_the_last_to_join_counts_only_what_each_rank_did_since_the_last_jo
 
 
 async def test_opening_a_key_out_of_order_keeps_the_keys_it_passed_over_open_and_refuses_a_far_one() -> None:
-    from ringserve.errors import ProtocolError
-    from ringserve.observe import Counters
-    from ringserve.worker.session import MAX_SKIPPED, Place
-
-    session = Session(Place(view_id=1, rank=0, size=1, addresses=("a",)), None, Counters(), 1.0)
+    plane = Plane(Place(view_id=1, rank=0, size=1, addresses=("a",)), Counters(), 1.0)
+    session, numbering = plane.session(), plane.numbering
     key, _ = session.open(None, "barrier", key="#3")
     session.release(key)
-    assert session.behind({"": 3})  # #1 and #2 were passed over: not yet opened
-    assert not session._finished("#2") and session._finished("#3")
+    assert numbering.behind({"": 3})  # #1 and #2 were passed over: not yet opened
+    assert not plane._finished("#2") and plane._finished("#3")
     for k in ("#1", "#2"):
         session.release(session.open(None, "barrier", key=k)[0])
-    assert not session.behind({"": 3}) and session.behind({"": 4, "other": 1})
+    assert not numbering.behind({"": 3}) and numbering.behind({"": 4, "other": 1})
     assert session.open(None, "barrier")[0] == "#4"  # a real open goes on after the stand-ins
-    assert session.opened == 1 and session.counts() == {"": 4}
+    assert numbering.opened == 1 and numbering.counts() == {"": 4}
     with pytest.raises(ProtocolError, match="past the last of its name"):
         session.open(None, "barrier", key=f"#{5 + MAX_SKIPPED}")
+
+
+async def test_a_joined_rank_stands_in_for_the_whole_views_collectives_only_and_counts_only_those() -> None:
+    plane = Plane(Place(view_id=1, rank=0, size=1, addresses=("a",)), Counters(), 1.0)
+    whole, sub = plane.session(), plane.session((0,))
+    assert sub.open("g", "barrier")[0] == "g#1/0"
+    assert whole.open("g", "barrier")[0] == "g#1"
+    assert plane.numbering.opened == 1 and plane.numbering.counts() == {"g": 1}
+    assert not plane.numbering.behind({"g": 1})
+    with pytest.raises(UsageError, match="whole view's collectives only"):
+        sub.open("g", "barrier", key="g#2")
+    with pytest.raises(ProtocolError, match="not one of the whole view's"):
+        whole.open("g", "barrier", key="g#2/0")
+    assert plane.numbering.counts() == {"g": 1}
+
+
+async def test_a_sub_ring_of_ranks_still_working_runs_apart_from_a_rank_that_has_joined() -> None:
+    # Rank 0 joins at once; ranks 1 and 2 run allreduces over their own sub-ring and over the whole
+    # view. Rank 0 adds zeros to the whole view's and never sees (nor stands in for) the sub-ring's.
+    world = 3
+
+    async def call(session: Session, rank: int) -> tuple[Any, ...]:
+        if rank == 0:
+            return (await join_now(session),)
+        pair = session.plane.session((2, 1))
+        s, w = await asyncio.gather(
+            collectives.allreduce(pair, x_of(rank, 9), op="average", name="g", chunk_bytes=CHUNK, timeout_s=T),
+            collectives.allreduce(session, x_of(rank, 9), op="average", name="g", chunk_bytes=CHUNK, timeout_s=T))
+        return s, w, await join_now(session)
+
+    outcomes = await simulate(world, call, seed=5)
+    for r in (1, 2):
+        s, w, _ = outcomes[r]
+        np.testing.assert_allclose(s, (x_of(1, 9) + x_of(2, 9)) / 2)  # the pair's own average
+        np.testing.assert_allclose(w, (x_of(1, 9) + x_of(2, 9)) / world)  # the view's, with rank 0's zeros
+    assert {o[-1] for o in outcomes} == {outcomes[1][-1]} and outcomes[1][-1] != 0
+
+
+async def test_a_sub_ring_collective_that_reaches_a_joined_rank_waits_for_it_to_open_it_after_the_join() -> None:
+    # Rank 1 starts an allreduce over the ring (1, 0) and joins; rank 0 has joined already. Rank 0
+    # must not stand in for it with zeros (join is over the whole view): it runs it after the join.
+    world = 3
+
+    async def call(session: Session, rank: int) -> tuple[Any, int]:
+        pair = session.plane.session((1, 0)) if rank < 2 else None
+        if rank == 1:
+            assert pair is not None
+            pending = asyncio.ensure_future(
+                collectives.allreduce(pair, x_of(rank, 40), op="sum", name="p", chunk_bytes=CHUNK, timeout_s=T))
+            await asyncio.sleep(0)
+            last = await join_now(session)
+            return await pending, last
+        last = await join_now(session)
+        if pair is None:
+            return None, last
+        return await collectives.allreduce(pair, x_of(rank, 40), op="sum", name="p", chunk_bytes=CHUNK,
+                                           timeout_s=T), last
+
+    outcomes = await simulate(world, call, seed=7)
+    for r in (0, 1):
+        np.testing.assert_array_equal(outcomes[r][0], x_of(0, 40) + x_of(1, 40))
+    assert len({last for _, last in outcomes}) == 1
