@@ -321,6 +321,29 @@ def alltoall_ring(ring: Ring, sizes: list[int], chunk_elems: int) -> Program:
                     yield FORWARD
 
 
+def message(ring: Ring, total: int, chunk_elems: int) -> Program:
+    """A point-to-point message over a ring of two, from position 0 to position 1 (a send and its
+    recv): the sender gives its block of ``total`` elements chunk by chunk and is done once they
+    are on the link (an eager send, as gloo's and MPI's for messages that fit their buffers); the
+    receiver learns the size from the first frame and places the block. Frames are keyed
+    ``(0, chunk)``; an empty message is one empty frame, which carries the sender's descriptor.
+    """
+    if ring.size != 2:
+        raise ValueError(f"A message runs over a ring of two (sender, receiver), not {ring.members}.")
+    if ring.index == 0:
+        yield Phase("send")
+        for c, (a, b) in enumerate(chunk_bounds(0, total, chunk_elems)):
+            yield Give(0, c, 0, a, b, total)
+        return
+    size = yield Recv(0, 0)
+    assert size is not None
+    yield Phase("recv")
+    for c, (a, b) in enumerate(chunk_bounds(0, size, chunk_elems)):
+        if c:
+            yield Recv(0, c)
+        yield Place(0, a, b, size)
+
+
 def shifted(program: Program, offset: int) -> Program:
     """``program`` with every slot moved up by ``offset`` (NO_SEND stays NO_SEND): a stage of a
     collective that runs several programs under one key, in slots of its own."""
