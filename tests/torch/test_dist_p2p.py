@@ -18,7 +18,8 @@ MUST = ["all_to_all_single even torch.bfloat16 equals gloo's", "all_to_all_singl
         "all_to_all (lists) equals gloo's", "all_to_all_single with splits wrong on rank 0 fails every rank at once",
         "recv from any source says what to use instead", "isend/irecv ring shift equals gloo's",
         "batch_isend_irecv both ways equals gloo's", "barrier after the messages",
-        "subgroups' and the world's all_reduces in flight at once", "new_subgroups' all_reduce equals gloo's"]
+        "subgroups' and the world's all_reduces in flight at once", "new_subgroups' all_reduce equals gloo's",
+        "new_subgroups_by_enumeration's all_reduce"]
 # What the two ends of the tagged exchange (ranks 0 and the last) checked.
 ENDS = ["tagged message 2 of tag 0 both ways at once", "tagged message 0 of tag 1 both ways at once",
         "send then recv on both ends, into a strided view"]

@@ -259,6 +259,13 @@ def subgroups(rank: int, size: int) -> None:
     dist.all_reduce(ts[0], group=mine_rs)
     dist.all_reduce(ts[1], group=mine_gloo)
     same("new_subgroups' all_reduce equals gloo's", ts[0], ts[1])
+    # new_subgroups_by_enumeration: the first and the last rank, and the others (in a world of 2: each alone).
+    spec = [[0, size - 1], list(range(1, size - 1))] if size > 2 else [[0], [1]]
+    mine_rs, _ = dist.new_subgroups_by_enumeration(spec)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=mine_rs)
+    ours = next(m for m in spec if rank in m)
+    same("new_subgroups_by_enumeration's all_reduce", t, torch.full((3,), float(sum(r + 1 for r in ours))))
 
 
 def main() -> None:
