@@ -303,6 +303,7 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
         plane = Plane(world.context, tag=None if not ranks else f"torch.group.{opts.group_id}", view_id=worker.view_id)
         # The group's members are fixed: once the view moves on, every op fails (see the docstring).
         worker.pin_view(plane.view_id)
+        world.view_id = plane.view_id
         group = ProcessGroupRingserve(plane, settings, world)
     except BaseException:
         world.close()
