@@ -17,7 +17,8 @@ so the same program runs a sub-ring of a subset of the view's ranks (a process s
 it runs on (session.py) sends on the plane's link to ``Ring.next``, and takes its frames from the
 stream of the ring's previous member. A point-to-point pattern routed around the ring (alltoall) is
 a program too: ``Give`` a block for each destination, and ``Place`` or ``Forward`` what arrives,
-by how far its origin is (``alltoall_ring``). The simulator (tests/ringsim.py) runs these very
+by how far its origin is (``alltoall_ring``); a point-to-point message is a ``Give`` over a ring of
+two, its sender and its receiver (``message``, run by worker/p2p.py). The simulator (tests/ringsim.py) runs these very
 programs, through the executor, over in-memory links.
 
 A collective made of several programs run one after the other under one key (Adasum's exchange,
