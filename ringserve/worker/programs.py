@@ -17,7 +17,8 @@ so the same program runs a sub-ring of a subset of the view's ranks (a process s
 it runs on (session.py) sends on the plane's link to ``Ring.next``, and takes its frames from the
 stream of the ring's previous member. A point-to-point pattern routed around the ring (alltoall) is
 a program too: ``Give`` a block for each destination, and ``Place`` or ``Forward`` what arrives,
-by how far its origin is (``alltoall_ring``). The simulator (tests/ringsim.py) runs these very
+by how far its origin is (``alltoall_ring``); a point-to-point message is a ``Give`` over a ring of
+two, its sender and its receiver (``message``, run by worker/p2p.py). The simulator (tests/ringsim.py) runs these very
 programs, through the executor, over in-memory links.
 
 A collective made of several programs run one after the other under one key (Adasum's exchange,
@@ -319,6 +320,29 @@ def alltoall_ring(ring: Ring, sizes: list[int], chunk_elems: int) -> Program:
                     yield Place(origin, a, b, size)
                 else:
                     yield FORWARD
+
+
+def message(ring: Ring, total: int, chunk_elems: int) -> Program:
+    """A point-to-point message over a ring of two, from position 0 to position 1 (a send and its
+    recv): the sender gives its block of ``total`` elements chunk by chunk and is done once they
+    are on the link (an eager send, as gloo's and MPI's for messages that fit their buffers); the
+    receiver learns the size from the first frame and places the block. Frames are keyed
+    ``(0, chunk)``; an empty message is one empty frame, which carries the sender's descriptor.
+    """
+    if ring.size != 2:
+        raise ValueError(f"A message runs over a ring of two (sender, receiver), not {ring.members}.")
+    if ring.index == 0:
+        yield Phase("send")
+        for c, (a, b) in enumerate(chunk_bounds(0, total, chunk_elems)):
+            yield Give(0, c, 0, a, b, total)
+        return
+    size = yield Recv(0, 0)
+    assert size is not None
+    yield Phase("recv")
+    for c, (a, b) in enumerate(chunk_bounds(0, size, chunk_elems)):
+        if c:
+            yield Recv(0, c)
+        yield Place(0, a, b, size)
 
 
 def shifted(program: Program, offset: int) -> Program:

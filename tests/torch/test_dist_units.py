@@ -228,3 +228,28 @@ def test_ddp_raises_a_failed_op_from_backward_instead_of_crashing() -> None:
     outcomes = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcomes[:2] == ["ok", "ok"]
     assert "DistBackendError: ringserve: op failed: PeerUnavailableError: gone" in outcomes[2], outcomes
+
+
+# -- all_to_all_single's split sizes, as torch checks them ----------------------------------------
+
+
+@pytest.mark.parametrize(("shape", "splits", "size", "want"), [
+    ((6, 2), [], 3, [16, 16, 16]),                  # even: 2 rows of 2 float32 each
+    ((5, 2), [3, 0, 2], 3, [24, 0, 16]),
+    ((4,), [1, 3], 2, [4, 12]),
+    ((), [], 1, [4]),                                # a 0-dim tensor is one row
+])
+def test_all_to_all_splits_become_byte_counts_per_rank(shape: tuple[int, ...], splits: list[int], size: int,
+                                                       want: list[int]) -> None:
+    assert ops._split("input", splits, torch.zeros(shape), size) == (want, "")
+
+
+@pytest.mark.parametrize(("shape", "splits", "size", "words"), [
+    ((5, 2), [], 3, "5 rows along dim 0, which is not a multiple of the group's size (3): pass input_split_sizes"),
+    ((5, 2), [3, 2], 3, "have 2 entries, not one per rank (3)"),
+    ((5, 2), [3, 3, 0], 3, "must be non-negative and sum to its 5 rows"),
+    ((5, 2), [6, -1, 0], 3, "must be non-negative"),
+])
+def test_wrong_all_to_all_splits_are_named(shape: tuple[int, ...], splits: list[int], size: int, words: str) -> None:
+    counts, problem = ops._split("input", splits, torch.zeros(shape), size)
+    assert counts == [] and words in problem

@@ -11,7 +11,7 @@ Importing this module (``import ringserve.torch`` does) registers the backend an
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 How a job finds its world: rendezvous.py. Ops and how each runs on the ring: ops.py. The seam to
-ringserve's worker, with the ops still to come (send/recv, all_to_all, sub-groups): plane.py.
+ringserve's worker (new_group's sub-rings, send/recv, all_to_all): plane.py.
 Options (compression and the rest): settings.py. Errors: a peer's death or any ringserve failure
 is a ``torch.distributed.DistBackendError`` with ringserve's error as its cause (work.py).
 """

@@ -1,6 +1,7 @@
 """``ProcessGroupRingserve``: a torch ``ProcessGroup`` whose ops run on ringserve's ring.
 
-torch calls these methods for ``dist.all_reduce`` and the rest, and DDP's reducer calls them from
+torch calls these methods for ``dist.all_reduce`` and the rest (on the default group and on
+``new_group``'s sub-rings alike), and DDP's reducer calls them from
 C++ through the ProcessGroup trampoline. Each op checks its arguments, starts its ringserve calls
 (ops.py, over the group's Plane) and returns a ``RingserveWork`` at once; ``async_op=False`` is
 torch waiting on it. An op ringserve cannot do raises NotImplementedError before anything starts.
@@ -205,10 +206,11 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         part = self.plane.barrier()
         return self._completer.track("barrier", [part], lambda _: [])
 
-    # -- coming with ringserve's links and process sets (see plane.py) -----------------------
+    # -- point-to-point and all-to-all ------------------------------------------------------
 
     @_op("send")
     def send(self, tensors: Any, dst: int, tag: int = 0) -> RingserveWork:
+        """Sends to group rank ``dst``; done once the bytes are on the link (gloo's send too)."""
         tensor = ops.single(_tensor_list(tensors), "send")
         part = self.plane.send(ops.as_bytes(tensor), dst, tag)
         return self._completer.track("send", [part], lambda _: [tensor])
@@ -242,16 +244,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     @_op("all_to_all")
     def alltoall(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
                  opts: Any = None) -> RingserveWork:
-        output = torch.cat([t.reshape(-1) for t in output_tensors]) if output_tensors else torch.zeros(0)
-        flat = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.zeros(0)
-        started = ops.all_to_all(self.plane, output, flat, [t.numel() for t in output_tensors],
-                                 [t.numel() for t in input_tensors])
-
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            started.finish(results)
-            return ops.unflatten_into(output_tensors, output)
-
-        return self._completer.track("all_to_all", started.parts, finish)
+        return self._run("all_to_all", ops.all_to_all_list(self.plane, list(output_tensors), list(input_tensors)))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -288,8 +281,9 @@ class ProcessGroupRingserve(dist.ProcessGroup):
 def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.ProcessGroup:
     """torch's factory of the "ringserve" backend (``register_backend(..., extended_api=True)``).
 
-    The default group joins ringserve (see rendezvous.py); a ``new_group`` becomes a group on
-    the default group's plane (``Plane.subset``: every rank today).
+    The default group joins ringserve (see rendezvous.py); a ``new_group(ranks)`` is a sub-ring of
+    the default group's plane (``Plane.subset``), made on its members only (torch hands the others
+    GroupMember.NON_GROUP_MEMBER without calling the backend).
     """
     settings = Settings.from_env(pg_options)
     ranks = list(opts.global_ranks_in_group)
@@ -299,8 +293,9 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
         return ProcessGroupRingserve(plane, settings)
     if ranks and sorted(ranks) != list(range(max(opts.group_size, len(ranks)))):
         raise NotImplementedError(
-            f"A ringserve group of ranks {ranks} under a default group of another backend is not supported: "
-            "sub-rings come with ringserve's process sets. Make ringserve the default backend, or use every rank."
+            f"A ringserve group of ranks {ranks} under a default group of another backend is not supported: its "
+            "sub-ring is one of ringserve's default group. Make ringserve the default backend "
+            "(init_process_group('ringserve')), or use every rank."
         )
     world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout, settings)
     worker = world.context.worker
@@ -308,6 +303,7 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
         plane = Plane(world.context, tag=None if not ranks else f"torch.group.{opts.group_id}", view_id=worker.view_id)
         # The group's members are fixed: once the view moves on, every op fails (see the docstring).
         worker.pin_view(plane.view_id)
+        world.view_id = plane.view_id
         group = ProcessGroupRingserve(plane, settings, world)
     except BaseException:
         world.close()

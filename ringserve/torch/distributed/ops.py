@@ -300,17 +300,53 @@ def scatter(plane: Plane, output: torch.Tensor, inputs: Sequence[torch.Tensor], 
     return Started([part], finish)
 
 
+def _split(which: str, splits: Sequence[int], tensor: torch.Tensor, size: int) -> tuple[list[int], str]:
+    """Bytes per group rank of all_to_all_single's ``which`` tensor, split along dim 0 by
+    ``splits`` (rows; empty: evenly), and what is wrong with them ("" if nothing), as torch checks."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row = _nbytes(tensor) // rows if rows else 0
+    parts = [int(s) for s in splits]
+    if not parts:
+        if rows % size:
+            return [], (f"all_to_all_single's {which} has {rows} rows along dim 0, which is not a multiple of the "
+                        f"group's size ({size}): pass {which}_split_sizes")
+        return [rows // size * row] * size, ""
+    if len(parts) != size:
+        return [], f"all_to_all_single's {which}_split_sizes {parts} have {len(parts)} entries, not one per rank ({size})"
+    if any(p < 0 for p in parts) or sum(parts) != rows:
+        return [], (f"all_to_all_single's {which}_split_sizes {parts} must be non-negative and sum to its {rows} "
+                    f"rows along dim 0")
+    return [p * row for p in parts], ""
+
+
 def all_to_all(plane: Plane, output: torch.Tensor, tensor: torch.Tensor,
                output_splits: Sequence[int], input_splits: Sequence[int]) -> Started:
-    """all_to_all_single over ``Plane.alltoall`` (byte counts per peer, rows split as torch does)."""
-    row_in = _nbytes(tensor) // max(tensor.shape[0], 1) if tensor.dim() else _nbytes(tensor)
-    row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else _nbytes(output)
-    send = [s * row_in for s in input_splits] or [_nbytes(tensor) // plane.size] * plane.size
-    recv = [s * row_out for s in output_splits] or [_nbytes(output) // plane.size] * plane.size
-    part = plane.alltoall(as_bytes(tensor), send, recv)
+    """all_to_all_single over ``Plane.alltoall``: rows of dim 0 sent and received as bytes, split
+    as torch splits them. Splits that are wrong on a rank fail the op on every rank of the group
+    (Plane.alltoall's ``problem``), not by a deadline."""
+    send, problem = _split("input", input_splits, tensor, plane.size)
+    recv, other = _split("output", output_splits, output, plane.size)
+    part = plane.alltoall(as_bytes(tensor), send, recv, problem=problem or other)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
         fill(output, results[0])
         return [output]
+
+    return Started([part], finish)
+
+
+def all_to_all_list(plane: Plane, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Started:
+    """all_to_all of tensor lists: ``inputs[d]`` to group rank d, ``outputs[o]`` from group rank o
+    (any sizes and dtypes, each tensor's bytes as they are)."""
+    problem = ""
+    if len(inputs) != plane.size or len(outputs) != plane.size:
+        problem = (f"all_to_all needs one input and one output tensor per rank of the group ({plane.size}), not "
+                   f"{len(inputs)} inputs and {len(outputs)} outputs")
+    data = np.concatenate([as_bytes(t) for t in inputs]) if inputs else np.zeros(0, np.uint8)
+    part = plane.alltoall(data, [_nbytes(t) for t in inputs], [_nbytes(t) for t in outputs], problem=problem)
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        _split_into(outputs, results[0])
+        return list(outputs)
 
     return Started([part], finish)

@@ -2,33 +2,46 @@
 
 This is the one seam between the torch process group (group.py) and ringserve's worker. Every
 op of the group is one or more of these calls; each returns the concurrent future of the call on
-the worker's event loop. What ringserve does not have yet is here too, each in one method that
-raises a NotImplementedError naming what is coming, so that the group never starts what it
-cannot finish and never hangs:
+the worker's event loop.
 
-- ``send`` / ``recv``: point-to-point messages over links to any peer (the Link seam's next
-  step); torch's ``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv`` call them.
-- ``alltoall``: torch's ``all_to_all_single`` and ``all_to_all`` call it.
-- ``subset``: a sub-ring of some ranks (process sets); torch's ``new_group`` calls it. Today only
-  the set of every rank works: it is the world's ring, with its ops numbered apart.
+- **The default group** runs over the whole view (``members`` None); its ranks are the view's.
+- **A ``new_group(ranks)``** is a sub-ring of the view (``subset``): its collectives run on the
+  worker's session over ``members``, the group's global ranks in group-rank order, so group rank
+  ``i`` is position ``i`` of the ring, and roots and blocks are counted in group ranks, as torch
+  counts them. Keys name their ring (worker/keys.py), so a group's collectives never meet the
+  world's or another group's, whatever order the ranks issue them in. A group of every rank in
+  rank order is the whole view, numbered apart by its tag.
+- **send / recv** run over the two-member ring (sender, receiver) of their global ranks
+  (worker/p2p.py), under a name per group and tag: ``<tag>.p2p.<torch tag>``. So messages of one
+  direction, group and tag are matched in order, as torch matches them, and 0 -> 2 and 2 -> 0 in
+  flight at once are keyed apart. A recv from any source is refused (``recv``).
+- **all_to_all** is ringserve's alltoall over the group's ring, on bytes.
 
 Ops of one plane are matched across ranks by their order of issue, as torch requires of every
 group: each plane names its ops ``<tag>`` so that ringserve numbers them ``<tag>#1``, ``<tag>#2``,
-..., apart from other groups' and from ringserve's own unnamed collectives.
+..., apart from other groups' and from ringserve's own unnamed collectives. A call takes its
+session on the loop before its first await, so calls start there in the order they were issued.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ringserve.api import Context
-from ringserve.errors import RingChangedError
+from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.worker import collectives, p2p
+from ringserve.worker.session import Session
 
+if TYPE_CHECKING:
+    from ringserve.worker.runtime import Worker
+
+T = TypeVar("T")
 Future = concurrent.futures.Future
+Call = Callable[[Session, dict[str, Any]], Coroutine[Any, Any, T]]
 
 
 class Plane:
@@ -38,15 +51,31 @@ class Plane:
         context: the worker (with its event-loop thread) the ops run on.
         tag: the name its ops are numbered under (None: ringserve's unnamed sequence).
         view_id: the view the group was formed in; the group's ops run only in it.
+        members: the group's ranks in the view, in group-rank order (None: every rank, in order).
     """
 
-    def __init__(self, context: Context, *, tag: str | None, view_id: int) -> None:
+    def __init__(self, context: Context, *, tag: str | None, view_id: int,
+                 members: tuple[int, ...] | None = None) -> None:
         self.context = context
         self.tag = tag
         self.view_id = view_id
+        self.members = members
         worker = context.worker
-        self.rank = worker.rank
-        self.size = worker.size
+        self.global_rank_of_self = worker.rank
+        if members is None:
+            self.rank, self.size = worker.rank, worker.size
+        else:
+            self.rank, self.size = members.index(worker.rank), len(members)
+
+    def global_rank(self, rank: int) -> int:
+        """The view rank of group rank ``rank``.
+
+        Raises:
+            InvalidArgumentError: ``rank`` is not a rank of the group.
+        """
+        if not 0 <= rank < self.size:
+            raise InvalidArgumentError(f"Rank {rank} is not a rank of this group of {self.size} (0 to {self.size - 1}).")
+        return rank if self.members is None else self.members[rank]
 
     def moved_on(self) -> RingChangedError | None:
         """Why the group's ops can no longer run (its view is gone), or None while they can."""
@@ -55,69 +84,114 @@ class Plane:
             return None
         return RingChangedError(self.view_id, latest, "a peer died or left, and a torch group's members are fixed")
 
+    def _on(self, call: Call[T]) -> Future[T]:
+        """Starts ``call(session, options)`` on the loop, over the group's ring."""
+        return self._start(call, self.members)
+
+    def _start(self, call: Call[T], ring: tuple[int, ...] | None) -> Future[T]:
+        """Starts ``call(session, options)`` on the loop, on the session over the view ranks
+        ``ring`` (None: the whole view), taken there before the call's first await."""
+
+        async def run(worker: Worker) -> T:
+            # The worker's session over a member tuple (the sub-ring its process sets use too).
+            session = worker._session(ring)  # noqa: SLF001 - the sub-ring seam of the worker
+            config = worker.config
+            return await call(session, {"chunk_bytes": config.chunk_bytes, "timeout_s": config.collective_timeout_s})
+
+        return self.context.submit(run)
+
     def allreduce(self, array: np.ndarray, op: str, *, out: np.ndarray | None, compression: str | None,
                   residual: np.ndarray | None) -> Future[np.ndarray]:
         tag = self.tag
-        return self.context.submit(lambda w: w.allreduce(array, op=op, name=tag, out=out, compression=compression,
-                                                         residual=residual))
+        return self._on(lambda s, o: collectives.allreduce(s, array, op=op, name=tag, out=out, compression=compression,
+                                                           residual=residual, **o))
 
     def broadcast(self, array: np.ndarray, root: int) -> Future[np.ndarray]:
+        """Group rank ``root``'s ``array`` on every rank of the group."""
         tag = self.tag
-        return self.context.submit(lambda w: w.broadcast(array, root=root, name=tag))
+        return self._on(lambda s, o: collectives.broadcast(s, array, root=root, name=tag, **o))
 
     def allgather(self, array: np.ndarray) -> Future[np.ndarray]:
-        """Every rank's ``array`` concatenated along axis 0 in rank order (lengths may differ)."""
+        """Every rank's ``array`` concatenated along axis 0 in group-rank order (lengths may differ)."""
         tag = self.tag
-        return self.context.submit(lambda w: w.allgather(array, name=tag))
+        return self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o))
 
     def reduce_scatter(self, array: np.ndarray, op: str) -> Future[np.ndarray]:
         """Row ``rank`` of the reduction of every rank's ``array`` (shaped (size, n))."""
         tag = self.tag
-        return self.context.submit(lambda w: w.reduce_scatter(array, op=op, name=tag))
+        return self._on(lambda s, o: collectives.reduce_scatter(s, array, op=op, name=tag, **o))
 
     def barrier(self) -> Future[None]:
         if self.tag is None:
-            return self.context.submit(lambda w: w.barrier())
+            return self._on(lambda s, o: collectives.barrier(s, timeout_s=o["timeout_s"]))
         # A named barrier: a one-element sum in this plane's sequence.
         one = np.zeros(1, dtype=np.int32)
         tag = self.tag
-        return self.context.submit(lambda w: _discard(w.allreduce(one, op="sum", name=tag)))
+        return self._on(lambda s, o: _discard(collectives.allreduce(s, one, op="sum", name=tag, **o)))
 
-    # -- what is coming: each raises before anything is started --------------------------------
+    def alltoall(self, array: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                 problem: str = "") -> Future[np.ndarray]:
+        """The bytes every rank of the group sent this one, in group-rank order: ``array`` (1-D
+        uint8) is split into ``send_counts[d]`` bytes for group rank d, and ``recv_counts[o]``
+        bytes must come from group rank o. ``problem``: what is wrong with this rank's arguments;
+        the op then fails on every rank of the group at once (collectives.refuse), not by a deadline.
+
+        Raises (from the future):
+            InvalidArgumentError: ``problem``, or what came differs from ``recv_counts`` (the ranks'
+                split sizes disagree).
+        """
+        tag, expected = self.tag, [int(c) for c in recv_counts]
+
+        async def call(session: Session, options: dict[str, Any]) -> np.ndarray:
+            if problem:
+                await collectives.refuse(session, tag, "alltoall uint8 (*, )", problem, options["timeout_s"])
+            data, counts = await collectives.alltoall(session, array, splits=list(send_counts), name=tag, **options)
+            if counts.tolist() != expected:
+                raise InvalidArgumentError(
+                    f"all_to_all: rank {session.place.rank} of the group expected {expected} bytes from each rank "
+                    f"(its output split sizes), but the ranks sent {counts.tolist()}: the ranks' split sizes disagree."
+                )
+            return data
+
+        return self._on(call)
+
+    def _p2p_name(self, tag: int) -> str:
+        return f"{self.tag or 'torch'}.p2p.{int(tag)}"
 
     def send(self, array: np.ndarray, dst: int, tag: int) -> Future[None]:
-        raise NotImplementedError(
-            f"send/isend (to rank {dst}) is not supported by the ringserve backend yet: point-to-point "
-            "links to any peer are coming with ringserve's Link seam. Use broadcast or scatter to move "
-            "a tensor from one rank, or all_gather, meanwhile."
-        )
+        """Sends ``array`` to group rank ``dst``; done once it is on the link (see worker/p2p.py)."""
+        ring = p2p.pair(self.global_rank_of_self, self.global_rank(dst))
+        name = self._p2p_name(tag)
+        return self._start(lambda s, o: p2p.send(s, array, name=name, **o), ring)
 
-    def recv(self, array: np.ndarray, src: int | None, tag: int) -> Future[int]:
-        raise NotImplementedError(
-            f"recv/irecv (from {'any rank' if src is None else f'rank {src}'}) is not supported by the "
-            "ringserve backend yet: point-to-point links to any peer are coming with ringserve's Link "
-            "seam. Use broadcast or scatter to move a tensor from one rank, or all_gather, meanwhile."
-        )
-
-    def alltoall(self, array: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Future[np.ndarray]:
-        raise NotImplementedError(
-            "all_to_all_single/all_to_all is not supported by the ringserve backend yet: alltoall is "
-            "coming with ringserve's Link seam. Use all_gather and keep each rank's slice, meanwhile."
-        )
-
-    def subset(self, ranks: Sequence[int], tag: str) -> Plane:
-        """The plane of a new group of ``ranks`` (global ranks, sorted), ops numbered under ``tag``.
+    def recv(self, array: np.ndarray, src: int | None, tag: int) -> Future[np.ndarray]:
+        """Receives the next message of ``tag`` from group rank ``src`` into ``array``.
 
         Raises:
-            NotImplementedError: ``ranks`` is not every rank (sub-rings come with process sets).
+            NotImplementedError: ``src`` is None (a recv from any source).
         """
-        if sorted(ranks) != list(range(self.size)):
+        if src is None:
             raise NotImplementedError(
-                f"new_group(ranks={list(ranks)}) of {len(ranks)} of the {self.size} ranks is not supported by "
-                "the ringserve backend yet: sub-rings come with ringserve's process sets. A group of every "
-                "rank works; for others, use a second backend for the subgroup (new_group(ranks, backend='gloo'))."
+                "recv/irecv from any source (src=None) is not supported by the ringserve backend: a message is "
+                "matched on the ring from its sender, so name the source (dist.recv(t, src=r)). To take data from "
+                "whichever ranks have some, exchange the sizes first with all_to_all_single or all_gather."
             )
-        return Plane(self.context, tag=tag, view_id=self.view_id)
+        ring = p2p.pair(self.global_rank(src), self.global_rank_of_self)
+        name = self._p2p_name(tag)
+        return self._start(lambda s, o: p2p.recv(s, array, name=name, **o), ring)
+
+    def subset(self, ranks: Sequence[int], tag: str) -> Plane:
+        """The plane of a new group of ``ranks`` (this plane's ranks, in group-rank order; torch
+        sorts them unless told not to), ops numbered under ``tag``.
+
+        Raises:
+            InvalidArgumentError: ranks repeat or fall outside this plane's, or leave this rank out.
+        """
+        members = tuple(self.global_rank(int(r)) for r in ranks)
+        if len(set(members)) != len(members) or self.global_rank_of_self not in members:
+            raise InvalidArgumentError(f"A group of ranks {list(ranks)} must list distinct ranks, this one's among them.")
+        whole = members == tuple(range(self.context.worker.size))
+        return Plane(self.context, tag=tag, view_id=self.view_id, members=None if whole else members)
 
 
 async def _discard(call: Any) -> None:

@@ -32,18 +32,20 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+import numpy as np
 import torch.distributed as dist
 
 from ringserve import api
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import Coordinator
-from ringserve.errors import InvalidArgumentError
+from ringserve.errors import InvalidArgumentError, RingserveError
 from ringserve.loop import LoopThread
 from ringserve.torch.distributed.settings import LOOPBACK, Settings
 
 log = logging.getLogger("ringserve.torch.distributed")
 
 COORDINATOR_KEY = "ringserve/coordinator"
+FAREWELL = "ringserve.torch.distributed.farewell"
 SCHEME = "ringserve"
 
 # The workers this module started (not those a script started with hvd.init() first): only these
@@ -88,21 +90,46 @@ class LocalCoordinator:
 
 @dataclass
 class World:
-    """The ringserve worker a process group runs on, and what the backend must release with it."""
+    """The ringserve worker a process group runs on, and what the backend must release with it.
+
+    ``view_id``: the view the default group was formed in (set by the group), for ``farewell``.
+    """
 
     context: api.Context
     owned: bool
     coordinator: LocalCoordinator | None = None
+    view_id: int | None = None
     _closed: bool = field(default=False, repr=False)
 
+    def farewell(self) -> None:
+        """Waits, within a collective deadline, until every rank of the group's view is leaving too.
+
+        A worker that leaves moves the world to a new view, and every group of the old view fails
+        (its members are fixed). Ranks that share no op at the end (HSDP's shard groups, two
+        subgroups, a send whose recv comes later) finish at different times, so the first to be
+        done must not take the others' groups down with it: it leaves once all are done, as a
+        gloo rank's exit leaves the others' groups alone. Skipped once the view has moved on (a
+        peer died: nobody waits for it), and a failure here only ends the wait.
+        """
+        worker = self.context.worker
+        if self.view_id is None or worker.latest_view != self.view_id or worker.size < 2:
+            return
+        one = np.zeros(1, dtype=np.int32)
+        try:
+            self.context.call(lambda w: w.allreduce(one, op="sum", name=FAREWELL))
+        except RingserveError as exc:
+            log.info("%s: leaving without waiting for the others: %s", worker.tag, exc)
+
     def close(self) -> None:
-        """Shuts down what the backend started: its worker (leaving the world), then its coordinator."""
+        """Shuts down what the backend started: its worker (leaving the world, once the others are
+        done: ``farewell``), then its coordinator."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         try:
             if self.owned and api.is_initialized() and api.context() is self.context:
+                self.farewell()
                 api.shutdown()
         finally:
             if self.coordinator is not None:

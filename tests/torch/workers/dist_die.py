@@ -1,10 +1,14 @@
 """One rank of the failure worlds: training until the last rank kills itself, then what survives.
 
-    dist_die.py OUT_DIR MODE        (MODE: allreduce | ddp | wait | future)
+    dist_die.py OUT_DIR MODE        (MODE: allreduce | ddp | wait | future | p2p | p2p-idle)
 
 The last rank SIGKILLs itself at step 10, after writing the time to OUT_DIR/killed. Every other
 rank goes on until its op fails, and records what it raised, how long after the kill, and what
-the next op raises, in OUT_DIR/rank{r}.json.
+the next op raises, in OUT_DIR/rank{r}.json. In ``p2p`` mode (a world of 3) each survivor waits on
+the last rank in its own way: rank 0 in a recv of what the last rank sends it every step, rank 1
+in an all_reduce of the subgroup [1, 2]. In ``p2p-idle`` mode rank 1 waits in a recv from the last
+rank, which never sends it anything (no stream of the last rank reaches rank 1), while rank 0 and
+the last rank all_reduce in the subgroup [0, 2].
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pair = dist.new_group([0 if mode == "p2p-idle" else 1, size - 1]) if mode.startswith("p2p") else None
+    waits = 1 if mode == "p2p-idle" else 0  # the rank that waits in a recv
     seen: dict[str, Any] = {}
     started = time.time()
     try:
@@ -47,6 +53,13 @@ def main() -> None:
                 optimizer.zero_grad()
                 model(torch.randn(16, 256)).sum().backward()
                 optimizer.step()
+            elif mode.startswith("p2p"):
+                if rank == waits:
+                    dist.recv(torch.zeros(50_000), src=size - 1, tag=3)
+                else:
+                    if rank == size - 1 and mode == "p2p":
+                        dist.send(torch.ones(50_000), dst=0, tag=3)
+                    dist.all_reduce(torch.ones(50_000), group=pair)
             elif mode in ("wait", "future"):
                 works = [dist.all_reduce(torch.ones(50_000), async_op=True) for _ in range(4)]
                 for w in works:

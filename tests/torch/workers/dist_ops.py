@@ -168,23 +168,26 @@ def asynchronous(rank: int, size: int) -> None:
          torch.tensor([float(size * i + sum(range(size))) for i in range(12)]))
 
 
-def unsupported(rank: int, size: int) -> None:
+def refusals(rank: int, size: int) -> None:
     peer = (rank + 1) % size
     raises("BAND names the op", NotImplementedError, ["BAND", "MIN"], lambda: dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND))
     premul = dist._make_nccl_premul_sum(2.0)
     raises("PREMUL_SUM names the op", NotImplementedError, ["PREMUL_SUM", "SUM"], lambda: dist.all_reduce(torch.ones(1), op=premul))
-    raises("send says what is coming", NotImplementedError, ["send", "coming"], lambda: dist.send(torch.ones(1), dst=peer))
-    raises("recv says what is coming", NotImplementedError, ["recv", "coming"], lambda: dist.recv(torch.ones(1), src=peer))
-    raises("isend says what is coming", NotImplementedError, ["send", "coming"], lambda: dist.isend(torch.ones(1), dst=peer))
-    raises("all_to_all_single says what is coming", NotImplementedError, ["all_to_all", "coming"],
-           lambda: dist.all_to_all_single(torch.zeros(size), torch.ones(size)))
-    raises("all_to_all says what is coming", NotImplementedError, ["all_to_all", "coming"],
-           lambda: dist.all_to_all([torch.zeros(1) for _ in range(size)], [torch.ones(1) for _ in range(size)]))
-    if rank == 0:  # the other ranks are not members: torch gives them no group, and calls nothing
-        raises("new_group of some ranks says what is coming", NotImplementedError, ["new_group", "process sets"],
-               lambda: dist.new_group([0]))
+    raises("recv from any source names what to use", NotImplementedError, ["recv", "src="], lambda: dist.recv(torch.ones(1)))
+    raises("irecv from any source names what to use", NotImplementedError, ["recv", "src="], lambda: dist.irecv(torch.ones(1)))
+    solo = dist.new_group([0])  # the other ranks are not members: torch gives them no group, and calls nothing
+    if rank == 0:
+        t = torch.full((2,), 3.0)
+        dist.all_reduce(t, group=solo)
+        same("new_group of some ranks", t, torch.full((2,), 3.0))
+        dist.destroy_process_group(solo)
     else:
-        dist.new_group([0])
+        check("a non-member of new_group gets no group", solo is dist.GroupMember.NON_GROUP_MEMBER, solo)
+    got = torch.zeros(1)
+    works = [dist.isend(torch.full((1,), float(rank)), dst=peer), dist.irecv(got, src=(rank - 1) % size)]
+    for w in works:
+        w.wait()
+    same("isend/irecv round the ring", got, torch.full((1,), float((rank - 1) % size)))
     # Nothing hung: the world still works.
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -211,7 +214,7 @@ def main() -> None:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("ringserve", rank=rank, world_size=size)
     check("rank and size", (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (rank, size, "ringserve"))
-    for part in (reductions, moves, objects, asynchronous, unsupported, groups):
+    for part in (reductions, moves, objects, asynchronous, refusals, groups):
         part(rank, size)
     (out / f"rank{rank}.json").write_text(json.dumps(PASSED))
     dist.destroy_process_group()
