@@ -38,11 +38,14 @@ class Handle(Generic[R]):
         self._finished = False
         self._claim = claim
         if claim is not None:
-            weakref.finalize(self, claim.taken)  # dropped unwaited: the name goes once it finishes
+            weakref.finalize(self, claim.dropped)  # dropped unwaited: see basics.Claim
 
     def poll(self) -> bool:
         """True once the collective has finished (successfully or not)."""
-        return self._future.done() and all(part.poll() for part in self._parts)
+        done = self._future.done() and all(part.poll() for part in self._parts)
+        if done and self._claim is not None:
+            self._claim.taken()  # seen finished: the name is free, as in Horovod
+        return done
 
     def wait(self) -> R:
         """Waits for the collective and returns its result; a second call returns it again."""
@@ -345,7 +348,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 def barrier(process_set: object = None) -> None:
     """Returns once every rank has called barrier()."""
     basics.check_process_set(process_set)
-    api.barrier()
+    try:
+        api.barrier()
+    finally:
+        basics.waited()
 
 
 def join(device: int = -1) -> int:
@@ -360,4 +366,7 @@ def join(device: int = -1) -> int:
     Args:
         device: Horovod's device for its zero tensors; ringserve stands in on the CPU.
     """
-    return api.join()
+    try:
+        return api.join()
+    finally:
+        basics.waited()

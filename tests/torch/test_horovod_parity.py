@@ -65,6 +65,23 @@ def test_a_second_collective_of_a_name_in_flight_is_refused_with_a_value_error(r
         assert torch.equal(r["name_reused"], torch.full((3,), float(N)))
 
 
+def test_a_dropped_handle_holds_its_name_until_its_caller_has_waited_since(ranks: list[dict[str, Any]]) -> None:
+    kinds = ("allreduce", "allgather", "broadcast", "reducescatter")
+    assert ranks[0]["dropped_refused"] == {}
+    for r in ranks[1:]:
+        assert r["dropped_refused"] == {kind: "InvalidArgumentError" for kind in kinds}
+    expected = {
+        "allreduce": torch.full((3,), float(N)),
+        "allgather": torch.ones(N, 2),
+        "broadcast": torch.zeros(2),
+        "reducescatter": torch.full((2,), float(N)),
+    }
+    for r in ranks:
+        for kind in kinds:
+            assert torch.equal(r["dropped_reused"][kind], expected[kind]), kind
+            assert torch.equal(r["polled_reused"][kind], torch.stack([expected[kind]] * 2)), kind
+
+
 def test_scaled_integer_reductions_keep_their_dtype_and_scale_in_float64(ranks: list[dict[str, Any]]) -> None:
     inputs = [worker.ints(r) for r in range(N)]
     pre = sum((x.double() * 0.7).to(torch.int32) for x in inputs)
