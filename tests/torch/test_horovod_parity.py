@@ -136,6 +136,22 @@ def test_broadcast_optimizer_state_before_the_first_step_makes_the_state_first(r
         assert torch.equal(after[0][key], after[1][key]), key
 
 
+def test_horovods_positional_arguments_mean_what_they_mean_there(ranks: list[dict[str, Any]]) -> None:
+    summed = sum(torch.arange(2.0 * N).reshape(2 * N, 1) + r for r in range(N))
+    state = ranks[0]["sparse_state"]
+    assert state["state"][0]["momentum_buffer"].is_sparse  # the Embedding's, made from a sparse zero
+    assert not state["state"][1]["momentum_buffer"].is_sparse  # the Linear's weight
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["positional_reducescatter"], summed[2 * rank: 2 * rank + 2])  # op=Sum, not compression
+        assert r["sparse_grads"] == [True, False, False]
+        assert r["sparse_state"]["param_groups"][0]["lr"] == 0.1  # rank 0's
+        for pid, entry in state["state"].items():
+            got = r["sparse_state"]["state"][pid]["momentum_buffer"]
+            assert got.is_sparse == entry["momentum_buffer"].is_sparse
+            assert torch.equal(got.to_dense(), entry["momentum_buffer"].to_dense()), pid
+        assert r["bad_model"] == "InvalidArgumentError"
+
+
 def test_step_after_synchronize_without_skip_synchronize_warns(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         warned = r["step_warnings"]

@@ -158,6 +158,23 @@ def optimizer_state(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["after_step"] = {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def horovod_positions(hvd: Any, r: int, res: dict[str, Any]) -> None:
+    """Calls with Horovod's positional arguments: reducescatter_async(tensor, name, op), and
+    broadcast_optimizer_state(optimizer, root_rank, model) for an SGD over a sparse Embedding."""
+    rows = torch.arange(2.0 * hvd.size()).reshape(2 * hvd.size(), 1) + r
+    res["positional_reducescatter"] = hvd.synchronize(hvd.reducescatter_async(rows, "positional", hvd.Sum))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 2, sparse=True), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    hvd.broadcast_optimizer_state(opt, 0, model)
+    res["sparse_state"] = opt.state_dict()
+    res["sparse_grads"] = [p.grad.is_sparse for p in model.parameters()]
+    try:
+        hvd.broadcast_optimizer_state(opt, 0, "model")
+    except ValueError as exc:
+        res["bad_model"] = type(exc).__name__
+
+
 def synchronize_warning(hvd: Any, r: int, res: dict[str, Any]) -> None:
     model = torch.nn.Linear(2, 1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -255,6 +272,7 @@ def main(out_dir: str) -> None:
     scaling_and_product(hvd, r, res)
     grouped_grad(hvd, r, res)
     optimizer_state(hvd, r, res)
+    horovod_positions(hvd, r, res)
     synchronize_warning(hvd, r, res)
     sparse(hvd, r, res)
     timeline(hvd, r, res, out_dir)
