@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ringserve import api
-from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
 from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
@@ -102,44 +102,72 @@ class _InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # claimed by the caller's thread, released on the loop's
-        self._names: set[str] = set()
+        self._claims: dict[str, Claim] = {}
+        self.waits = 0  # how many times a caller has waited on a collective (see Claim)
 
-    def claim(self, name: str) -> None:
+    def claim(self, name: str) -> Claim:
         with self._lock:
-            if name in self._names:
+            held = self._claims.get(name)
+            if held is not None and not held.releasable(self.waits):
                 raise InvalidArgumentError(
                     f"A collective named {name!r} is still in flight on this rank: names of concurrent "
                     "collectives must differ (synchronize the first one, or name the second otherwise)."
                 )
-            self._names.add(name)
+            claim = Claim(self, name, self.waits)
+            self._claims[name] = claim
+            return claim
 
-    def release(self, name: str) -> None:
+    def release(self, claim: Claim) -> None:
         with self._lock:
-            self._names.discard(name)
+            if self._claims.get(claim.name) is claim:
+                del self._claims[claim.name]
+
+    def waited(self) -> None:
+        """A caller has waited on a collective: dropped handles that had finished let go."""
+        with self._lock:
+            self.waits += 1
+            for name in [n for n, c in self._claims.items() if c.releasable(self.waits)]:
+                del self._claims[name]
 
 
 class Claim:
-    """One collective's hold on its name: let go once the collective has finished and its result
-    was taken (synchronize()) or its handle dropped.
+    """One collective's hold on its name.
 
-    Finishing alone is not enough: a collective the other ranks already wait for can finish
-    within the microseconds before the caller's next line, so a second call of the same name
-    right after the first would be let through or not by chance. A handle dropped unwaited lets
-    go when the collective finishes, so the name is never held for good.
+    A handle that is waited on (synchronize(), or poll() saying True) lets go of its name once the
+    collective has finished. A handle dropped unwaited lets go once the collective has finished
+    and its caller has waited on a collective since starting it (synchronize(), a blocking
+    collective, barrier(), join()). Finishing alone is not enough: a collective the other ranks
+    already wait for can finish within the microseconds before the caller's next line, so a second
+    call of the same name right after the first would be let through or not by chance. Horovod's
+    own window is its background thread's negotiation cycle; here no window is left: the line
+    after a dropped call always finds its name in use, and the name is free again after the next
+    wait once the collective is done, so it is never held for good.
     """
 
-    def __init__(self, names: _InFlight, name: str) -> None:
+    def __init__(self, names: _InFlight, name: str, since: int) -> None:
         self._names = names
         self.name = name
+        self._since = since  # names.waits when the collective started
         self._lock = threading.Lock()
         self._finished = False
         self._taken = False
+        self._dropped = False
 
     def finished(self, _: object = None) -> None:
         self._mark(finished=True)
 
     def taken(self) -> None:
+        """The caller has seen the result (or the collective never started)."""
         self._mark(taken=True)
+
+    def dropped(self) -> None:
+        """The handle went unwaited; the name goes as releasable() says."""
+        with self._lock:
+            self._dropped = True
+
+    def releasable(self, waits: int) -> bool:
+        with self._lock:
+            return self._finished and (self._taken or (self._dropped and waits > self._since))
 
     def _mark(self, *, finished: bool = False, taken: bool = False) -> None:
         with self._lock:
@@ -148,7 +176,7 @@ class Claim:
             self._taken |= taken
             release = self._finished and self._taken and not already
         if release:
-            self._names.release(self.name)
+            self._names.release(self)
 
 
 # One registry per context, so that a shutdown and a new init() start with no name in use. The
@@ -173,8 +201,7 @@ class NamedCall:
             ctx = api.context()
             with _in_flight_lock:
                 names = _in_flight.setdefault(ctx, _InFlight())
-            names.claim(name)
-            self.claim = Claim(names, name)
+            self.claim = names.claim(name)
         self._started = False
 
     def submit(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
@@ -206,6 +233,20 @@ def named_call(name: str | None) -> NamedCall:
     return NamedCall(name)
 
 
+def waited(ctx: api.Context | None = None) -> None:
+    """Notes that this rank's caller has waited on a collective (see Claim); after a shutdown,
+    there is nothing to note."""
+    if ctx is None:
+        try:
+            ctx = api.context()
+        except NotInitializedError:
+            return
+    with _in_flight_lock:
+        names = _in_flight.get(ctx)
+    if names is not None:
+        names.waited()
+
+
 def wait(future: concurrent.futures.Future[T]) -> T:
     """The result of a submitted call, waiting at most the collective deadline plus a slack.
 
@@ -213,7 +254,8 @@ def wait(future: concurrent.futures.Future[T]) -> T:
         CollectiveTimeoutError: the call did not finish in time (it is cancelled).
         Whatever the call raised.
     """
-    timeout_s = api.context().config.collective_timeout_s + _WAIT_SLACK_S
+    ctx = api.context()
+    timeout_s = ctx.config.collective_timeout_s + _WAIT_SLACK_S
     try:
         return future.result(timeout_s)
     except concurrent.futures.TimeoutError:
@@ -221,6 +263,8 @@ def wait(future: concurrent.futures.Future[T]) -> T:
         raise CollectiveTimeoutError(
             f"A collective did not finish within {timeout_s:g} s of waiting."
         ) from None
+    finally:
+        waited(ctx)
 
 
 def ringserve_built() -> bool:

@@ -38,11 +38,14 @@ class Handle(Generic[R]):
         self._finished = False
         self._claim = claim
         if claim is not None:
-            weakref.finalize(self, claim.taken)  # dropped unwaited: the name goes once it finishes
+            weakref.finalize(self, claim.dropped)  # dropped unwaited: see basics.Claim
 
     def poll(self) -> bool:
         """True once the collective has finished (successfully or not)."""
-        return self._future.done() and all(part.poll() for part in self._parts)
+        done = self._future.done() and all(part.poll() for part in self._parts)
+        if done and self._claim is not None:
+            self._claim.taken()  # seen finished: the name is free, as in Horovod
+        return done
 
     def wait(self) -> R:
         """Waits for the collective and returns its result; a second call returns it again."""
@@ -293,11 +296,11 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _broadcast_start(tensor, root_rank, name, tensor)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        compression: type[Compressor] | Compressor = Compression.none,
-                        op: ops.ReduceOp | None = None, process_set: object = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle[torch.Tensor]:
-    """Starts reducescatter() and returns its handle."""
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
+                        process_set: object = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        *, compression: type[Compressor] | Compressor = Compression.none) -> Handle[torch.Tensor]:
+    """Starts reducescatter() and returns its handle. The arguments are in Horovod's order;
+    ``compression`` (which Horovod's reducescatter_async lacks) is ringserve's, by keyword."""
     basics.check_process_set(process_set)
     core = ops.core_op(ops.resolve(op), "reducescatter")
     with basics.named_call(_claim("reducescatter", name)) as call:
@@ -319,7 +322,7 @@ class _Reducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, compression: type[Compressor] | Compressor,
                 op: ops.ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
         ctx.scale = (api.size() if op is ops.Sum else 1.0) * prescale * postscale
-        return reducescatter_async(tensor, name, compression, op, None, prescale, postscale).wait()
+        return reducescatter_async(tensor, name, op, None, prescale, postscale, compression=compression).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -345,7 +348,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 def barrier(process_set: object = None) -> None:
     """Returns once every rank has called barrier()."""
     basics.check_process_set(process_set)
-    api.barrier()
+    try:
+        api.barrier()
+    finally:
+        basics.waited()
 
 
 def join(device: int = -1) -> int:
@@ -360,4 +366,7 @@ def join(device: int = -1) -> int:
     Args:
         device: Horovod's device for its zero tensors; ringserve stands in on the CPU.
     """
-    return api.join()
+    try:
+        return api.join()
+    finally:
+        basics.waited()

@@ -113,12 +113,14 @@ class _Slot:
     index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    sparse: bool = False  # travels dense, made sparse again on arrival
 
 
 def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        sparse = value.is_sparse
+        tensors.append(value.to_dense() if sparse else value)
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype, sparse)
     if isinstance(value, dict):
         return {k: _strip(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
@@ -141,7 +143,8 @@ def _slots(value: Any, found: list[_Slot]) -> None:
 
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, _Slot):
-        return tensors[value.index]
+        tensor = tensors[value.index]
+        return tensor.to_sparse() if value.sparse else tensor
     if isinstance(value, dict):
         return {k: _fill(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
@@ -152,21 +155,24 @@ def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
-                              process_set: object = None) -> None:
+                              model: torch.nn.Module | None = None, *, process_set: object = None) -> None:
     """Makes every rank's optimizer state (moments, steps, hyperparameters) equal to root_rank's.
 
     Before the first step, the state is first made on every rank, as Horovod does: each parameter
     that needs a gradient and has none gets a zero one, and the wrapped optimizer takes one step
     (its changes to the parameters are undone), so that the moments exist and can be broadcast.
-    Those zero gradients stay, as in Horovod.
+    Those zero gradients stay, as in Horovod. The zero gradients are sparse for a SparseAdam, and,
+    as Horovod's ``model`` argument says, for an SGD's parameters of ``model``'s sparse
+    ``Embedding`` modules; sparse tensors in the state arrive sparse.
 
     Example::
 
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
     basics.check_process_set(process_set)
+    sparse_params = _sparse_parameters(model)
     if not optimizer.state_dict()["state"]:
-        _initialize_state(optimizer)
+        _initialize_state(optimizer, sparse_params)
     is_root = api.rank() == root_rank
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
@@ -182,18 +188,30 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer.load_state_dict(_fill(skeleton, tensors))
 
 
-def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
+    """The ids of the parameters of ``model``'s ``Embedding(sparse=True)`` modules."""
+    if model is None:
+        return set()
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(f"broadcast_optimizer_state's model must be a torch.nn.Module, not {model!r}.")
+    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+            for p in m.parameters()}
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer, sparse_params: set[int]) -> None:
     """Makes an optimizer's state with one step on zero gradients, leaving the parameters as they were.
 
     The step is the wrapped optimizer's own: a DistributedOptimizer's would start collectives
     that only this function's callers, not every rank's training loop, would meet.
     """
     inner = getattr(optimizer, "_optimizer", optimizer)  # a DistributedOptimizer's wrapped optimizer
-    sparse = isinstance(inner, torch.optim.SparseAdam)
+    all_sparse = isinstance(inner, torch.optim.SparseAdam)
+    sgd = isinstance(inner, torch.optim.SGD)
     params = [p for group in inner.param_groups for p in group["params"] if p.requires_grad]
     kept = [p.detach().clone() for p in params]
     for p in params:
         if p.grad is None:
+            sparse = all_sparse or (sgd and id(p) in sparse_params)
             p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
     if isinstance(inner, torch.optim.LBFGS):
         return  # its step needs a closure that evaluates the model: its state stays empty

@@ -65,6 +65,23 @@ def test_a_second_collective_of_a_name_in_flight_is_refused_with_a_value_error(r
         assert torch.equal(r["name_reused"], torch.full((3,), float(N)))
 
 
+def test_a_dropped_handle_holds_its_name_until_its_caller_has_waited_since(ranks: list[dict[str, Any]]) -> None:
+    kinds = ("allreduce", "allgather", "broadcast", "reducescatter")
+    assert ranks[0]["dropped_refused"] == {}
+    for r in ranks[1:]:
+        assert r["dropped_refused"] == {kind: "InvalidArgumentError" for kind in kinds}
+    expected = {
+        "allreduce": torch.full((3,), float(N)),
+        "allgather": torch.ones(N, 2),
+        "broadcast": torch.zeros(2),
+        "reducescatter": torch.full((2,), float(N)),
+    }
+    for r in ranks:
+        for kind in kinds:
+            assert torch.equal(r["dropped_reused"][kind], expected[kind]), kind
+            assert torch.equal(r["polled_reused"][kind], torch.stack([expected[kind]] * 2)), kind
+
+
 def test_scaled_integer_reductions_keep_their_dtype_and_scale_in_float64(ranks: list[dict[str, Any]]) -> None:
     inputs = [worker.ints(r) for r in range(N)]
     pre = sum((x.double() * 0.7).to(torch.int32) for x in inputs)
@@ -117,6 +134,22 @@ def test_broadcast_optimizer_state_before_the_first_step_makes_the_state_first(r
     after = [r["after_step"] for r in ranks]
     for key in after[0]:
         assert torch.equal(after[0][key], after[1][key]), key
+
+
+def test_horovods_positional_arguments_mean_what_they_mean_there(ranks: list[dict[str, Any]]) -> None:
+    summed = sum(torch.arange(2.0 * N).reshape(2 * N, 1) + r for r in range(N))
+    state = ranks[0]["sparse_state"]
+    assert state["state"][0]["momentum_buffer"].is_sparse  # the Embedding's, made from a sparse zero
+    assert not state["state"][1]["momentum_buffer"].is_sparse  # the Linear's weight
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["positional_reducescatter"], summed[2 * rank: 2 * rank + 2])  # op=Sum, not compression
+        assert r["sparse_grads"] == [True, False, False]
+        assert r["sparse_state"]["param_groups"][0]["lr"] == 0.1  # rank 0's
+        for pid, entry in state["state"].items():
+            got = r["sparse_state"]["state"][pid]["momentum_buffer"]
+            assert got.is_sparse == entry["momentum_buffer"].is_sparse
+            assert torch.equal(got.to_dense(), entry["momentum_buffer"].to_dense()), pid
+        assert r["bad_model"] == "InvalidArgumentError"
 
 
 def test_step_after_synchronize_without_skip_synchronize_warns(ranks: list[dict[str, Any]]) -> None:

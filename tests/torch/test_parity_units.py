@@ -3,6 +3,7 @@ code written for Horovod sees it, and the product reduction."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 import ringserve.torch as hvd
 from ringserve import errors
 from ringserve.ring import REDUCE_OPS, combine_into, finish_into
-from ringserve.torch.basics import Claim, _InFlight
+from ringserve.torch.basics import _InFlight
 from ringserve.torch.sampler import ElasticSampler, deal, remaining
 
 
@@ -101,11 +102,79 @@ def test_a_name_is_free_again_only_once_its_collective_finished_and_its_result_w
     order: tuple[str, str],
 ) -> None:
     names = _InFlight()
-    names.claim("allreduce.g")
-    claim = Claim(names, "allreduce.g")
+    claim = names.claim("allreduce.g")
     getattr(claim, order[0])()
     with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
         names.claim("allreduce.g")
     getattr(claim, order[1])()
     names.claim("allreduce.g")  # free again
     names.claim("allgather.g")  # another kind of the same name was never taken
+
+
+def test_a_dropped_handle_frees_its_name_only_after_it_finished_and_its_caller_waited_since() -> None:
+    names = _InFlight()
+    early = names.claim("allreduce.early")  # finishes at once, as when the peers already wait
+    early.dropped()
+    early.finished()
+    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+        names.claim("allreduce.early")  # the caller's next line: no wait since
+    late = names.claim("allreduce.late")
+    late.dropped()
+    names.waited()  # a wait while it is still in flight frees nothing
+    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+        names.claim("allreduce.late")
+    late.finished()  # ...but it counts once the collective is done
+    names.claim("allreduce.late")
+    names.waited()
+    names.claim("allreduce.early")
+    # A claim made after the last wait needs a wait of its own.
+    fresh = names.claim("allgather.g")
+    fresh.dropped()
+    fresh.finished()
+    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+        names.claim("allgather.g")
+
+
+def test_horovods_positional_arguments_keep_their_order() -> None:
+    """Horovod's signatures (horovod/torch/mpi_ops.py, functions.py, optimizer.py): each public
+    function's positional parameters, in order. Ours may add keyword ones after them."""
+    horovod = {
+        "allreduce": "tensor average name compression op prescale_factor postscale_factor process_set",
+        "allreduce_async": "tensor average name op prescale_factor postscale_factor process_set",
+        "allreduce_": "tensor average name op prescale_factor postscale_factor process_set",
+        "allreduce_async_": "tensor average name op prescale_factor postscale_factor process_set",
+        "grouped_allreduce": "tensors average name compression op prescale_factor postscale_factor process_set",
+        "grouped_allreduce_async": "tensors average name op prescale_factor postscale_factor process_set",
+        "grouped_allreduce_": "tensors average name op prescale_factor postscale_factor process_set",
+        "grouped_allreduce_async_": "tensors average name op prescale_factor postscale_factor process_set",
+        "sparse_allreduce_async": "tensor name op process_set",
+        "allgather": "tensor name process_set",
+        "allgather_async": "tensor name process_set",
+        "grouped_allgather": "tensors name process_set",
+        "grouped_allgather_async": "tensors name process_set",
+        "broadcast": "tensor root_rank name process_set",
+        "broadcast_async": "tensor root_rank name process_set",
+        "broadcast_": "tensor root_rank name process_set",
+        "broadcast_async_": "tensor root_rank name process_set",
+        "alltoall": "tensor splits name process_set",
+        "alltoall_async": "tensor splits name process_set",
+        "reducescatter": "tensor name compression op process_set prescale_factor postscale_factor",
+        "reducescatter_async": "tensor name op process_set prescale_factor postscale_factor",
+        "grouped_reducescatter": "tensors name compression op process_set prescale_factor postscale_factor",
+        "grouped_reducescatter_async": "tensors name op process_set prescale_factor postscale_factor",
+        "poll": "handle",
+        "synchronize": "handle",
+        "join": "device",
+        "barrier": "process_set",
+        "broadcast_parameters": "params root_rank",
+        "broadcast_optimizer_state": "optimizer root_rank model",
+        "broadcast_object": "obj root_rank name process_set",
+        "allgather_object": "obj name",
+    }
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for name, params in horovod.items():
+        ours = [p.name for p in inspect.signature(getattr(hvd, name)).parameters.values() if p.kind in positional]
+        assert ours[: len(params.split())] == params.split(), name
+    init = inspect.signature(hvd.DistributedOptimizer.__init__).parameters
+    assert list(init)[1:11] == ("optimizer named_parameters compression backward_passes_per_step op "
+                                "gradient_predivide_factor num_groups groups sparse_as_dense process_set").split()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -79,6 +80,44 @@ def duplicate_names(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["name_reused"] = hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="dup", op=hvd.Sum))
 
 
+def dropped_handles(hvd: Any, r: int, res: dict[str, Any]) -> None:
+    """Horovod's duplicate-name tests drop the first handle. Rank 0 waits in each collective
+    before the others start theirs, so the others' first call finishes at once: the line right
+    after it must still find the name in use (Horovod's negotiation cycle makes that so there),
+    and after a barrier the name is free. A handle seen finished by poll() frees its name too."""
+    starts = {
+        "allreduce": lambda n: hvd.allreduce_async(torch.ones(3), name=n, op=hvd.Sum),
+        "allgather": lambda n: hvd.allgather_async(torch.ones(1, 2), name=n),
+        "broadcast": lambda n: hvd.broadcast_async(torch.full((2,), float(r)), 0, name=n),
+        "reducescatter": lambda n: hvd.reducescatter_async(torch.ones(2 * hvd.size()), name=n, op=hvd.Sum),
+    }
+    refused: dict[str, str] = {}
+    reused: dict[str, torch.Tensor] = {}
+    polled: dict[str, torch.Tensor] = {}
+    for kind, start in starts.items():
+        if r == 0:
+            hvd.synchronize(start("dropped"))
+        else:
+            time.sleep(0.3)  # rank 0 is waiting in the collective by now
+            start("dropped")  # dropped unwaited, as Horovod's tests do
+            time.sleep(0.5)  # it has finished by now: rank 0 was waiting for it
+            try:
+                start("dropped")
+                refused[kind] = "accepted"
+            except ValueError as exc:
+                refused[kind] = type(exc).__name__
+        hvd.barrier()
+        reused[kind] = hvd.synchronize(start("dropped"))
+        first = start("polled")
+        while not hvd.poll(first):
+            time.sleep(0.005)
+        second = start("polled")  # the first was seen finished: its name is free
+        polled[kind] = torch.stack([hvd.synchronize(first), hvd.synchronize(second)])
+    res["dropped_refused"] = refused
+    res["dropped_reused"] = reused
+    res["polled_reused"] = polled
+
+
 def scaling_and_product(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["int_prescale"] = hvd.allreduce(ints(r), op=hvd.Sum, prescale_factor=0.7)
     res["int_postscale"] = hvd.allreduce(ints(r), op=hvd.Sum, postscale_factor=0.7)
@@ -117,6 +156,23 @@ def optimizer_state(hvd: Any, r: int, res: dict[str, Any]) -> None:
     model(torch.ones(4, 3) * (r + 1)).sum().backward()
     opt.step()
     res["after_step"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def horovod_positions(hvd: Any, r: int, res: dict[str, Any]) -> None:
+    """Calls with Horovod's positional arguments: reducescatter_async(tensor, name, op), and
+    broadcast_optimizer_state(optimizer, root_rank, model) for an SGD over a sparse Embedding."""
+    rows = torch.arange(2.0 * hvd.size()).reshape(2 * hvd.size(), 1) + r
+    res["positional_reducescatter"] = hvd.synchronize(hvd.reducescatter_async(rows, "positional", hvd.Sum))
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 2, sparse=True), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    hvd.broadcast_optimizer_state(opt, 0, model)
+    res["sparse_state"] = opt.state_dict()
+    res["sparse_grads"] = [p.grad.is_sparse for p in model.parameters()]
+    try:
+        hvd.broadcast_optimizer_state(opt, 0, "model")
+    except ValueError as exc:
+        res["bad_model"] = type(exc).__name__
 
 
 def synchronize_warning(hvd: Any, r: int, res: dict[str, Any]) -> None:
@@ -212,9 +268,11 @@ def main(out_dir: str) -> None:
     r = hvd.rank()
     errors(hvd, r, res)
     duplicate_names(hvd, r, res)
+    dropped_handles(hvd, r, res)
     scaling_and_product(hvd, r, res)
     grouped_grad(hvd, r, res)
     optimizer_state(hvd, r, res)
+    horovod_positions(hvd, r, res)
     synchronize_warning(hvd, r, res)
     sparse(hvd, r, res)
     timeline(hvd, r, res, out_dir)
