@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -30,12 +31,21 @@ def main(out_dir: str) -> None:
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     sampler = hvd.elastic.ElasticSampler(list(range(LENGTH)), shuffle=True, seed=7)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+    # ``started``: the world of 3 formed. The launcher starts 3, but the first view may form with
+    # the 2 that came first (min-np 2); the epoch's arithmetic (whole batches throughout) needs 3.
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, started=False)
     resets: list[int] = []
+    mine = [0]  # batches this process committed
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
     @hvd.elastic.run
     def train(state: Any) -> None:
+        while not state.started:
+            if hvd.size() == 3:
+                state.started = True
+            else:
+                time.sleep(0.05)
+            state.commit()  # nothing processed: the third's arrival interrupts here
         share = list(state.sampler)  # this rank's part of what the epoch has left, in this world
         for batch_idx in range(0, len(share) // BATCH):
             batch = share[batch_idx * BATCH: (batch_idx + 1) * BATCH]
@@ -44,7 +54,8 @@ def main(out_dir: str) -> None:
             log.write(json.dumps({"size": hvd.size(), "rank": hvd.rank(), "batch": batch, "resets": resets}) + "\n")
             log.flush()
             state.commit()
-            if hvd.rank() == 2 and state.commits == LEAVE_AFTER:
+            mine[0] += 1
+            if hvd.rank() == 2 and mine[0] == LEAVE_AFTER:
                 os.kill(os.getpid(), signal.SIGTERM)  # leaves at its next commit
 
     train(state)
