@@ -276,6 +276,20 @@ class Facade:
             plane = self._plane()
             return await sets.register(plane.session(None), self._process_sets, process_set, **self._opts())
 
+    async def add_process_sets(self, process_sets: Iterable[ProcessSet | Iterable[int]]) -> list[ProcessSet]:
+        """Registers a list of process sets at once, all or none, as Horovod's
+        ``init(process_sets=[...])`` does: a set whose ranks are registered already takes that
+        set's id (so naming the same sets again is no error); returns them bound, in order.
+
+        Raises:
+            InvalidArgumentError: on every rank at once, when a set is wrong (as add_process_set
+                says), two sets of the list have the same ranks, or the ranks' lists differ.
+        """
+        async with self._registering:
+            plane = self._plane()
+            return await sets.register_init(plane.session(None), self._process_sets, list(process_sets),
+                                            **self._opts())
+
     async def remove_process_set(self, process_set: ProcessSet) -> None:
         """Removes a registered process set on every rank (a collective over the whole view, called
         alike everywhere); its id is free again and ``process_set.process_set_id`` becomes None.

@@ -25,16 +25,16 @@ survivors and joiners that register in the same order agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.errors import InvalidArgumentError, NotInitializedError, RingChangedError
 from ringserve.worker import collectives
 from ringserve.worker.session import Session
-from ringserve.worker.set_policy import AddRequest, RemoveRequest, decide_add, decide_remove, ranks_of
+from ringserve.worker.set_policy import AddRequest, RemoveRequest, decide_add, decide_init, decide_remove, ranks_of
 
-__all__ = ["ProcessSet", "Registry", "WholeWorld", "register", "unregister"]
+__all__ = ["ProcessSet", "Registry", "WholeWorld", "register", "register_init", "unregister"]
 
 
 class ProcessSet:
@@ -97,17 +97,43 @@ class ProcessSet:
 
 
 class WholeWorld(ProcessSet):
-    """The base of the global process set (id 0, every rank): its collectives run over the whole view.
+    """The global process set (id 0, every rank): its collectives run over the whole view.
 
-    The API layers make the one instance (``ringserve.global_process_set``), whose ranks, rank and
-    size are read from the worker they belong to.
+    ``where`` tells (rank, size) of the worker it belongs to now: a Worker has one
+    (``worker.global_process_set``), and the numpy and torch APIs one over the default context
+    (``ringserve.global_process_set``). It is never registered nor removed.
     """
 
     is_global = True
 
-    def __init__(self) -> None:
-        super().__init__(())
+    def __init__(self, where: Callable[[], tuple[int, int]]) -> None:
+        self._where = where
         self.process_set_id = 0
+        self._view, self._rank, self._registry = None, -1, None
+
+    @property  # type: ignore[override]
+    def ranks(self) -> list[int]:
+        """Every rank of the current view ([] before init, as Horovod's before hvd.init())."""
+        try:
+            return list(range(self._where()[1]))
+        except NotInitializedError:
+            return []
+
+    @ranks.setter
+    def ranks(self, value: list[int]) -> None:
+        raise InvalidArgumentError("The global process set's ranks are every rank of the view; they cannot be set.")
+
+    def size(self) -> int:
+        return self._where()[1]
+
+    def rank(self) -> int:
+        return self._where()[0]
+
+    def included(self) -> bool:
+        return True
+
+    def _bind(self, registry: Registry, process_set_id: int | None) -> None:
+        raise InvalidArgumentError("The global process set is registered always (id 0).")
 
 
 @dataclass
@@ -210,6 +236,25 @@ async def unregister(session: Session, registry: Registry, process_set: ProcessS
     sid = decide_remove([_request(r, RemoveRequest) for r in requests], registry.sets)
     del registry.sets[sid]
     process_set._bind(registry, None)
+
+
+async def register_init(session: Session, registry: Registry, process_sets: Iterable[ProcessSet | Iterable[int]], *,
+                        chunk_bytes: int, timeout_s: float) -> list[ProcessSet]:
+    """Registers a list of sets at once, all or none (Horovod's ``init(process_sets=[...])``, see
+    set_policy.decide_init); returns them bound, in order."""
+    made = [registry.add_request(ps) for ps in process_sets]
+    gathered = await collectives.allgather_object(session, [request for _, request in made],
+                                                  name="ringserve.init_process_sets",
+                                                  chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+    lists = [[_request(r, AddRequest) for r in _request(requests, list)] for requests in gathered]
+    ids = decide_init(lists, registry.sets, registry.size)
+    bound = []
+    for (ps, _), sid in zip(made, ids, strict=True):
+        assert ps is not None  # a request that carried an error is never decided into an id
+        registry.sets[sid] = tuple(ps.ranks)
+        ps._bind(registry, sid)
+        bound.append(ps)
+    return bound
 
 
 def _request(value: object, kind: type[Any]) -> Any:

@@ -48,7 +48,7 @@ from ringserve.worker.facade import Facade
 from ringserve.worker.loops import Lifeline
 from ringserve.worker.peers import PEER_SERVICE, PeerServicer
 from ringserve.worker.plane import Plane
-from ringserve.worker.process_sets import Registry
+from ringserve.worker.process_sets import Registry, WholeWorld
 from ringserve.worker.registry import Planes
 from ringserve.worker.standing import Standing, on_loop, raise_failure
 from ringserve.worker.tasks import TaskOwner
@@ -88,6 +88,7 @@ class Worker(Facade):
         self._pinned: int | None = None
         self._process_sets = Registry()  # this view's process sets (process_sets.py)
         self._registering = asyncio.Lock()  # one registration at a time, in call order
+        self.global_process_set = WholeWorld(lambda: (self.rank, self.size))
         # Why every call fails from now on: excluded, a view that could not be installed, a crash.
         self._failure: RingserveError | None = None
         self._left = False  # left the world already (or cannot: excluded)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ringserve.errors import InvalidArgumentError
 
-__all__ = ["AddRequest", "RemoveRequest", "decide_add", "decide_remove", "ranks_of", "root_position"]
+__all__ = ["AddRequest", "RemoveRequest", "decide_add", "decide_init", "decide_remove", "ranks_of", "root_position"]
 
 
 def _integer(value: object) -> int | None:
@@ -85,11 +85,47 @@ def _describe(request: object) -> str:
     return repr(request)
 
 
+def _checked(request: AddRequest, size: int) -> tuple[int, ...]:
+    """The ranks of an agreed request, after checking them against a view of ``size`` ranks."""
+    if request.error:
+        raise InvalidArgumentError(f"Cannot add the process set: {request.error}.")
+    ranks = request.ranks
+    if not ranks:
+        raise InvalidArgumentError("A process set needs at least one rank.")
+    if len(set(ranks)) != len(ranks):
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise InvalidArgumentError(
+            f"The ranks of a process set must not repeat: {repeated} appear more than once in {list(ranks)}.")
+    outside = [r for r in ranks if not 0 <= r < size]
+    if outside:
+        raise InvalidArgumentError(
+            f"Ranks {outside} of the process set {list(ranks)} are not ranks of the view: they must be in [0, {size})."
+        )
+    if list(ranks) == list(range(size)):
+        raise InvalidArgumentError(
+            f"Attempted to add a duplicate process set: ranks {list(ranks)} are every rank, the global process set (id 0)."
+        )
+    return ranks
+
+
+def _free_id(sets: dict[int, tuple[int, ...]]) -> int:
+    sid = 1
+    while sid in sets:
+        sid += 1
+    return sid
+
+
+def _duplicate(ranks: tuple[int, ...], sid: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"Attempted to add a duplicate process set: ranks {list(ranks)} are registered already as id {sid}."
+    )
+
+
 def decide_add(requests: Sequence[AddRequest], sets: dict[int, tuple[int, ...]], size: int) -> int:
     """The id every rank gives the set all ``requests`` (one per rank, in rank order) ask for.
 
     Pure: every rank calls it on the same gathered requests and the same registry, so every rank
-    returns the same id or raises the same error.
+    returns the same id or raises the same error. Ids are the smallest free ones, from 1.
 
     Raises:
         InvalidArgumentError: the ranks asked for different sets; a rank repeats or is outside
@@ -102,37 +138,52 @@ def decide_add(requests: Sequence[AddRequest], sets: dict[int, tuple[int, ...]],
     if disagreement:
         raise InvalidArgumentError(disagreement)
     request = requests[0]
-    if request.error:
-        raise InvalidArgumentError(f"Cannot add the process set: {request.error}.")
-    ranks = request.ranks
     if request.registered is not None:
-        raise InvalidArgumentError(
-            f"Attempted to add a duplicate process set: ranks {list(ranks)} are registered already as id "
-            f"{request.registered}."
-        )
-    if not ranks:
-        raise InvalidArgumentError("A process set needs at least one rank.")
-    if len(set(ranks)) != len(ranks):
-        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
-        raise InvalidArgumentError(f"The ranks of a process set must not repeat: {repeated} appear more than once in {list(ranks)}.")
-    outside = [r for r in ranks if not 0 <= r < size]
-    if outside:
-        raise InvalidArgumentError(
-            f"Ranks {outside} of the process set {list(ranks)} are not ranks of the view: they must be in [0, {size})."
-        )
-    if list(ranks) == list(range(size)):
-        raise InvalidArgumentError(
-            f"Attempted to add a duplicate process set: ranks {list(ranks)} are every rank, the global process set (id 0)."
-        )
+        raise _duplicate(request.ranks, request.registered)
+    ranks = _checked(request, size)
     for sid, existing in sets.items():
         if existing == ranks:
+            raise _duplicate(ranks, sid)
+    return _free_id(sets)
+
+
+def decide_init(requests: Sequence[Sequence[AddRequest]], sets: dict[int, tuple[int, ...]], size: int) -> list[int]:
+    """The ids of the sets of Horovod's ``init(process_sets=[...])``: ``requests`` holds each rank's
+    list of requests, in rank order. All or none: one error fails the whole list, on every rank.
+
+    Unlike ``decide_add``, a set whose ranks are registered already takes that set's id (an init
+    that names the sets it named before is no error); a list that names the same ranks twice is.
+
+    Raises:
+        InvalidArgumentError: the ranks' lists differ; a set is wrong as in ``decide_add``; two sets
+            of the list have the same ranks.
+    """
+    if not requests:
+        raise InvalidArgumentError("init(process_sets=...) needs the requests of every rank.")
+    lists = [tuple(replace(q, registered=None) for q in r) for r in requests]
+    if any(len(x) != len(lists[0]) for x in lists):
+        counts = sorted({len(x) for x in lists})
+        raise InvalidArgumentError(
+            f"The ranks passed init() lists of different lengths of process sets ({counts}); every rank "
+            f"must pass the same sets.")
+    taken = dict(sets)
+    by_ranks = {ranks: sid for sid, ranks in sets.items()}
+    ids: list[int] = []
+    for i, column in enumerate(zip(*lists, strict=True)):
+        disagreement = _disagree(f"init(process_sets=...) at position {i}", column)
+        if disagreement:
+            raise InvalidArgumentError(disagreement)
+        ranks = _checked(column[0], size)
+        sid = by_ranks.get(ranks)
+        if sid is None:
+            sid = _free_id(taken)
+            taken[sid] = ranks
+        elif sid in ids:
             raise InvalidArgumentError(
-                f"Attempted to add a duplicate process set: ranks {list(ranks)} are registered already as id {sid}."
-            )
-    sid = 1
-    while sid in sets:
-        sid += 1
-    return sid
+                f"init(process_sets=...) names the process set of ranks {list(ranks)} twice (positions "
+                f"{ids.index(sid)} and {i}).")
+        ids.append(sid)
+    return ids
 
 
 def decide_remove(requests: Sequence[RemoveRequest], sets: dict[int, tuple[int, ...]]) -> int:
