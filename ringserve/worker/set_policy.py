@@ -176,7 +176,7 @@ def decide_init(requests: Sequence[Sequence[AddRequest]], sets: dict[int, tuple[
         ranks = _checked(column[0], size)
         sid = by_ranks.get(ranks)
         if sid is None:
-            sid = _free_id(taken)
+            sid = by_ranks[ranks] = _free_id(taken)
             taken[sid] = ranks
         elif sid in ids:
             raise InvalidArgumentError(
