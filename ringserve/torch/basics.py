@@ -40,7 +40,10 @@ def resolve_set(process_set: object) -> ProcessSet | None:
     if process_set.process_set_id is None:
         raise InvalidArgumentError(
             f"{process_set} is not registered: pass it to hvd.init(process_sets=...) or hvd.add_process_set().")
-    process_set.rank()  # raises InvalidArgumentError where this rank is not a member
+    if not process_set.included():
+        raise InvalidArgumentError(
+            f"Rank {api.rank()} is not in process set {process_set.process_set_id} (ranks {process_set.ranks}): "
+            f"only its members may call its collectives.")
     return process_set
 
 
