@@ -5,6 +5,9 @@ Synchronous numpy API for training scripts::
     import ringserve as rs
     rs.init()                                   # RINGSERVE_COORDINATOR or init(coordinator=...)
     out = rs.allreduce(a, op="average", name="grad.w")
+    evens = rs.add_process_set(range(0, rs.size(), 2))   # on every rank, alike
+    if rs.rank() % 2 == 0:
+        out = rs.allreduce(a, process_set=evens)       # over the even ranks only
     rs.shutdown()
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
@@ -12,6 +15,7 @@ Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allred
 """
 
 from ringserve.api import (
+    add_process_set,
     allgather,
     allgather_object,
     allreduce,
@@ -21,6 +25,7 @@ from ringserve.api import (
     broadcast_object,
     cross_rank,
     cross_size,
+    global_process_set,
     grouped_allgather,
     grouped_reduce_scatter,
     init,
@@ -28,8 +33,10 @@ from ringserve.api import (
     join,
     local_rank,
     local_size,
+    process_sets,
     rank,
     reduce_scatter,
+    remove_process_set,
     shutdown,
     size,
 )
@@ -55,6 +62,7 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
+from ringserve.worker.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
 __version__ = "0.1.0"
@@ -69,6 +77,7 @@ __all__ = [
     "MismatchError",
     "NotInitializedError",
     "PeerUnavailableError",
+    "ProcessSet",
     "ProtocolError",
     "RecoverableError",
     "RendezvousTimeoutError",
@@ -82,6 +91,7 @@ __all__ = [
     "Worker",
     "WorkerConfig",
     "WorkerFailedError",
+    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -91,6 +101,7 @@ __all__ = [
     "broadcast_object",
     "cross_rank",
     "cross_size",
+    "global_process_set",
     "grouped_allgather",
     "grouped_reduce_scatter",
     "init",
@@ -98,8 +109,10 @@ __all__ = [
     "join",
     "local_rank",
     "local_size",
+    "process_sets",
     "rank",
     "reduce_scatter",
+    "remove_process_set",
     "shutdown",
     "size",
 ]

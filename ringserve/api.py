@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from ringserve.config import WorkerConfig
 from ringserve.errors import CollectiveTimeoutError, NotInitializedError
 from ringserve.loop import LoopThread
+from ringserve.worker.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
@@ -138,6 +139,46 @@ def cross_size() -> int:
     return _worker().cross_size
 
 
+def _where() -> tuple[int, int]:
+    worker = _worker()
+    return worker.rank, worker.size
+
+
+# Every rank of the default context's view: ``process_set=None`` means it too. It holds no state
+# (it reads the default context), so it outlives shutdown() and init().
+global_process_set: ProcessSet = WholeWorld(_where)
+
+
+def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
+    """Registers a process set (a ProcessSet, or its ranks) and returns it, bound to an id; every
+    rank calls it with the same ranks, in the same order (see ``Worker.add_process_set``).
+
+    Raises:
+        InvalidArgumentError: on every rank at once: a rank repeats or is not in the view, no rank,
+            every rank (the global set), a set of those ranks exists, or the ranks disagree.
+    """
+    return context().call(lambda w: w.add_process_set(process_set))
+
+
+def remove_process_set(process_set: ProcessSet) -> None:
+    """Removes a registered process set on every rank (called alike everywhere); its id becomes None.
+
+    Raises:
+        InvalidArgumentError: on every rank at once: the global set, a set not registered, or the
+            ranks disagree.
+    """
+    context().call(lambda w: w.remove_process_set(process_set))
+
+
+def process_sets() -> dict[int, list[int]]:
+    """The registered process sets of the current view, id -> ranks (the global set is 0)."""
+    return context().call(_registered)
+
+
+async def _registered(worker: Worker) -> dict[int, list[int]]:
+    return worker.process_sets()
+
+
 def allreduce(
     a: Any,
     op: str = "average",
@@ -148,6 +189,7 @@ def allreduce(
     residual: np.ndarray | None = None,
     check_finite: bool = False,
     parts: Sequence[int] | None = None,
+    process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``.
 
@@ -159,24 +201,33 @@ def allreduce(
     of floating point arrays, bit-identical on every rank, on a world whose size is a power of two
     (UnsupportedError otherwise, as Horovod refuses it); ``parts`` gives each tensor fused in ``a``
     its own coefficients.
+
+    ``process_set`` (every collective takes one): a set from ``add_process_set``; the collective
+    runs over its members only, as a ring of their own, concurrently with other sets' and the
+    whole world's. Only members call it (InvalidArgumentError at once elsewhere).
     """
     return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out, compression=compression,
-                                                residual=residual, check_finite=check_finite, parts=parts))
+                                                residual=residual, check_finite=check_finite, parts=parts,
+                                                process_set=process_set))
 
 
-def broadcast(a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
-    return context().call(lambda w: w.broadcast(a, root=root, name=name))
+def broadcast(a: Any, root: int = 0, name: str | None = None, *, process_set: ProcessSet | None = None) -> np.ndarray:
+    """Root's ``a`` on every rank; ``root`` is a global rank (a member of ``process_set``, if given)."""
+    return context().call(lambda w: w.broadcast(a, root=root, name=name, process_set=process_set))
 
 
-def allgather(a: Any, name: str | None = None) -> np.ndarray:
-    return context().call(lambda w: w.allgather(a, name=name))
+def allgather(a: Any, name: str | None = None, *, process_set: ProcessSet | None = None) -> np.ndarray:
+    return context().call(lambda w: w.allgather(a, name=name, process_set=process_set))
 
 
-def reduce_scatter(a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None) -> np.ndarray:
-    return context().call(lambda w: w.reduce_scatter(a, op=op, name=name, compression=compression))
+def reduce_scatter(a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None,
+                   process_set: ProcessSet | None = None) -> np.ndarray:
+    return context().call(lambda w: w.reduce_scatter(a, op=op, name=name, compression=compression,
+                                                     process_set=process_set))
 
 
-def alltoall(a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def alltoall(a: Any, splits: Any = None, name: str | None = None, *,
+             process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Sends ``splits[d]`` rows of ``a`` (along axis 0) to rank d; returns the rows every rank sent
     this one, concatenated in rank order, and how many rows came from each (int64).
 
@@ -184,19 +235,23 @@ def alltoall(a: Any, splits: Any = None, name: str | None = None) -> tuple[np.nd
     Otherwise one non-negative integer per rank, summing to at most ``len(a)``; rows past the sum
     are not sent (Horovod's rule). Wrong splits fail on every rank (InvalidArgumentError here,
     MismatchError on ranks whose arguments were right) within ``abort_grace_s``.
+    Over a process set, d counts its members (ranks within the set).
     """
-    return context().call(lambda w: w.alltoall(a, splits=splits, name=name))
+    return context().call(lambda w: w.alltoall(a, splits=splits, name=name, process_set=process_set))
 
 
-def grouped_allgather(arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+def grouped_allgather(arrays: Sequence[Any], name: str | None = None, *,
+                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
     """``allgather`` of each array of a list, as one collective (arrays of any dtypes)."""
-    return context().call(lambda w: w.grouped_allgather(arrays, name=name))
+    return context().call(lambda w: w.grouped_allgather(arrays, name=name, process_set=process_set))
 
 
 def grouped_reduce_scatter(arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
-                           compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+                           compression: str | None | list[str | None] = None,
+                           process_set: ProcessSet | None = None) -> list[np.ndarray]:
     """``reduce_scatter`` of each array of a list, as one collective per dtype."""
-    return context().call(lambda w: w.grouped_reduce_scatter(arrays, op=op, name=name, compression=compression))
+    return context().call(lambda w: w.grouped_reduce_scatter(arrays, op=op, name=name, compression=compression,
+                                                             process_set=process_set))
 
 
 def join() -> int:
@@ -210,13 +265,14 @@ def join() -> int:
                     + _WAIT_SLACK_S)
 
 
-def barrier() -> None:
-    context().call(lambda w: w.barrier())
+def barrier(*, process_set: ProcessSet | None = None) -> None:
+    context().call(lambda w: w.barrier(process_set=process_set))
 
 
-def broadcast_object(obj: object = None, root: int = 0, name: str | None = None) -> object:
-    return context().call(lambda w: w.broadcast_object(obj, root=root, name=name))
+def broadcast_object(obj: object = None, root: int = 0, name: str | None = None, *,
+                     process_set: ProcessSet | None = None) -> object:
+    return context().call(lambda w: w.broadcast_object(obj, root=root, name=name, process_set=process_set))
 
 
-def allgather_object(obj: object, name: str | None = None) -> list[object]:
-    return context().call(lambda w: w.allgather_object(obj, name=name))
+def allgather_object(obj: object, name: str | None = None, *, process_set: ProcessSet | None = None) -> list[object]:
+    return context().call(lambda w: w.allgather_object(obj, name=name, process_set=process_set))

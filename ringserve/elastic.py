@@ -371,14 +371,20 @@ def run(func: F) -> F:
 def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     worker = api.context().worker
     corrupt, corrupt_at = 0, -1  # damaged frames since the commit numbered corrupt_at
+    reset = False  # the reset callbacks are due (after the first failure)
     while True:
         view = worker.latest_view
         same_view = False
         try:
-            # Pinned before the sync, so that the sync's collectives and the steps after it
-            # all run in the one view (RingChangedError here if we are in none).
+            # Pinned before the reset callbacks and the sync, so that they, and the steps after
+            # them, all run in the one view (RingChangedError here if we are in none): what the
+            # callbacks register (process sets) belongs to the view the state is synced in, and a
+            # view change under them is one more reset.
             view = worker.view_id
             worker.pin_view(view)
+            if reset:
+                state.on_reset()
+                reset = False
             state.sync()
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt as exc:
@@ -404,5 +410,5 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
             worker.pin_view(None)
         if not same_view:
             _wait_for_view_after(view)
-        state.on_reset()
+        reset = True
 

@@ -23,9 +23,9 @@ shapes, dtypes or roots between the ranks is a ``MismatchError``: a RuntimeError
 HorovodInternalError, since retrying it would fail again. Argument errors (an unknown op, a
 second collective of a name still in flight) are ``InvalidArgumentError``, a ValueError.
 
-The functions run over ringserve's one default context (``ringserve.api``). Not supported yet:
-process sets other than the global one (``process_set=`` is taken, and any other set raises
-InvalidArgumentError).
+The functions run over ringserve's one default context (``ringserve.api``). Process sets are
+Horovod's: ``hvd.init(process_sets=[...])`` or ``hvd.add_process_set(ranks)``, then
+``process_set=`` on any collective and on DistributedOptimizer (see ringserve.worker.process_sets).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ringserve.errors import HostsUpdatedInterrupt
 from ringserve.errors import RecoverableError as HorovodInternalError
 from ringserve.torch.basics import (
     ProcessSet,
+    add_process_set,
     ccl_built,
     cross_rank,
     cross_size,
@@ -51,6 +52,7 @@ from ringserve.torch.basics import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     ringserve_built,
     rocm_built,
     shutdown,
@@ -122,6 +124,7 @@ __all__ = [
     "ReduceOp",
     "Sum",
     "SyncBatchNorm",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -170,6 +173,7 @@ __all__ = [
     "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "ringserve_built",
     "rocm_built",
     "shutdown",

@@ -8,12 +8,16 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ringserve import api
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
+from ringserve.worker.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
+
+# Horovod's hvd.global_process_set: every rank of the default context's view.
+global_process_set = api.global_process_set
 
 T = TypeVar("T")
 
@@ -21,20 +25,46 @@ T = TypeVar("T")
 _WAIT_SLACK_S = 10.0
 
 
-class ProcessSet:
-    """Horovod's process sets; ringserve supports only the global one (every rank)."""
+def resolve_set(process_set: object) -> ProcessSet | None:
+    """The set a collective runs over: None for the global set (or None), else a registered set
+    this rank is a member of, checked here, in the caller's thread, before anything starts (the
+    loop checks again, against the view the collective starts in).
 
-    def __repr__(self) -> str:
-        return "ringserve.torch.global_process_set"
+    Raises:
+        InvalidArgumentError: (a ValueError) not a ProcessSet, not registered, or without this rank.
+    """
+    if process_set is None or isinstance(process_set, WholeWorld):
+        return None
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
+    if process_set.process_set_id is None:
+        raise InvalidArgumentError(
+            f"{process_set} is not registered: pass it to hvd.init(process_sets=...) or hvd.add_process_set().")
+    if not process_set.included():
+        raise InvalidArgumentError(
+            f"Rank {api.rank()} is not in process set {process_set.process_set_id} (ranks {process_set.ranks}): "
+            f"only its members may call its collectives.")
+    return process_set
 
 
-global_process_set = ProcessSet()
+def optimizer_set(process_set: object) -> ProcessSet | None:
+    """A DistributedOptimizer's set, checked as resolve_set checks it, except that this rank may be
+    outside it (Horovod's optimizer then reduces nothing)."""
+    if process_set is None or isinstance(process_set, WholeWorld):
+        return None
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        return resolve_set(process_set)  # raises, naming why
+    return process_set
 
 
-def check_process_set(process_set: object) -> None:
-    """Raises InvalidArgumentError unless ``process_set`` is None or the global process set."""
-    if process_set is not None and process_set is not global_process_set:
-        raise InvalidArgumentError("process sets other than the global one are not supported yet")
+def set_size(process_set: ProcessSet | None) -> int:
+    """The number of ranks a collective over ``process_set`` (None: every rank) runs over."""
+    return api.size() if process_set is None else len(process_set.ranks)
+
+
+def set_rank(process_set: ProcessSet | None) -> int:
+    """This rank's position in ``process_set`` (None: its global rank)."""
+    return api.rank() if process_set is None else process_set.ranks.index(api.rank())
 
 
 def init(comm: object = None, process_sets: object = None, *, coordinator: str | None = None,
@@ -43,19 +73,68 @@ def init(comm: object = None, process_sets: object = None, *, coordinator: str |
 
     Args:
         comm: Horovod's MPI communicator; must be None (ringserve does not use MPI).
-        process_sets: Horovod's process sets; must be None or empty.
+        process_sets: a list of ``ProcessSet`` to register (Horovod's static process sets; every
+            rank passes the same list), or "dynamic" (sets are added and removed later with
+            add_process_set and remove_process_set: always possible here). A set whose ranks are
+            registered already takes that set's id, so a second init() naming the same sets is
+            no error. All or none: one wrong set fails the whole list, on every rank, and
+            ringserve stays initialized.
         coordinator: host:port of the coordinator; defaults to RINGSERVE_COORDINATOR.
         **overrides: any WorkerConfig field, over the RINGSERVE_* environment.
 
     Raises:
-        InvalidArgumentError: an MPI communicator or process sets were given.
+        InvalidArgumentError: an MPI communicator; process_sets neither a list of ProcessSet nor
+            "dynamic"; a set of the list is wrong (see add_process_set), on every rank at once.
         CoordinatorUnreachableError, RendezvousTimeoutError: as ringserve.init().
     """
     if comm is not None:
         raise InvalidArgumentError("ringserve does not use MPI: init() takes no communicator.")
-    if process_sets:
-        raise InvalidArgumentError("ringserve supports only the global process set: pass no process_sets.")
+    static = _static_sets(process_sets)
     api.init(coordinator, **overrides)
+    if static:
+        api.context().call(lambda w: w.add_process_sets(static))
+
+
+def _static_sets(process_sets: object) -> list[ProcessSet]:
+    if process_sets is None or process_sets == "dynamic":
+        return []
+    if isinstance(process_sets, str) or not isinstance(process_sets, list | tuple):
+        raise InvalidArgumentError(
+            f"process_sets must be a list of hvd.ProcessSet or \"dynamic\", not {process_sets!r}.")
+    wrong = [p for p in process_sets if not isinstance(p, ProcessSet) or isinstance(p, WholeWorld)]
+    if wrong:
+        raise InvalidArgumentError(f"process_sets must hold hvd.ProcessSet objects (not the global one): {wrong!r}.")
+    return list(process_sets)
+
+
+def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
+    """Registers a process set after init (Horovod's dynamic process sets) and returns it: every
+    rank calls it alike, in the same order.
+
+    Raises:
+        InvalidArgumentError: (a ValueError) on every rank at once: a duplicate of a registered set
+            or of the global one, a rank repeated or outside the world, or ranks that disagree.
+    """
+    return api.add_process_set(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Removes a registered process set (every rank alike, in the same order); returns True.
+
+    As in Horovod, returns False, without a collective, for the global process set and for a set
+    that is not registered (its ``process_set_id`` is None): the same on every rank that calls
+    alike. The numpy API's ``ringserve.remove_process_set`` raises InvalidArgumentError instead.
+
+    Raises:
+        InvalidArgumentError: on every rank at once when the ranks removed different sets, or a set
+            registered before the world changed.
+    """
+    if isinstance(process_set, WholeWorld) or not isinstance(process_set, ProcessSet):
+        return False
+    if process_set.process_set_id is None:
+        return False
+    api.remove_process_set(process_set)
+    return True
 
 
 def shutdown() -> None:

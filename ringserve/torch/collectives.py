@@ -22,6 +22,7 @@ import torch
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.worker.process_sets import ProcessSet
 
 R = TypeVar("R")
 
@@ -101,6 +102,7 @@ def _claim(kind: str, name: str | None) -> str | None:
 def _allreduce_start(
     tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
     prescale_factor: float, postscale_factor: float, out: torch.Tensor | None, parts: list[int] | None = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle[torch.Tensor]:
     with basics.named_call(_claim("allreduce", name)) as call:
         source = tensor.detach()
@@ -118,10 +120,10 @@ def _allreduce_start(
         if core == "average" and array.dtype.kind in "iu":
             # Horovod averages integers as a sum scaled by 1 / size in float64, which truncates
             # toward zero (the core's integer average floors): a joined rank's zeros show it.
-            core, postscale_factor = "sum", postscale_factor / api.size()
+            core, postscale_factor = "sum", postscale_factor / basics.set_size(process_set)
         codec = None if core == "adasum" else wire_codec(codec, wire.dtype, array.dtype.kind)
         future = call.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec,
-                                                   parts=parts))
+                                                   parts=parts, process_set=process_set))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         if into_out:
@@ -142,17 +144,18 @@ def _allreduce_start(
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ops.ReduceOp, name: str | None,
-                prescale: float, postscale: float, compression: type[Compressor] | Compressor) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale)
-        return _allreduce_start(tensor, op=op, name=name, compression=compression,
-                                prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
+                prescale: float, postscale: float, compression: type[Compressor] | Compressor,
+                process_set: ProcessSet | None) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return _allreduce_start(tensor, op=op, name=name, compression=compression, prescale_factor=prescale,
+                                postscale_factor=postscale, out=None, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, prescale, postscale = ctx.args
-        reduced = _allreduce_start(grad, op=op, name=None, compression=Compression.none,
-                                   prescale_factor=prescale, postscale_factor=postscale, out=None).wait()
-        return reduced, None, None, None, None, None
+        op, prescale, postscale, process_set = ctx.args
+        reduced = _allreduce_start(grad, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
+                                   postscale_factor=postscale, out=None, process_set=process_set).wait()
+        return reduced, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -168,20 +171,22 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         compression: how the tensor travels (Compression.none, fp16, bf16, int8).
         op: Average (default), Sum, Min or Max.
         prescale_factor, postscale_factor: multiply before and after the reduction.
-        process_set: only the global process set is supported.
+        process_set: reduce over that set's ranks only (an Average divides by its size); only its
+            members call it. None or global_process_set: every rank.
     """
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     reduce_op = ops.resolve(op, average)
-    return _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression)
+    return _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression, ps)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allreduce() and returns its handle; synchronize(handle) returns a new tensor."""
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=None)
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=None,
+                            process_set=ps)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -195,56 +200,59 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allreduce_() and returns its handle; synchronize(handle) returns ``tensor``."""
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=tensor)
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=tensor,
+                            process_set=ps)
 
 
 # -- allgather, broadcast, reducescatter -----------------------------------------------------
 
-def _allgather_start(tensor: torch.Tensor, name: str | None) -> Handle[torch.Tensor]:
+def _allgather_start(tensor: torch.Tensor, name: str | None,
+                     process_set: ProcessSet | None = None) -> Handle[torch.Tensor]:
     with basics.named_call(_claim("allgather", name)) as call:
         array, layout = _tensors.raw(tensor)
-        future = call.submit(lambda w: w.allgather(array, name=name))
+        future = call.submit(lambda w: w.allgather(array, name=name, process_set=process_set))
     return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]), claim=call.claim)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet | None) -> torch.Tensor:
         ctx.rows = tensor.shape[0]
-        return _allgather_start(tensor, name).wait()
+        ctx.process_set = process_set
+        return _allgather_start(tensor, name, process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
         reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
-                                   prescale_factor=1.0, postscale_factor=1.0, out=None).wait()
-        rows = api.allgather(np.array([ctx.rows], dtype=np.int64))
-        offset = int(rows[: api.rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows), None
+                                   prescale_factor=1.0, postscale_factor=1.0, out=None, process_set=ps).wait()
+        rows = api.allgather(np.array([ctx.rows], dtype=np.int64), process_set=ps)
+        offset = int(rows[: basics.set_rank(ps)].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object = None) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` along dimension 0 in rank order (differentiable).
 
-    Dimension 0 may differ between ranks; the other dimensions and the dtype must match.
+    Dimension 0 may differ between ranks; the other dimensions and the dtype must match. Over a
+    process set, its members' tensors in the set's rank order.
     """
-    basics.check_process_set(process_set)
-    return _Allgather.apply(tensor, name)
+    return _Allgather.apply(tensor, name, basics.resolve_set(process_set))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allgather() and returns its handle."""
-    basics.check_process_set(process_set)
-    return _allgather_start(tensor, name)
+    return _allgather_start(tensor, name, basics.resolve_set(process_set))
 
 
 def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
-                     out: torch.Tensor | None) -> Handle[torch.Tensor]:
+                     out: torch.Tensor | None, process_set: ProcessSet | None = None) -> Handle[torch.Tensor]:
     with basics.named_call(_claim("broadcast", name)) as call:
         array, layout = _tensors.raw(tensor)
-        future = call.submit(lambda w: w.broadcast(array, root=root_rank, name=name))
+        future = call.submit(lambda w: w.broadcast(array, root=root_rank, name=name, process_set=process_set))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         value = _tensors.restore(result, layout)
@@ -258,30 +266,31 @@ def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet | None) -> torch.Tensor:
         ctx.root_rank = root_rank
-        return _broadcast_start(tensor, root_rank, name, None).wait()
+        ctx.process_set = process_set
+        return _broadcast_start(tensor, root_rank, name, None, process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
-                                   prescale_factor=1.0, postscale_factor=1.0, out=None).wait()
-        if api.rank() != ctx.root_rank:
+        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none, prescale_factor=1.0,
+                                   postscale_factor=1.0, out=None, process_set=ctx.process_set).wait()
+        if api.rank() != ctx.root_rank:  # roots are global ranks, over a process set too
             reduced = torch.zeros_like(reduced)
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: object = None) -> torch.Tensor:
-    """Returns root_rank's ``tensor`` on every rank, as a new tensor (differentiable)."""
-    basics.check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+    """Returns root_rank's ``tensor`` on every rank, as a new tensor (differentiable). ``root_rank``
+    is a global rank, a member of ``process_set`` when one is given (as in Horovod)."""
+    return _Broadcast.apply(tensor, root_rank, name, basics.resolve_set(process_set))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: object = None) -> Handle[torch.Tensor]:
-    basics.check_process_set(process_set)
-    return _broadcast_start(tensor, root_rank, name, None)
+    return _broadcast_start(tensor, root_rank, name, None, basics.resolve_set(process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -292,8 +301,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: object = None) -> Handle[torch.Tensor]:
-    basics.check_process_set(process_set)
-    return _broadcast_start(tensor, root_rank, name, tensor)
+    return _broadcast_start(tensor, root_rank, name, tensor, basics.resolve_set(process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
@@ -301,14 +309,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.R
                         *, compression: type[Compressor] | Compressor = Compression.none) -> Handle[torch.Tensor]:
     """Starts reducescatter() and returns its handle. The arguments are in Horovod's order;
     ``compression`` (which Horovod's reducescatter_async lacks) is ringserve's, by keyword."""
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     core = ops.core_op(ops.resolve(op), "reducescatter")
     with basics.named_call(_claim("reducescatter", name)) as call:
         compression, codec = split(compression)
         wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
         array, layout = _tensors.reducible(wire)
         codec = wire_codec(codec, wire.dtype, array.dtype.kind)
-        future = call.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec))
+        future = call.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec, process_set=ps))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])
@@ -320,9 +328,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.R
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, compression: type[Compressor] | Compressor,
-                op: ops.ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
-        ctx.scale = (api.size() if op is ops.Sum else 1.0) * prescale * postscale
-        return reducescatter_async(tensor, name, op, None, prescale, postscale, compression=compression).wait()
+                op: ops.ReduceOp, prescale: float, postscale: float, process_set: ProcessSet | None) -> torch.Tensor:
+        ctx.scale = (basics.set_size(process_set) if op is ops.Sum else 1.0) * prescale * postscale
+        ctx.process_set = process_set
+        return reducescatter_async(tensor, name, op, process_set, prescale, postscale, compression=compression).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -330,7 +339,7 @@ class _Reducescatter(torch.autograd.Function):
         # gradient, gathered, and for Sum scaled by the world size (as if the gradients of all the
         # ranks' losses were summed, the way allreduce's Sum gradient is).
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
-        return _allgather_start(scaled, None).wait(), None, None, None, None, None
+        return _allgather_start(scaled, None, ctx.process_set).wait(), None, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -339,17 +348,18 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduces ``tensor`` over all ranks and returns this rank's rows of the result (differentiable).
 
-    Rows are split as evenly as possible, the first ranks getting one more, as in Horovod.
+    Rows are split as evenly as possible, the first ranks getting one more, as in Horovod (over a
+    process set, by the rank within the set).
     """
-    basics.check_process_set(process_set)
-    return _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor)
+    return _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor,
+                                basics.resolve_set(process_set))
 
 
 def barrier(process_set: object = None) -> None:
-    """Returns once every rank has called barrier()."""
-    basics.check_process_set(process_set)
+    """Returns once every rank (of ``process_set``, if given) has called barrier()."""
+    ps = basics.resolve_set(process_set)
     try:
-        api.barrier()
+        api.barrier(process_set=ps)
     finally:
         basics.waited()
 

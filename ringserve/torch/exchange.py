@@ -21,6 +21,7 @@ import torch
 
 from ringserve.torch import _tensors, basics
 from ringserve.torch.collectives import Handle, _claim
+from ringserve.worker.process_sets import ProcessSet
 
 Splits = torch.Tensor | list[int] | tuple[int, ...] | None
 
@@ -40,14 +41,15 @@ def _received_like(counts: np.ndarray, splits: Splits) -> torch.Tensor:
     return torch.from_numpy(counts.astype(np.int32))
 
 
-def _alltoall_start(tensor: torch.Tensor, splits: Splits, name: str | None) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
+def _alltoall_start(tensor: torch.Tensor, splits: Splits, name: str | None,
+                    process_set: ProcessSet | None = None) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
     with basics.named_call(_claim("alltoall", name)) as call:
         if tensor.dim() == 0:  # refused by the core on every rank, as any wrong argument is
             array, layout = np.zeros((), dtype=np.float32), None
         else:
             array, layout = _tensors.raw(tensor)
         rows = _splits_array(splits)
-        future = call.submit(lambda w: w.alltoall(array, splits=rows, name=name))
+        future = call.submit(lambda w: w.alltoall(array, splits=rows, name=name, process_set=process_set))
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         out, counts = result
@@ -59,8 +61,10 @@ def _alltoall_start(tensor: torch.Tensor, splits: Splits, name: str | None) -> H
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Splits, name: str | None) -> Any:
-        received, received_splits = _alltoall_start(tensor, splits, name).wait()
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Splits, name: str | None,
+                process_set: ProcessSet | None) -> Any:
+        received, received_splits = _alltoall_start(tensor, splits, name, process_set).wait()
+        ctx.process_set = process_set
         ctx.received_splits = received_splits
         ctx.rows = tensor.shape[0]
         if splits is None:
@@ -70,10 +74,10 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
-        back, _ = _alltoall_start(grad.contiguous(), ctx.received_splits, None).wait()
+        back, _ = _alltoall_start(grad.contiguous(), ctx.received_splits, None, ctx.process_set).wait()
         if back.shape[0] < ctx.rows:  # rows that were never sent
             back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0], *back.shape[1:]))])
-        return back, None, None
+        return back, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Splits = None, name: str | None = None,
@@ -86,7 +90,8 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: str | None = Non
         splits: rows for each rank, in rank order, summing to at most ``tensor.shape[0]``; None
             splits dimension 0 evenly (it must then be a multiple of the world size).
         name: matches the call across ranks.
-        process_set: only the global process set is supported yet.
+        process_set: exchange among that set's members only: ``splits[i]`` is for its i-th member
+            (by rank within the set), and the received rows come in the set's rank order.
 
     Returns:
         The received tensor; with ``splits``, the pair (received tensor, received splits).
@@ -95,12 +100,10 @@ def alltoall(tensor: torch.Tensor, splits: Splits = None, name: str | None = Non
         InvalidArgumentError (a ValueError): wrong splits, on this rank; the ranks whose
             arguments were right fail at once with MismatchError (a RuntimeError).
     """
-    basics.check_process_set(process_set)
-    return _Alltoall.apply(tensor, splits, name)
+    return _Alltoall.apply(tensor, splits, name, basics.resolve_set(process_set))
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None, name: str | None = None,
                    process_set: object = basics.global_process_set) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
     """Starts alltoall() and returns its handle; synchronize(handle) returns (tensor, received splits)."""
-    basics.check_process_set(process_set)
-    return _alltoall_start(tensor, splits, name)
+    return _alltoall_start(tensor, splits, name, basics.resolve_set(process_set))

@@ -16,6 +16,7 @@ import torch
 from ringserve import api
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch import basics
+from ringserve.worker.process_sets import ProcessSet
 
 # Tensors are fused into broadcast buffers of at most this many bytes (one tensor may exceed it).
 _GROUP_BYTES = 64 << 20
@@ -49,17 +50,19 @@ def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _broadcast(array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-    return basics.wait(basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name)))
+def _broadcast(array: np.ndarray, root_rank: int, name: str, process_set: ProcessSet | None) -> np.ndarray:
+    return basics.wait(basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name, process_set=process_set)))
 
 
-def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: str) -> None:
+def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: str,
+                       process_set: ProcessSet | None = None) -> None:
     """Overwrites every tensor with root_rank's, in place; all ranks pass the same shapes and dtypes.
 
     Args:
         tensors: tensors of any dtype and device.
         root_rank: the rank whose values win.
         name: names the broadcasts, so they match across ranks in any order.
+        process_set: among that registered set's members only (root_rank is a global rank).
     """
     items = [t for t in tensors if t.numel() > 0]
     is_root = api.rank() == root_rank
@@ -69,7 +72,7 @@ def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: st
         if is_root:
             for t, start in zip(group, offsets, strict=True):
                 flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
-        result = _broadcast(flat.numpy(), root_rank, f"{name}.{k}")
+        result = _broadcast(flat.numpy(), root_rank, f"{name}.{k}", process_set)
         if is_root:
             continue
         received = torch.from_numpy(result)
@@ -86,13 +89,13 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     Args:
         params: a ``state_dict()``, ``named_parameters()``, or an iterable of tensors.
         root_rank: the rank whose values every rank takes.
-        process_set: only the global process set is supported.
+        process_set: among that set's members only (root_rank is a global rank, one of them).
 
     Example::
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     if isinstance(params, Mapping):
         entries = sorted(params.items(), key=lambda kv: str(kv[0]))
         tensors = [t for _, t in entries]
@@ -103,7 +106,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
             raise InvalidArgumentError(
                 f"broadcast_parameters takes tensors, not {type(t).__name__} values."
             )
-    broadcast_tensors_([t for t in tensors if t is not None], root_rank, "ringserve.torch.parameters")
+    broadcast_tensors_([t for t in tensors if t is not None], root_rank, "ringserve.torch.parameters", ps)
 
 
 @dataclass(frozen=True)
@@ -163,27 +166,29 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     (its changes to the parameters are undone), so that the moments exist and can be broadcast.
     Those zero gradients stay, as in Horovod. The zero gradients are sparse for a SparseAdam, and,
     as Horovod's ``model`` argument says, for an SGD's parameters of ``model``'s sparse
-    ``Embedding`` modules; sparse tensors in the state arrive sparse.
+    ``Embedding`` modules; sparse tensors in the state arrive sparse. With ``process_set``, among
+    its members only.
 
     Example::
 
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     sparse_params = _sparse_parameters(model)
     if not optimizer.state_dict()["state"]:
         _initialize_state(optimizer, sparse_params)
     is_root = api.rank() == root_rank
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
-    skeleton = api.broadcast_object(skeleton, root=root_rank, name="ringserve.torch.optimizer_skeleton")
+    skeleton = api.broadcast_object(skeleton, root=root_rank, name="ringserve.torch.optimizer_skeleton",
+                                    process_set=ps)
     if not is_root:
         slots: list[_Slot] = []
         _slots(skeleton, slots)
         tensors = [torch.empty(0)] * len(slots)
         for slot in slots:
             tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
-    broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state")
+    broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state", ps)
     if not is_root:
         optimizer.load_state_dict(_fill(skeleton, tensors))
 
@@ -225,12 +230,10 @@ def _initialize_state(optimizer: torch.optim.Optimizer, sparse_params: set[int])
 
 def broadcast_object(obj: object = None, root_rank: int = 0, name: str | None = None,
                      process_set: object = None) -> object:
-    """Returns root_rank's picklable ``obj`` on every rank."""
-    basics.check_process_set(process_set)
-    return api.broadcast_object(obj, root=root_rank, name=name)
+    """Returns root_rank's picklable ``obj`` on every rank (of ``process_set``, if given)."""
+    return api.broadcast_object(obj, root=root_rank, name=name, process_set=basics.resolve_set(process_set))
 
 
 def allgather_object(obj: object, name: str | None = None, process_set: object = None) -> list[object]:
-    """Returns every rank's picklable ``obj``, in rank order."""
-    basics.check_process_set(process_set)
-    return api.allgather_object(obj, name=name)
+    """Returns every rank's picklable ``obj``, in rank order (of ``process_set``'s members, if given)."""
+    return api.allgather_object(obj, name=name, process_set=basics.resolve_set(process_set))

@@ -21,12 +21,13 @@ from ringserve import api
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.collectives import Handle, _allreduce_start, _claim, _rescale, _scaled
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.worker.process_sets import ProcessSet
 
 
 def _grouped_start(
     tensors: Sequence[torch.Tensor], *, op: ops.ReduceOp, name: str | None,
     compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
-    in_place: bool,
+    in_place: bool, process_set: ProcessSet | None = None,
 ) -> Handle[list[torch.Tensor]]:
     """Fuses tensors of one wire dtype and device into one buffer, and reduces each buffer once."""
     around, codec = split(compression)
@@ -44,7 +45,7 @@ def _grouped_start(
         parts = [compressed[i][0].numel() for i in members] if op is ops.Adasum else None
         handles.append((members, _allreduce_start(
             flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, out=None, parts=parts)))
+            postscale_factor=postscale_factor, out=None, parts=parts, process_set=process_set)))
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
     future.set_result(None)
 
@@ -71,18 +72,19 @@ def _grouped_start(
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, op: ops.ReduceOp, name: str | None, prescale: float, postscale: float,
-                compression: type[Compressor] | Compressor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, prescale, postscale)
+                compression: type[Compressor] | Compressor, process_set: ProcessSet | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
         return tuple(_grouped_start(tensors, op=op, name=name, compression=compression, prescale_factor=prescale,
-                                    postscale_factor=postscale, in_place=False).wait())
+                                    postscale_factor=postscale, in_place=False, process_set=process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # As allreduce's: the gradient of a reduction is the same reduction of the gradients.
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, process_set = ctx.args
         reduced = _grouped_start(grads, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
-                                 postscale_factor=postscale, in_place=False).wait()
-        return (None, None, None, None, None, *reduced)
+                                 postscale_factor=postscale, in_place=False, process_set=process_set).wait()
+        return (None, None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -90,10 +92,11 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: ops.ReduceOp | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: object = None) -> list[torch.Tensor]:
     """Reduces a list of tensors as one fused collective per dtype; returns new tensors
-    (differentiable, as allreduce)."""
-    basics.check_process_set(process_set)
+    (differentiable, as allreduce); over ``process_set``'s members only, when one is given."""
+    ps = basics.resolve_set(process_set)
     reduce_op = ops.resolve(op, average)
-    return list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, compression, *tensors))
+    return list(_GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, compression, ps,
+                                        *tensors))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -103,9 +106,10 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             compression: type[Compressor] | Compressor = Compression.none,
                             ) -> Handle[list[torch.Tensor]]:
     """Starts grouped_allreduce() and returns its handle."""
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=compression,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=False)
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=False,
+                          process_set=ps)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -121,19 +125,21 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: object = None) -> Handle[list[torch.Tensor]]:
     """Starts grouped_allreduce_() and returns its handle."""
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     return _grouped_start(tensors, op=ops.resolve(op, average), name=name, compression=Compression.none,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=True)
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor, in_place=True,
+                          process_set=ps)
 
 
 # -- grouped allgather and reducescatter ------------------------------------------------------
 
-def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None) -> Handle[list[torch.Tensor]]:
+def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None,
+                             process_set: ProcessSet | None = None) -> Handle[list[torch.Tensor]]:
     """One collective for the whole list (see ringserve.worker.grouped), any mix of dtypes."""
     with basics.named_call(_claim("grouped_allgather", name)) as call:
         pairs = [_tensors.raw(t) if t.dim() else (t.detach().cpu().numpy(), None) for t in tensors]
         arrays = [a for a, _ in pairs]
-        future = call.submit(lambda w: w.grouped_allgather(arrays, name=name))
+        future = call.submit(lambda w: w.grouped_allgather(arrays, name=name, process_set=process_set))
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
         return [_tensors.restore(r, layout, rows=r.shape[0]) for r, (_, layout) in zip(results, pairs, strict=True)
@@ -144,18 +150,21 @@ def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None) 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.rows = [t.shape[0] for t in tensors]
-        return tuple(_grouped_allgather_start(tensors, name).wait())
+        ctx.process_set = process_set
+        return tuple(_grouped_allgather_start(tensors, name, process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # Horovod's: the gradients averaged over the ranks, then this rank's rows of each.
+        ps = ctx.process_set
         reduced = _grouped_start(grads, op=ops.Average, name=None, compression=Compression.none,
-                                 prescale_factor=1.0, postscale_factor=1.0, in_place=False).wait()
-        rows = api.allgather(np.array([ctx.rows], dtype=np.int64))  # (world, tensors)
-        offsets = rows[: api.rank()].sum(axis=0).tolist()
-        return (None, *(g.narrow(0, int(at), n) for g, at, n in zip(reduced, offsets, ctx.rows, strict=True)))
+                                 prescale_factor=1.0, postscale_factor=1.0, in_place=False, process_set=ps).wait()
+        rows = api.allgather(np.array([ctx.rows], dtype=np.int64), process_set=ps)  # (ranks, tensors)
+        offsets = rows[: basics.set_rank(ps)].sum(axis=0).tolist()
+        return (None, None, *(g.narrow(0, int(at), n) for g, at, n in zip(reduced, offsets, ctx.rows, strict=True)))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -164,20 +173,19 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
     Each tensor's dimension 0 may differ between ranks; the other dimensions and the dtypes match.
     """
-    basics.check_process_set(process_set)
-    return list(_GroupedAllgather.apply(name, *tensors))
+    return list(_GroupedAllgather.apply(name, basics.resolve_set(process_set), *tensors))
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: object = basics.global_process_set) -> Handle[list[torch.Tensor]]:
     """Starts grouped_allgather() and returns its handle."""
-    basics.check_process_set(process_set)
-    return _grouped_allgather_start(tensors, name)
+    return _grouped_allgather_start(tensors, name, basics.resolve_set(process_set))
 
 
 def _grouped_reducescatter_start(
     tensors: Sequence[torch.Tensor], *, name: str | None, op: ops.ReduceOp,
     compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
+    process_set: ProcessSet | None = None,
 ) -> Handle[list[torch.Tensor]]:
     """One fused reduce-scatter per wire dtype (see ringserve.worker.grouped)."""
     core = ops.core_op(op, "grouped_reducescatter")
@@ -187,7 +195,8 @@ def _grouped_reducescatter_start(
         pairs = [_tensors.reducible(w) if w.dim() else (w.cpu().numpy(), None) for w, _ in compressed]
         arrays = [a for a, _ in pairs]
         wire = [wire_codec(codec, w.dtype, a.dtype.kind) for (w, _), a in zip(compressed, arrays, strict=True)]
-        future = call.submit(lambda w: w.grouped_reduce_scatter(arrays, op=core, name=name, compression=wire))
+        future = call.submit(lambda w: w.grouped_reduce_scatter(arrays, op=core, name=name, compression=wire,
+                                                                process_set=process_set))
 
     def finish(results: list[np.ndarray]) -> list[torch.Tensor]:
         out = []
@@ -203,17 +212,20 @@ def _grouped_reducescatter_start(
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ops.ReduceOp, prescale: float, postscale: float,
-                compression: type[Compressor] | Compressor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.scale = (api.size() if op is ops.Sum else 1.0) * prescale * postscale
+                compression: type[Compressor] | Compressor, process_set: ProcessSet | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.scale = (basics.set_size(process_set) if op is ops.Sum else 1.0) * prescale * postscale
+        ctx.process_set = process_set
         return tuple(_grouped_reducescatter_start(tensors, name=name, op=op, compression=compression,
-                                                  prescale_factor=prescale, postscale_factor=postscale).wait())
+                                                  prescale_factor=prescale, postscale_factor=postscale,
+                                                  process_set=process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         # Horovod's, as reducescatter's: every rank's rows of each gradient gathered, scaled by the
         # world size for Sum and by the pre- and postscale factors.
         scaled = [g * ctx.scale if ctx.scale != 1.0 else g for g in grads]
-        return (None, None, None, None, None, *_grouped_allgather_start(scaled, None).wait())
+        return (None, None, None, None, None, None, *_grouped_allgather_start(scaled, None, ctx.process_set).wait())
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -224,9 +236,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
     Returns this rank's rows of each reduced tensor (the first ranks get one row more, as Horovod).
     """
-    basics.check_process_set(process_set)
     return list(_GroupedReducescatter.apply(name, ops.resolve(op), prescale_factor, postscale_factor,
-                                            compression, *tensors))
+                                            compression, basics.resolve_set(process_set), *tensors))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -235,6 +246,6 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 compression: type[Compressor] | Compressor = Compression.none,
                                 ) -> Handle[list[torch.Tensor]]:
     """Starts grouped_reducescatter() and returns its handle."""
-    basics.check_process_set(process_set)
     return _grouped_reducescatter_start(tensors, name=name, op=ops.resolve(op), compression=compression,
-                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        process_set=basics.resolve_set(process_set))

@@ -42,7 +42,7 @@ import torch
 
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
-from ringserve.errors import InvalidArgumentError, UsageError
+from ringserve.errors import InvalidArgumentError, UnsupportedError, UsageError
 from ringserve.torch import _tensors, basics, collectives, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
@@ -71,7 +71,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         num_groups, groups: Horovod's explicit fusion groups (a count, or lists of parameters).
         sparse_as_dense: reduce sparse gradients as dense ones (fused with the rest); by default
             they are gathered as indices and values and stay sparse.
-        process_set: only the global process set is supported.
+        process_set: average over that registered set's members only (Horovod's). On a rank
+            outside it, the optimizer reduces nothing: step() applies this rank's own gradients.
         fusion_bytes: bucket size in bytes; RINGSERVE_FUSION_BYTES or 4 MiB when None.
         error_feedback: with a lossy compression, add what this rank's encodings lost in one
             step to its gradients of the next (error feedback), so that nothing is lost over
@@ -99,6 +100,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # op=Adasum on more than one rank is Horovod's other optimizer, which reduces each step's
         # change to the parameters instead of the gradients (ringserve.torch.adasum).
         if cls is DistributedOptimizer and ops.resolve(op) is ops.Adasum and api.size() > 1:
+            if basics.optimizer_set(kwargs.get("process_set", args[4] if len(args) > 4 else None)) is not None:
+                raise UnsupportedError("Adasum does not support non-global process sets (as in Horovod).")
             from ringserve.torch.adasum import AdasumOptimizer  # noqa: PLC0415  (it builds on this module)
 
             return super().__new__(AdasumOptimizer)
@@ -122,7 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_finite: bool = False,
     ) -> None:
         # Optimizer.__init__ is skipped on purpose: all optimizer state lives in ``optimizer``.
-        basics.check_process_set(process_set)
+        self._process_set = basics.optimizer_set(process_set)
+        self._member = self._process_set is None or bool(self._process_set.included())
         reduce_op = ops.resolve(op)
         if reduce_op not in (ops.Average, ops.Sum, ops.Adasum):
             raise InvalidArgumentError(f"DistributedOptimizer reduces with Average, Sum or Adasum, not {reduce_op!r}.")
@@ -261,6 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gap = INT8_BLOCK if self._codec is not None else 0
         self._buckets = [Bucket(group, f"{prefix}.{i}", gap) for i, group in enumerate(plans)]
         self._slot = {id(p): (b, j) for b in self._buckets for j, p in enumerate(b.params)}
+        if not self._member:
+            return  # outside the process set: nothing to reduce, as Horovod's registers no hooks
         this = weakref.ref(self)
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(_hook(this)))
@@ -315,7 +321,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     buf[a:b].zero_()
                     flags.append(0.0)  # the dense reduction leaves it alone; the gather below reduces it
                     self._sparse[id(p)] = sparse.sparse_allreduce_async(
-                        grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op)
+                        grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op,
+                        process_set=self._process_set)
                     continue
                 flags.append(1.0)
                 if _is_view_of(grad, buf, a):
@@ -331,14 +338,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wire, cctx = self._compression.compress(buf)
         array, layout = _tensors.reducible(wire)
         name = bucket.name
+        ps = self._process_set
         codec = wire_codec(self._codec, wire.dtype, array.dtype.kind)
         residual = self._residual(bucket, array) if codec is not None and self._error_feedback else None
 
         async def reduce(worker: Any) -> tuple[Any, float]:
-            size = worker.size  # on the loop, in the view the allreduce below starts in
+            # On the loop, in the view the allreduce below starts in.
+            size = worker.size if ps is None else len(ps.ranks)
             # In place: the array is the bucket's own buffer (or its compressed copy).
             result = await worker.allreduce(array, op=core, name=name, out=array, compression=codec,
-                                            residual=residual)
+                                            residual=residual, process_set=ps)
             return (result, size), time.perf_counter()
 
         def finish(done: tuple[Any, int]) -> torch.Tensor:
@@ -404,6 +413,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         skip_synchronize(). A second call with no backward pass in between does nothing.
         """
         if self._synchronized:
+            return
+        if not self._member:
+            self._synchronized = True  # outside the process set: the gradients stay this rank's
             return
         self._finite = True
         for bucket in self._buckets:

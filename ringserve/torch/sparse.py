@@ -6,7 +6,6 @@ import concurrent.futures
 
 import torch
 
-from ringserve import api
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch import basics, ops
 from ringserve.torch.collectives import Handle, _allgather_start
@@ -26,12 +25,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: op
         tensor: a sparse COO tensor; the same size and dtype on every rank (the nonzeros may differ).
         name: names the two gathers (of the indices and of the values).
         op: Average (default) or Sum.
-        process_set: only the global process set is supported.
+        process_set: gather over that set's members only (an Average divides by its size).
 
     Raises:
         InvalidArgumentError: the tensor is not sparse, or the op is neither Average nor Sum.
     """
-    basics.check_process_set(process_set)
+    ps = basics.resolve_set(process_set)
     reduce_op = ops.resolve(op)
     if reduce_op not in (ops.Average, ops.Sum):
         raise InvalidArgumentError(f"sparse_allreduce_async reduces with Average or Sum, not {reduce_op!r}.")
@@ -40,15 +39,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: op
                                    "for a dense one.")
     sparse = tensor.detach().coalesce()
     # Indices travel as rows (nnz, sparse dims), so that the gather concatenates the ranks' entries.
-    indices = _allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices")
-    values = _allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values")
+    indices = _allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices", ps)
+    values = _allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values", ps)
+    ranks = basics.set_size(ps)
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
     done.set_result(None)
 
     def finish(_: None) -> torch.Tensor:
         gathered = values.wait()
         if reduce_op is ops.Average:
-            gathered = gathered / api.size() if gathered.is_floating_point() else gathered // api.size()
+            gathered = gathered / ranks if gathered.is_floating_point() else gathered // ranks
         return torch.sparse_coo_tensor(indices.wait().t(), gathered, sparse.shape)
 
     return Handle(done, finish, parts=[indices, values])

@@ -2,14 +2,18 @@
 
 - Where it stands (rank, size, view, ...) is read from the ``Standing`` its loop publishes
   (standing.py), so any thread may ask.
-- Each collective takes the session it runs on from ``_session`` (the whole current view, or a
-  sub-ring of it) on the loop, at the moment it starts: the view and the ring are fixed before the
-  first frame, and the arguments are checked (collectives.py) before anything is sent.
+- Each collective takes the session it runs on from ``_set_session`` (the whole current view, or
+  the sub-ring of a process set, see process_sets.py) on the loop, at the moment it starts: the view
+  and the ring are fixed before the first frame, and the arguments are checked (collectives.py)
+  before anything is sent.
+- Process sets are registered and removed here, collectively over the whole view (every rank's
+  request is gathered, then every rank decides alike: set_policy.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,18 +22,25 @@ from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.worker import adasum, collectives, grouped
 from ringserve.worker import join as joining
+from ringserve.worker import process_sets as sets
+from ringserve.worker.plane import Plane
+from ringserve.worker.process_sets import ProcessSet, Registry, WholeWorld
 from ringserve.worker.session import Session
+from ringserve.worker.set_policy import root_position
 from ringserve.worker.standing import Standing
 
 
 class Facade:
-    """The public face of a Worker (its base class: the Worker provides ``_session`` and
+    """The public face of a Worker (its base class: the Worker provides ``_plane`` and
     publishes ``_standing``)."""
 
     config: WorkerConfig
     address: str
     _standing: Standing
     _metrics: Any
+    _process_sets: Registry
+    _pinned: int | None
+    _registering: asyncio.Lock
 
     def _labels(self) -> tuple[int, int]:
         standing = self._standing
@@ -90,8 +101,36 @@ class Facade:
 
     # -- collectives -----------------------------------------------------------------------
 
-    def _session(self, members: Sequence[int] | None = None) -> Session:
+    def _plane(self) -> Plane:
+        """The plane collectives run on now (the Worker checks the view and the pin)."""
         raise NotImplementedError
+
+    def _session(self, members: Sequence[int] | None = None) -> Session:
+        """The session collectives run on now: the whole current view, or a sub-ring of it."""
+        return self._plane().session(None if members is None else tuple(members))
+
+    def _set_session(self, process_set: ProcessSet | None) -> Session:
+        """The session a collective on ``process_set`` (None: the global set) runs on now.
+
+        Raises:
+            InvalidArgumentError: not a ProcessSet; a set not registered here, or without this rank.
+            RingChangedError: the set was registered in an earlier view (see process_sets.py).
+        """
+        plane = self._plane()
+        if process_set is None or isinstance(process_set, WholeWorld):
+            return plane.session(None)
+        if not isinstance(process_set, ProcessSet):
+            raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
+        return plane.session(self._process_sets.lookup(process_set, synced_here=self._pinned == plane.view_id))
+
+    def _rooted(self, process_set: ProcessSet | None, root: int) -> tuple[Session, int]:
+        """The session of a rooted collective, and its root's position in it (roots are global
+        ranks, as in Horovod)."""
+        session = self._set_session(process_set)
+        if session.spec == "":
+            return session, root
+        assert process_set is not None
+        return session, root_position(session.ring.members, root, process_set.process_set_id)
 
     def _opts(self) -> dict[str, Any]:
         return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}
@@ -107,6 +146,7 @@ class Facade:
         residual: np.ndarray | None = None,
         check_finite: bool = False,
         parts: Sequence[int] | None = None,
+        process_set: ProcessSet | None = None,
     ) -> np.ndarray:
         """Reduces ``a`` across ranks; returns a new array of a's shape and dtype on every rank.
 
@@ -121,25 +161,30 @@ class Facade:
         ``op="adasum"``: Adasum (see worker/adasum.py) of floating point arrays, on a world whose
         size is a power of two, without compression or residual; ``parts`` (element counts that
         tile ``a``) gives each tensor fused in ``a`` its own coefficients, as Horovod does.
+
+        ``process_set`` (every collective takes one): run over the ranks of that registered set
+        only, as a ring of its own (an average divides by its size); None is the global set. Only
+        its members call it.
         """
+        session = self._set_session(process_set)
         if op == "adasum":
             if compression is not None or residual is not None:
                 raise InvalidArgumentError("op adasum takes no compression and no residual.")
-            result = await adasum.allreduce(self._session(), a, name=name, out=out,
+            result = await adasum.allreduce(session, a, name=name, out=out,
                                             parts=None if parts is None else list(parts), **self._opts())
             if check_finite and not np.isfinite(result).all():
                 raise collectives._non_finite_error(name or "adasum")
             return result
         if parts is not None:
             raise InvalidArgumentError("parts is for op adasum only.")
-        return await collectives.allreduce(self._session(), a, op=op, name=name, out=out, compression=compression,
+        return await collectives.allreduce(session, a, op=op, name=name, out=out, compression=compression,
                                            residual=residual, check_finite=check_finite, **self._opts())
 
     async def _allreduce_among(self, members: Sequence[int], a: Any, op: str = "average", name: str | None = None,
                                out: np.ndarray | None = None) -> np.ndarray:
-        """Internal, not API yet: an allreduce over the ranks ``members`` of the current view only,
-        as a ring in that order, concurrently with the view's other collectives (process sets
-        build on it). Every member must call it with the same members in the same order; an
+        """Internal: an allreduce over the ranks ``members`` of the current view only, as a ring in
+        that order, concurrently with the view's other collectives (process sets run on the same
+        sessions, in sorted order). Every member must call it with the same members in the same order; an
         average divides by their number. Its key is counted apart from the whole view's (see
         keys.py), so its calls never meet another ring's.
 
@@ -148,35 +193,47 @@ class Facade:
         """
         return await collectives.allreduce(self._session(members), a, op=op, name=name, out=out, **self._opts())
 
-    async def broadcast(self, a: Any, root: int = 0, name: str | None = None) -> np.ndarray:
-        """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype."""
-        return await collectives.broadcast(self._session(), a, root=root, name=name, **self._opts())
+    async def broadcast(self, a: Any, root: int = 0, name: str | None = None, *,
+                        process_set: ProcessSet | None = None) -> np.ndarray:
+        """Returns root's ``a`` on every rank; every rank passes an array of the same shape and dtype.
+        ``root`` is a global rank, a member of ``process_set`` when one is given (as in Horovod)."""
+        session, position = self._rooted(process_set, root)
+        return await collectives.broadcast(session, a, root=position, name=name, **self._opts())
 
-    async def allgather(self, a: Any, name: str | None = None) -> np.ndarray:
-        """Concatenates every rank's ``a`` along axis 0, in rank order (first dimensions may differ)."""
-        return await collectives.allgather(self._session(), a, name=name, **self._opts())
+    async def allgather(self, a: Any, name: str | None = None, *, process_set: ProcessSet | None = None) -> np.ndarray:
+        """Concatenates every rank's ``a`` along axis 0, in rank order (first dimensions may differ);
+        over a process set, its members' in the set's (sorted) rank order."""
+        return await collectives.allgather(self._set_session(process_set), a, name=name, **self._opts())
 
     async def reduce_scatter(
-        self, a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None
+        self, a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None,
+        process_set: ProcessSet | None = None,
     ) -> np.ndarray:
-        """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more)."""
-        return await collectives.reduce_scatter(self._session(), a, op=op, name=name, compression=compression,
-                                                **self._opts())
+        """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more);
+        over a process set, parts go by the rank within the set (``ProcessSet.rank()``)."""
+        return await collectives.reduce_scatter(self._set_session(process_set), a, op=op, name=name,
+                                                compression=compression, **self._opts())
 
-    async def alltoall(self, a: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    async def alltoall(self, a: Any, splits: Any = None, name: str | None = None, *,
+                       process_set: ProcessSet | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Sends ``splits[d]`` rows of ``a`` to rank d (an even split of axis 0 without splits);
-        returns the rows every rank sent this one, in rank order, and how many came from each."""
-        return await collectives.alltoall(self._session(), a, splits=splits, name=name, **self._opts())
+        returns the rows every rank sent this one, in rank order, and how many came from each.
+        Over a process set, d counts the set's members (its rank within the set)."""
+        return await collectives.alltoall(self._set_session(process_set), a, splits=splits, name=name,
+                                          **self._opts())
 
-    async def grouped_allgather(self, arrays: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+    async def grouped_allgather(self, arrays: Sequence[Any], name: str | None = None, *,
+                                process_set: ProcessSet | None = None) -> list[np.ndarray]:
         """allgather of each array of a list, in one collective."""
-        return await grouped.grouped_allgather(self._session(), list(arrays), name=name, **self._opts())
+        return await grouped.grouped_allgather(self._set_session(process_set), list(arrays), name=name,
+                                               **self._opts())
 
     async def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
-                                     compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+                                     compression: str | None | list[str | None] = None,
+                                     process_set: ProcessSet | None = None) -> list[np.ndarray]:
         """reduce_scatter of each array of a list, in one collective per dtype (and codec: one for
         every floating point array, or one per array)."""
-        return await grouped.grouped_reduce_scatter(self._session(), list(arrays), op=op, name=name,
+        return await grouped.grouped_reduce_scatter(self._set_session(process_set), list(arrays), op=op, name=name,
                                                     compression=compression, **self._opts())
 
     async def join(self) -> int:
@@ -187,14 +244,67 @@ class Facade:
         return await joining.join(self._session(), chunk_bytes=self.config.chunk_bytes,
                                   timeout_s=self.config.collective_timeout_s, join_timeout_s=self.config.join_timeout_s)
 
-    async def barrier(self) -> None:
-        """Returns once every rank has called barrier."""
-        await collectives.barrier(self._session(), timeout_s=self.config.collective_timeout_s)
+    async def barrier(self, *, process_set: ProcessSet | None = None) -> None:
+        """Returns once every rank (of ``process_set``, if given) has called barrier."""
+        await collectives.barrier(self._set_session(process_set), timeout_s=self.config.collective_timeout_s)
 
-    async def broadcast_object(self, obj: object = None, root: int = 0, name: str | None = None) -> object:
+    async def broadcast_object(self, obj: object = None, root: int = 0, name: str | None = None, *,
+                               process_set: ProcessSet | None = None) -> object:
         """Returns root's picklable ``obj`` on every rank. Objects travel only between the view's peers."""
-        return await collectives.broadcast_object(self._session(), obj, root=root, name=name, **self._opts())
+        session, position = self._rooted(process_set, root)
+        return await collectives.broadcast_object(session, obj, root=position, name=name, **self._opts())
 
-    async def allgather_object(self, obj: object, name: str | None = None) -> list[object]:
-        """Returns every rank's picklable ``obj`` in rank order."""
-        return await collectives.allgather_object(self._session(), obj, name=name, **self._opts())
+    async def allgather_object(self, obj: object, name: str | None = None, *,
+                               process_set: ProcessSet | None = None) -> list[object]:
+        """Returns every rank's picklable ``obj`` in rank order (the set's members' over a set)."""
+        return await collectives.allgather_object(self._set_session(process_set), obj, name=name, **self._opts())
+
+    # -- process sets ----------------------------------------------------------------------
+
+    async def add_process_set(self, process_set: ProcessSet | Iterable[int]) -> ProcessSet:
+        """Registers a process set of some of the view's ranks: a collective over the whole view,
+        which every rank calls with the same ranks, in the same order as its other registrations.
+        Returns the set (``process_set`` itself when it is a ProcessSet), with the same id on every
+        rank: the smallest free one. It lives as long as the view (see process_sets.py).
+
+        Raises:
+            InvalidArgumentError: on every rank at once, when the ranks asked for different sets,
+                or the set has a rank twice, a rank outside the view, no rank, every rank (the
+                global set), or the ranks of a set registered already.
+        """
+        async with self._registering:
+            plane = self._plane()
+            return await sets.register(plane.session(None), self._process_sets, process_set, **self._opts())
+
+    async def add_process_sets(self, process_sets: Iterable[ProcessSet | Iterable[int]]) -> list[ProcessSet]:
+        """Registers a list of process sets at once, all or none, as Horovod's
+        ``init(process_sets=[...])`` does: a set whose ranks are registered already takes that
+        set's id (so naming the same sets again is no error); returns them bound, in order.
+
+        Raises:
+            InvalidArgumentError: on every rank at once, when a set is wrong (as add_process_set
+                says), two sets of the list have the same ranks, or the ranks' lists differ.
+        """
+        async with self._registering:
+            plane = self._plane()
+            return await sets.register_init(plane.session(None), self._process_sets, list(process_sets),
+                                            **self._opts())
+
+    async def remove_process_set(self, process_set: ProcessSet) -> None:
+        """Removes a registered process set on every rank (a collective over the whole view, called
+        alike everywhere); its id is free again and ``process_set.process_set_id`` becomes None.
+
+        Raises:
+            InvalidArgumentError: on every rank at once, for the global set, a set not registered
+                in this view, or when the ranks asked to remove different sets.
+        """
+        async with self._registering:
+            plane = self._plane()
+            await sets.unregister(plane.session(None), self._process_sets, process_set, **self._opts())
+
+    def process_sets(self) -> dict[int, list[int]]:
+        """The process sets registered in the current view, id -> ranks, the global set (0) included."""
+        plane = self._plane()
+        registered = {0: list(range(plane.place.size))}
+        registered.update((sid, list(ranks)) for sid, ranks in sorted(self._process_sets.sets.items()))
+        return registered

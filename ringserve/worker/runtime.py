@@ -47,8 +47,9 @@ from ringserve.worker.control import ControlClient
 from ringserve.worker.facade import Facade
 from ringserve.worker.loops import Lifeline
 from ringserve.worker.peers import PEER_SERVICE, PeerServicer
+from ringserve.worker.plane import Plane
+from ringserve.worker.process_sets import Registry, WholeWorld
 from ringserve.worker.registry import Planes
-from ringserve.worker.session import Session
 from ringserve.worker.standing import Standing, on_loop, raise_failure
 from ringserve.worker.tasks import TaskOwner
 
@@ -85,6 +86,9 @@ class Worker(Facade):
         self._lifeline: Lifeline | None = None
         self._standing = Standing()
         self._pinned: int | None = None
+        self._process_sets = Registry()  # this view's process sets (process_sets.py)
+        self._registering = asyncio.Lock()  # one registration at a time, in call order
+        self.global_process_set = WholeWorld(lambda: (self.rank, self.size))
         # Why every call fails from now on: excluded, a view that could not be installed, a crash.
         self._failure: RingserveError | None = None
         self._left = False  # left the world already (or cannot: excluded)
@@ -338,8 +342,8 @@ class Worker(Facade):
             raise RendezvousTimeoutError(message) from None
         raise_failure(self._failure)
 
-    def _session(self, members: Sequence[int] | None = None) -> Session:
-        """The session collectives run on now: the whole current view, or a sub-ring of it."""
+    def _plane(self) -> Plane:
+        """The plane collectives run on now: the current view's, checked against the pin."""
         if not self._started or self._closed:
             raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
         raise_failure(self._failure)
@@ -349,7 +353,8 @@ class Worker(Facade):
             raise RingChangedError(latest, latest, "this worker is not in the current view")
         if self._pinned is not None and plane.view_id != self._pinned:
             raise RingChangedError(self._pinned, plane.view_id, "the view moved on since the elastic state was synced")
-        return plane.session(None if members is None else tuple(members))
+        self._process_sets.enter(plane.view_id, plane.place.rank, plane.place.size)
+        return plane
 
     def _report(self, view_id: int, suspect_rank: int, reason: str) -> None:
         """Tells the coordinator a peer looks dead, so it can confirm that fast (a probe)."""

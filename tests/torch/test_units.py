@@ -138,7 +138,8 @@ def test_the_distributed_optimizer_behaves_as_the_optimizer_it_wraps() -> None:
     ({"op": hvd.Min}, "Average, Sum or Adasum"),
     ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "needs op=Average"),
     ({"backward_passes_per_step": 0}, "at least 1"),
-    ({"process_set": object()}, "process sets other than the global one are not supported yet"),
+    ({"process_set": object()}, "process_set must be a ProcessSet"),
+    ({"process_set": hvd.ProcessSet([0])}, "is not registered"),
     ({"error_feedback": True}, "error_feedback needs a wire compression"),
 ])
 def test_the_distributed_optimizer_refuses_bad_arguments(kwargs: dict, message: str) -> None:
