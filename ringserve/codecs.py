@@ -15,8 +15,10 @@ codec       bytes/value   bound on ``|x - decode(encode(x))|``
 ``fp16``    2             ``2**-11 * |x|`` for ``2**-14 <= |x| <= 65504``; ``2**-25`` below;
                           ``|x| >= 65520`` becomes inf
 ``bf16``    2             ``2**-8 * |x|`` (float32's range; values past it become inf)
-``int8``    1 + 4/256     ``max(|block|) / 254 + 2**-142`` per block of 256 values (a float32 scale
-                          each; the small absolute term is for blocks with subnormal scales)
+``int8``    1 + 4/256     ``max(|block|) * (1/254 + 2**-22) + 2**-142`` per block of 256 values (a
+                          float32 scale each; the relative term is the float32 roundings of the scale
+                          and of the decoded value, seen at a value halfway between two steps, e.g.
+                          60 in a block whose peak is 120; the absolute one is for subnormal scales)
 ==========  ============  ==========================================================================
 
 (float64 inputs are rounded to float32 first: add ``2**-24 * |x|``. int8's bound holds for
