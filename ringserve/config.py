@@ -267,6 +267,10 @@ class WorkerConfig(SecuritySettings):
             themselves (see worker/shared.py). Off: every payload travels over gRPC.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
+            buffers from a pool of at most this many bytes, reusing a buffer only once nothing
+            outside the pool refers to it (see worker/pool.py); it saves the page faults of a
+            fresh mapping per call. 0: every result is a fresh array.
         checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
             confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,
             with fsspec installed), so that a world that loses every worker holding the last
@@ -317,6 +321,7 @@ class WorkerConfig(SecuritySettings):
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
+    result_pool_bytes: int = 512 * MiB
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
@@ -334,6 +339,11 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.shared_slots ({self.shared_slots!r}) must be in [1, {MAX_SHARED_SLOTS}] "
                 f"(RINGSERVE_SHARED_SLOTS): a shared ring's header holds one state byte per slot."
+            )
+        if not self.result_pool_bytes >= 0:
+            raise InvalidArgumentError(
+                f"WorkerConfig.result_pool_bytes ({self.result_pool_bytes!r}) must be at least 0 "
+                f"(RINGSERVE_RESULT_POOL_BYTES)."
             )
         if self.timeline:
             _check_timeline(self.timeline)

@@ -36,10 +36,17 @@ def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // dtype.itemsize)
 
 
-def _output(array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """The flat result buffer: a new array, or ``out`` (which may be the input itself)."""
+def _empty(session: Session, dtype: np.dtype, count: int) -> np.ndarray:
+    """A flat array whose contents the collective overwrites: from the worker's pool (pool.py)."""
+    pool = session.pool
+    return np.empty(count, dtype=dtype) if pool is None else pool.array(dtype, count)
+
+
+def _output(session: Session, array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """The flat result buffer: a new array (or a pooled one nothing else reaches), or ``out``
+    (which may be the input itself)."""
     if out is None:
-        return np.empty(array.size, dtype=array.dtype)
+        return _empty(session, array.dtype, array.size)
     if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
         raise InvalidArgumentError(
             f"out must be an array of the input's shape {array.shape} and dtype {array.dtype}."
@@ -113,7 +120,7 @@ async def allreduce(
     check_op(op)
     coder = _coder(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = _output(array, out)
+    buf = _output(session, array, out)
     descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
     world = session.place.size
     bounds = segment_bounds(buf.size, world)
@@ -140,7 +147,7 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     coder = _coder(array, op, compression, None)
     rest = array.shape[1:]
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = np.empty_like(src)
+    buf = _empty(session, src.dtype, src.size)  # internal: only this rank's part is returned, as a copy
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
     descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"

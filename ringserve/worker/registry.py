@@ -26,6 +26,7 @@ from ringserve.worker.channels import ChannelCache
 from ringserve.worker.link import Link, StreamLink
 from ringserve.worker.plane import OnPeerFailure, Plane
 from ringserve.worker.policy import Place
+from ringserve.worker.pool import ResultPool
 from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
@@ -60,6 +61,8 @@ class Planes:
         self._on_peer_failure = on_peer_failure
         self._tag = tag
         self._changed = asyncio.Event()
+        # The new-result collectives' buffers: one pool for every plane, as results outlive views.
+        self.pool = ResultPool(config.result_pool_bytes)
 
     @property
     def latest_view(self) -> int:
@@ -138,7 +141,7 @@ class Planes:
         self.last_place = place
         self.current = Plane(
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
-            timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum,
+            timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 

@@ -25,6 +25,7 @@ from ringserve.worker import keys
 from ringserve.worker.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.link import STREAM_METHOD, Link
 from ringserve.worker.policy import Place
+from ringserve.worker.pool import ResultPool
 from ringserve.worker.programs import Ring
 
 if TYPE_CHECKING:
@@ -78,6 +79,10 @@ class Session:
     @property
     def counters(self) -> Counters:
         return self.plane.counters
+
+    @property
+    def pool(self) -> ResultPool | None:
+        return self.plane.pool
 
     @property
     def checksum(self) -> bool:
