@@ -63,6 +63,22 @@ def _check_timeline(template: str) -> None:
         )
 
 
+def _check_shared_dir(directory: str) -> None:
+    """The shared directory must exist (a volume not mounted is a typo to report, not to hide) and
+    be short enough for a Unix socket's path."""
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(
+            f"WorkerConfig.shared_dir ({directory!r}, RINGSERVE_SHARED_DIR) is not a directory; mount the "
+            f"shared volume there, or leave it empty."
+        )
+    longest = 107 - len("/rs-0123456789abcdef.sock")  # a Unix socket's path holds 107 bytes
+    if len(os.path.abspath(directory)) > longest:
+        raise InvalidArgumentError(
+            f"WorkerConfig.shared_dir ({directory!r}, RINGSERVE_SHARED_DIR) is longer than the {longest} "
+            f"characters a Unix socket's path leaves for it."
+        )
+
+
 def _positive(owner: object, *names: str) -> None:
     for name in names:
         value = getattr(owner, name)
@@ -265,6 +281,11 @@ class WorkerConfig(SecuritySettings):
             (a memfd the successor maps) and only headers over the stream; workers on other
             hosts, or that cannot see each other's processes, fall back to the stream by
             themselves (see worker/shared.py). Off: every payload travels over gRPC.
+        shared_dir: a directory that every worker on this host shares, where each worker's rings
+            are handed to receivers over a Unix socket (see worker/fdpass.py): containers, whose
+            PID namespaces hide each other's /proc, then pass payloads through shared memory too.
+            A tmpfs volume mounted into every worker container (docker-compose.yml). Empty: rings
+            are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
         result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
@@ -321,6 +342,7 @@ class WorkerConfig(SecuritySettings):
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
+    shared_dir: str = ""
     result_pool_bytes: int = 512 * MiB
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
@@ -345,6 +367,8 @@ class WorkerConfig(SecuritySettings):
                 f"WorkerConfig.result_pool_bytes ({self.result_pool_bytes!r}) must be at least 0 "
                 f"(RINGSERVE_RESULT_POOL_BYTES)."
             )
+        if self.shared_dir:
+            _check_shared_dir(self.shared_dir)
         if self.timeline:
             _check_timeline(self.timeline)
         if not self.holder_wait_s >= 0:

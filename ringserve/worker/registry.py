@@ -23,6 +23,7 @@ from ringserve.errors import RingChangedError
 from ringserve.observe import Counters, Timeline
 from ringserve.worker import policy, shared
 from ringserve.worker.channels import ChannelCache
+from ringserve.worker.fdpass import RingServer
 from ringserve.worker.link import Link, StreamLink
 from ringserve.worker.plane import OnPeerFailure, Plane
 from ringserve.worker.policy import Place
@@ -63,6 +64,8 @@ class Planes:
         self._changed = asyncio.Event()
         # The new-result collectives' buffers: one pool for every plane, as results outlive views.
         self.pool = ResultPool(config.result_pool_bytes)
+        self._rings_served: RingServer | None = None
+        self._rings_refused = False
 
     @property
     def latest_view(self) -> int:
@@ -157,10 +160,26 @@ class Planes:
         if not cfg.shared_memory or not shared.supported():
             return None
         try:
-            return OutboundRing(cfg.shared_slots, cfg.chunk_bytes)
+            ring = OutboundRing(cfg.shared_slots, cfg.chunk_bytes)
         except OSError as exc:  # no memfd (a seccomp profile), or out of fds
             log.info("%s: no shared-memory ring (%s); payloads travel over the stream", self._tag(), exc)
             return None
+        server = self._ring_server()
+        if server is not None:
+            ring.serve(server)
+        return ring
+
+    def _ring_server(self) -> RingServer | None:
+        """This worker's ring server in the shared directory (fdpass.py), made on first use."""
+        cfg = self.config
+        if self._rings_served is None and cfg.shared_dir and not self._rings_refused:
+            try:
+                self._rings_served = RingServer(cfg.shared_dir, timeout_s=cfg.connect_timeout_s)
+            except OSError as exc:
+                self._rings_refused = True
+                log.warning("%s: no ring server in %s (%s); peers in other containers get payloads over the stream",
+                            self._tag(), cfg.shared_dir, exc)
+        return self._rings_served
 
     # -- the worker's end, and failures ----------------------------------------------------
 
@@ -198,3 +217,6 @@ class Planes:
             plane.close(error)
         for plane in planes:
             await plane.wait_closed()
+        if self._rings_served is not None:
+            self._rings_served.close()
+            self._rings_served = None
