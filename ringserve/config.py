@@ -64,13 +64,8 @@ def _check_timeline(template: str) -> None:
 
 
 def _check_shared_dir(directory: str) -> None:
-    """The shared directory must exist (a volume not mounted is a typo to report, not to hide) and
-    be short enough for a Unix socket's path."""
-    if not os.path.isdir(directory):
-        raise InvalidArgumentError(
-            f"WorkerConfig.shared_dir ({directory!r}, RINGSERVE_SHARED_DIR) is not a directory; mount the "
-            f"shared volume there, or leave it empty."
-        )
+    """The shared directory must be short enough for a Unix socket's path (whether it exists is
+    checked where it is used: a worker's config may be built outside its container)."""
     longest = 107 - len("/rs-0123456789abcdef.sock")  # a Unix socket's path holds 107 bytes
     if len(os.path.abspath(directory)) > longest:
         raise InvalidArgumentError(

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.config import WorkerConfig
-from ringserve.errors import RingChangedError
+from ringserve.errors import InvalidArgumentError, RingChangedError
 from ringserve.observe import Counters, Timeline
 from ringserve.worker import policy, shared
 from ringserve.worker.channels import ChannelCache
@@ -51,6 +52,11 @@ class Planes:
 
     def __init__(self, config: WorkerConfig, counters: Counters, channels: ChannelCache, *,
                  on_peer_failure: OnPeerFailure, tag: Callable[[], str]) -> None:
+        if config.shared_dir and not os.path.isdir(config.shared_dir):
+            raise InvalidArgumentError(
+                f"The shared directory {config.shared_dir!r} (RINGSERVE_SHARED_DIR) does not exist; mount the "
+                f"workers' shared volume there, or leave it empty."
+            )
         self.config = config
         self.counters = counters
         self.channels = channels

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from worlds import coordinator_config
 
-from ringserve import WorkerConfig, wire
+from ringserve import Worker, WorkerConfig, wire
 from ringserve.errors import InvalidArgumentError
 from ringserve.worker import fdpass, shared
 from ringserve.worker.fdpass import RingServer
@@ -91,8 +91,8 @@ async def test_a_receiver_that_never_sends_its_token_is_dropped_at_the_deadline(
 
 
 def test_a_shared_dir_that_is_missing_or_too_long_is_refused_naming_it(tmp_path) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"shared_dir \('/no/such/dir', RINGSERVE_SHARED_DIR\) is not a directory"):
-        WorkerConfig(shared_dir="/no/such/dir")
+    with pytest.raises(InvalidArgumentError, match=r"'/no/such/dir' \(RINGSERVE_SHARED_DIR\) does not exist"):
+        Worker(config=WorkerConfig(shared_dir="/no/such/dir"))
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     with pytest.raises(InvalidArgumentError, match="longer than"):
