@@ -283,6 +283,11 @@ class WorkerConfig(SecuritySettings):
             are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        hierarchical: allreduce by host (see worker/hierarchy.py): a reduce-scatter among the
+            workers of each host, an allreduce of each slice across hosts, an allgather within
+            each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
+            the same number, more than one, of workers on each; ``1``: whenever every host has
+            the same number of workers; ``0``: the flat ring always. Every worker must agree.
         result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
             buffers from a pool of at most this many bytes, reusing a buffer only once nothing
             outside the pool refers to it (see worker/pool.py); it saves the page faults of a
@@ -339,6 +344,7 @@ class WorkerConfig(SecuritySettings):
     shared_slots: int = 32
     shared_dir: str = ""
     result_pool_bytes: int = 512 * MiB
+    hierarchical: str = "auto"
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
@@ -361,6 +367,10 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.result_pool_bytes ({self.result_pool_bytes!r}) must be at least 0 "
                 f"(RINGSERVE_RESULT_POOL_BYTES)."
+            )
+        if self.hierarchical not in ("auto", "1", "0"):
+            raise InvalidArgumentError(
+                f"WorkerConfig.hierarchical ({self.hierarchical!r}, RINGSERVE_HIERARCHICAL) must be auto, 1 or 0."
             )
         if self.shared_dir:
             _check_shared_dir(self.shared_dir)

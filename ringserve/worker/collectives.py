@@ -17,7 +17,7 @@ from ringserve import codecs, wire
 from ringserve.codecs import Codec
 from ringserve.errors import InvalidArgumentError, MismatchError, NonFiniteError
 from ringserve.ring import check_op, segment_bounds
-from ringserve.worker import executor, programs
+from ringserve.worker import executor, hierarchy, programs
 from ringserve.worker.executor import ring_of
 from ringserve.worker.session import Session
 from ringserve.worker.values import Blocks, Coded, Exchange, Raw, Values
@@ -127,9 +127,14 @@ async def allreduce(
     elems = _chunk_elems(buf.dtype, chunk_bytes)
     flat_residual = None if residual is None else residual.reshape(-1)
 
-    values = _values(src, buf, op, world, coder, flat_residual)
-    program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
-    key = await executor.run(session, name, descriptor, timeout_s, program, values)
+    rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
+    if rings is not None:
+        key = await hierarchy.allreduce(session, rings, src, buf, op=op, name=name, descriptor=descriptor,
+                                        chunk_elems=elems, timeout_s=timeout_s)
+    else:
+        values = _values(src, buf, op, world, coder, flat_residual)
+        program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
+        key = await executor.run(session, name, descriptor, timeout_s, program, values)
     if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
         if flat_residual is not None:
             flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call

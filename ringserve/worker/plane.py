@@ -60,9 +60,11 @@ class Plane:
         on_peer_failure: OnPeerFailure | None = None,
         checksum: bool = False,
         pool: ResultPool | None = None,
+        hierarchical: str = "0",
     ) -> None:
         self.place = place
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
+        self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
         self.ring = Ring.whole(place.rank, place.size)
         self.counters = counters
         self.abort_grace_s = abort_grace_s

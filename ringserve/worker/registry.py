@@ -151,6 +151,7 @@ class Planes:
         self.current = Plane(
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
             timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
+            hierarchical=cfg.hierarchical,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 
