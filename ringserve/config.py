@@ -63,6 +63,17 @@ def _check_timeline(template: str) -> None:
         )
 
 
+def _check_shared_dir(directory: str) -> None:
+    """The shared directory must be short enough for a Unix socket's path (whether it exists is
+    checked where it is used: a worker's config may be built outside its container)."""
+    longest = 107 - len("/rs-0123456789abcdef.sock")  # a Unix socket's path holds 107 bytes
+    if len(os.path.abspath(directory)) > longest:
+        raise InvalidArgumentError(
+            f"WorkerConfig.shared_dir ({directory!r}, RINGSERVE_SHARED_DIR) is longer than the {longest} "
+            f"characters a Unix socket's path leaves for it."
+        )
+
+
 def _positive(owner: object, *names: str) -> None:
     for name in names:
         value = getattr(owner, name)
@@ -265,8 +276,22 @@ class WorkerConfig(SecuritySettings):
             (a memfd the successor maps) and only headers over the stream; workers on other
             hosts, or that cannot see each other's processes, fall back to the stream by
             themselves (see worker/shared.py). Off: every payload travels over gRPC.
+        shared_dir: a directory that every worker on this host shares, where each worker's rings
+            are handed to receivers over a Unix socket (see worker/fdpass.py): containers, whose
+            PID namespaces hide each other's /proc, then pass payloads through shared memory too.
+            A tmpfs volume mounted into every worker container (docker-compose.yml). Empty: rings
+            are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        hierarchical: allreduce by host (see worker/hierarchy.py): a reduce-scatter among the
+            workers of each host, an allreduce of each slice across hosts, an allgather within
+            each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
+            the same number, more than one, of workers on each; ``1``: whenever every host has
+            the same number of workers; ``0``: the flat ring always. Every worker must agree.
+        result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
+            buffers from a pool of at most this many bytes, reusing a buffer only once nothing
+            outside the pool refers to it (see worker/pool.py); it saves the page faults of a
+            fresh mapping per call. 0: every result is a fresh array.
         checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
             confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,
             with fsspec installed), so that a world that loses every worker holding the last
@@ -317,6 +342,9 @@ class WorkerConfig(SecuritySettings):
     checksum: bool = False
     shared_memory: bool = True
     shared_slots: int = 32
+    shared_dir: str = ""
+    result_pool_bytes: int = 512 * MiB
+    hierarchical: str = "auto"
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
@@ -335,6 +363,17 @@ class WorkerConfig(SecuritySettings):
                 f"WorkerConfig.shared_slots ({self.shared_slots!r}) must be in [1, {MAX_SHARED_SLOTS}] "
                 f"(RINGSERVE_SHARED_SLOTS): a shared ring's header holds one state byte per slot."
             )
+        if not self.result_pool_bytes >= 0:
+            raise InvalidArgumentError(
+                f"WorkerConfig.result_pool_bytes ({self.result_pool_bytes!r}) must be at least 0 "
+                f"(RINGSERVE_RESULT_POOL_BYTES)."
+            )
+        if self.hierarchical not in ("auto", "1", "0"):
+            raise InvalidArgumentError(
+                f"WorkerConfig.hierarchical ({self.hierarchical!r}, RINGSERVE_HIERARCHICAL) must be auto, 1 or 0."
+            )
+        if self.shared_dir:
+            _check_shared_dir(self.shared_dir)
         if self.timeline:
             _check_timeline(self.timeline)
         if not self.holder_wait_s >= 0:

@@ -105,20 +105,22 @@ class FrameHeader(_message.Message):
     def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., view_id: _Optional[int] = ..., sender_rank: _Optional[int] = ..., op_key: _Optional[str] = ..., descriptor: _Optional[str] = ..., step: _Optional[int] = ..., chunk: _Optional[int] = ..., origin: _Optional[int] = ..., origin_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., rank_descriptors: _Optional[_Mapping[int, str]] = ..., abort_origin: _Optional[int] = ..., abort_final: _Optional[bool] = ..., codec: _Optional[_Union[Codec, str]] = ..., crc32: _Optional[int] = ..., shm_slot: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., shared_ring: _Optional[_Union[SharedRing, _Mapping]] = ...) -> None: ...
 
 class SharedRing(_message.Message):
-    __slots__ = ("pid", "fd", "token", "boot_id", "slots", "slot_bytes")
+    __slots__ = ("pid", "fd", "token", "boot_id", "slots", "slot_bytes", "socket")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     token: bytes
     boot_id: str
     slots: int
     slot_bytes: int
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., token: _Optional[bytes] = ..., boot_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    socket: str
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., token: _Optional[bytes] = ..., boot_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., socket: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "payload")

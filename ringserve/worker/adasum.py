@@ -166,7 +166,7 @@ async def allreduce(session: Session, a: Any, *, name: str | None, chunk_bytes: 
     check(array.dtype, world)
     flat = np.ascontiguousarray(array).reshape(-1)
     split = _parts(flat.size, parts)
-    buf = _output(array, out)
+    buf = _output(session, array, out)
     run = _Run(ring_of(session), flat, split, chunk_bytes)
     if world == 1:
         buf[:] = flat

@@ -17,7 +17,7 @@ from ringserve import codecs, wire
 from ringserve.codecs import Codec
 from ringserve.errors import InvalidArgumentError, MismatchError, NonFiniteError
 from ringserve.ring import check_op, segment_bounds
-from ringserve.worker import executor, programs
+from ringserve.worker import executor, hierarchy, programs
 from ringserve.worker.executor import ring_of
 from ringserve.worker.session import Session
 from ringserve.worker.values import Blocks, Coded, Exchange, Raw, Values
@@ -36,10 +36,17 @@ def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // dtype.itemsize)
 
 
-def _output(array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """The flat result buffer: a new array, or ``out`` (which may be the input itself)."""
+def _empty(session: Session, dtype: np.dtype, count: int) -> np.ndarray:
+    """A flat array whose contents the collective overwrites: from the worker's pool (pool.py)."""
+    pool = session.pool
+    return np.empty(count, dtype=dtype) if pool is None else pool.array(dtype, count)
+
+
+def _output(session: Session, array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """The flat result buffer: a new array (or a pooled one nothing else reaches), or ``out``
+    (which may be the input itself)."""
     if out is None:
-        return np.empty(array.size, dtype=array.dtype)
+        return _empty(session, array.dtype, array.size)
     if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
         raise InvalidArgumentError(
             f"out must be an array of the input's shape {array.shape} and dtype {array.dtype}."
@@ -113,16 +120,21 @@ async def allreduce(
     check_op(op)
     coder = _coder(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = _output(array, out)
+    buf = _output(session, array, out)
     descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
     world = session.place.size
     bounds = segment_bounds(buf.size, world)
     elems = _chunk_elems(buf.dtype, chunk_bytes)
     flat_residual = None if residual is None else residual.reshape(-1)
 
-    values = _values(src, buf, op, world, coder, flat_residual)
-    program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
-    key = await executor.run(session, name, descriptor, timeout_s, program, values)
+    rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
+    if rings is not None:
+        key = await hierarchy.allreduce(session, rings, src, buf, op=op, name=name, descriptor=descriptor,
+                                        chunk_elems=elems, timeout_s=timeout_s)
+    else:
+        values = _values(src, buf, op, world, coder, flat_residual)
+        program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
+        key = await executor.run(session, name, descriptor, timeout_s, program, values)
     if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
         if flat_residual is not None:
             flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
@@ -140,7 +152,7 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     coder = _coder(array, op, compression, None)
     rest = array.shape[1:]
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = np.empty_like(src)
+    buf = _empty(session, src.dtype, src.size)  # internal: only this rank's part is returned, as a copy
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
     descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"

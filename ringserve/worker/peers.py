@@ -115,7 +115,7 @@ class PeerServicer:
                 if plane is not None:
                     self._count(hello, +1)
                     if hello.HasField("shared_ring") and self.config.shared_memory:
-                        ring = InboundRing.attach(hello.shared_ring)
+                        ring = await self._attach(hello.shared_ring)
                         if ring is not None:
                             self._rings.add(ring)
                 sender = hello.sender_rank
@@ -154,6 +154,15 @@ class PeerServicer:
                 if plane.stream_ended(hello.sender_rank, clean):
                     self._report(hello.view_id, hello.sender_rank, f"its stream to rank {plane.place.rank} broke")
         return peer_pb2.StreamSummary(frames=frames)
+
+    async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
+        """The predecessor's shared ring, mapped; through its ring server in the shared directory
+        (a blocking exchange, on a thread, under connect_timeout_s), or through /proc."""
+        cfg = self.config
+        if offer.socket and cfg.shared_dir:
+            return await asyncio.to_thread(InboundRing.attach, offer, shared_dir=cfg.shared_dir,
+                                           timeout_s=cfg.connect_timeout_s)
+        return InboundRing.attach(offer)
 
     async def _verify(self, admitted: Pass) -> Plane | None:
         """The plane that accepts the stream's sender, once its view is installed here; None if

@@ -35,6 +35,7 @@ from ringserve.worker.aborts import Aborts
 from ringserve.worker.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.link import Link
 from ringserve.worker.policy import Place
+from ringserve.worker.pool import ResultPool
 from ringserve.worker.programs import Ring
 from ringserve.worker.session import Session
 
@@ -58,8 +59,12 @@ class Plane:
         timeline: Timeline | None = None,
         on_peer_failure: OnPeerFailure | None = None,
         checksum: bool = False,
+        pool: ResultPool | None = None,
+        hierarchical: str = "0",
     ) -> None:
         self.place = place
+        self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
+        self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
         self.ring = Ring.whole(place.rank, place.size)
         self.counters = counters
         self.abort_grace_s = abort_grace_s

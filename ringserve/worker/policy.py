@@ -42,6 +42,7 @@ class Place:
     local_size: int = 1
     cross_rank: int = 0
     cross_size: int = 1
+    hosts: tuple[int, ...] = ()  # every rank's host (its cross_rank), in rank order
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def place_in(view: View, worker_id: str) -> Place | None:
         worker_ids=tuple(m.worker_id for m in view.members),
         local_rank=me.local_rank, local_size=me.local_size,
         cross_rank=me.cross_rank, cross_size=me.cross_size,
+        hosts=tuple(m.cross_rank for m in view.members),
     )
 
 

@@ -198,6 +198,26 @@ def ring_reduce(ring: Ring, bounds: list[Bounds], chunk_elems: int, *, gather: b
                 yield FORWARD
 
 
+def ring_gather(ring: Ring, bounds: list[Bounds], chunk_elems: int) -> Program:
+    """Ring allgather of segments ``bounds`` of one buffer, position p holding segment p: the
+    allgather phase of ``ring_reduce`` on its own (a hierarchical allreduce's last stage, after a
+    reduce-scatter and a reduction of each segment elsewhere). Frames are keyed by segment and
+    forwarded byte for byte."""
+    n, me = ring.size, ring.index
+    if n == 1:
+        return
+    yield Phase("allgather")
+    for c, (a, b) in enumerate(chunk_bounds(*bounds[me], chunk_elems)):
+        yield Lead(me, c, a, b)
+    for step in range(n - 1):
+        _, recv_seg = allgather_step(me, n, step)
+        for c, (a, b) in enumerate(chunk_bounds(*bounds[recv_seg], chunk_elems)):
+            yield Recv(recv_seg, c)
+            yield Take(a, b)
+            if step < n - 2:
+                yield FORWARD
+
+
 def broadcast_chain(ring: Ring, root: int, total: int, chunk_elems: int) -> Program:
     """Pipelined chain broadcast of block ``root`` from position ``root``, in three laps.
 

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.config import WorkerConfig
-from ringserve.errors import RingChangedError
+from ringserve.errors import InvalidArgumentError, RingChangedError
 from ringserve.observe import Counters, Timeline
 from ringserve.worker import policy, shared
 from ringserve.worker.channels import ChannelCache
+from ringserve.worker.fdpass import RingServer
 from ringserve.worker.link import Link, StreamLink
 from ringserve.worker.plane import OnPeerFailure, Plane
 from ringserve.worker.policy import Place
+from ringserve.worker.pool import ResultPool
 from ringserve.worker.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
@@ -49,6 +52,11 @@ class Planes:
 
     def __init__(self, config: WorkerConfig, counters: Counters, channels: ChannelCache, *,
                  on_peer_failure: OnPeerFailure, tag: Callable[[], str]) -> None:
+        if config.shared_dir and not os.path.isdir(config.shared_dir):
+            raise InvalidArgumentError(
+                f"The shared directory {config.shared_dir!r} (RINGSERVE_SHARED_DIR) does not exist; mount the "
+                f"workers' shared volume there, or leave it empty."
+            )
         self.config = config
         self.counters = counters
         self.channels = channels
@@ -60,6 +68,10 @@ class Planes:
         self._on_peer_failure = on_peer_failure
         self._tag = tag
         self._changed = asyncio.Event()
+        # The new-result collectives' buffers: one pool for every plane, as results outlive views.
+        self.pool = ResultPool(config.result_pool_bytes)
+        self._rings_served: RingServer | None = None
+        self._rings_refused = False
 
     @property
     def latest_view(self) -> int:
@@ -138,7 +150,8 @@ class Planes:
         self.last_place = place
         self.current = Plane(
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
-            timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum,
+            timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
+            hierarchical=cfg.hierarchical,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 
@@ -154,10 +167,26 @@ class Planes:
         if not cfg.shared_memory or not shared.supported():
             return None
         try:
-            return OutboundRing(cfg.shared_slots, cfg.chunk_bytes)
+            ring = OutboundRing(cfg.shared_slots, cfg.chunk_bytes)
         except OSError as exc:  # no memfd (a seccomp profile), or out of fds
             log.info("%s: no shared-memory ring (%s); payloads travel over the stream", self._tag(), exc)
             return None
+        server = self._ring_server()
+        if server is not None:
+            ring.serve(server)
+        return ring
+
+    def _ring_server(self) -> RingServer | None:
+        """This worker's ring server in the shared directory (fdpass.py), made on first use."""
+        cfg = self.config
+        if self._rings_served is None and cfg.shared_dir and not self._rings_refused:
+            try:
+                self._rings_served = RingServer(cfg.shared_dir, timeout_s=cfg.connect_timeout_s)
+            except OSError as exc:
+                self._rings_refused = True
+                log.warning("%s: no ring server in %s (%s); peers in other containers get payloads over the stream",
+                            self._tag(), cfg.shared_dir, exc)
+        return self._rings_served
 
     # -- the worker's end, and failures ----------------------------------------------------
 
@@ -195,3 +224,6 @@ class Planes:
             plane.close(error)
         for plane in planes:
             await plane.wait_closed()
+        if self._rings_served is not None:
+            self._rings_served.close()
+            self._rings_served = None

@@ -25,6 +25,7 @@ from ringserve.worker import keys
 from ringserve.worker.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.link import STREAM_METHOD, Link
 from ringserve.worker.policy import Place
+from ringserve.worker.pool import ResultPool
 from ringserve.worker.programs import Ring
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class Session:
                 view, rank=self.ring.index, size=len(ranks),
                 addresses=tuple(view.addresses[m] for m in ranks),
                 worker_ids=tuple(view.worker_ids[m] for m in ranks) if view.worker_ids else (),
+                hosts=tuple(view.hosts[m] for m in ranks) if view.hosts else (),
             )
         self._next: Link | None = None
 
@@ -78,6 +80,15 @@ class Session:
     @property
     def counters(self) -> Counters:
         return self.plane.counters
+
+    @property
+    def pool(self) -> ResultPool | None:
+        return self.plane.pool
+
+    @property
+    def hierarchical(self) -> str:
+        """The hierarchical allreduce setting (hierarchy.py); "0" on a sub-ring, which is its own ring."""
+        return self.plane.hierarchical if not self.spec else "0"
 
     @property
     def checksum(self) -> bool:

@@ -13,7 +13,10 @@ The stream stays the single source of order, failure and authentication: a frame
 only after the slot was written, the header still carries the checksum, and whenever the ring is
 unattached, full, or the payload is larger than a slot, the payload simply travels in the frame.
 Nothing ever waits for a slot. A receiver on another host (other boot_id) or in another process
-namespace cannot open the path, or finds a different token there, and never attaches.
+namespace cannot open the path, or finds a different token there, and never attaches, unless
+both share a directory (``shared_dir``: a tmpfs volume of the containers of one host) where the
+sender hands the memfd over a Unix socket to whoever sends the token (fdpass.py). The receiver
+tries that first when it is offered, then /proc, and keeps the stream if neither works.
 
 Each slot has one state byte: the sender sets it to 1 before it names the slot, the receiver sets
 it to 0 when done. One writer per transition, and the stream orders them, so no atomics are
@@ -47,6 +50,8 @@ import numpy as np
 from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.errors import ProtocolError
+from ringserve.worker import fdpass
+from ringserve.worker.fdpass import RingServer
 
 log = logging.getLogger("ringserve.worker")
 
@@ -102,11 +107,18 @@ class OutboundRing:
         self._states = np.frombuffer(self._map, dtype=np.uint8, count=slots, offset=_STATES)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8, offset=_DATA)
         self._attached = False
+        self._server: RingServer | None = None
+
+    def serve(self, server: RingServer) -> None:
+        """Offers this ring's memfd on ``server`` too, for receivers in other PID namespaces."""
+        self._server = server
+        server.add(self.token, self._fd)
 
     def offer(self) -> peer_pb2.SharedRing:
         """What goes into the HELLO."""
         return peer_pb2.SharedRing(pid=os.getpid(), fd=self._fd, token=self.token, boot_id=boot_id(),
-                                   slots=self.slots, slot_bytes=self.slot_bytes)
+                                   slots=self.slots, slot_bytes=self.slot_bytes,
+                                   socket=self._server.name if self._server is not None else "")
 
     @property
     def attached(self) -> bool:
@@ -140,6 +152,9 @@ class OutboundRing:
     def close(self) -> None:
         """Closes the memfd and unmaps the ring; the memory goes once the receiver unmaps it too."""
         if self._fd >= 0:
+            if self._server is not None:
+                self._server.remove(self.token)  # before the fd's number can name another file
+                self._server = None
             os.close(self._fd)
             self._fd = -1
             self._attached = False
@@ -163,32 +178,29 @@ class InboundRing:
         self._closing = False
 
     @classmethod
-    def attach(cls, offer: peer_pb2.SharedRing) -> InboundRing | None:
-        """Maps the ring a HELLO offers, or returns None where this process cannot share it."""
+    def attach(cls, offer: peer_pb2.SharedRing, *, shared_dir: str = "", timeout_s: float = 5.0) -> InboundRing | None:
+        """Maps the ring a HELLO offers, or returns None where this process cannot share it.
+
+        The memfd comes from the sender's ring server in ``shared_dir`` when the offer names one
+        (this may block for ``timeout_s``: call it on a thread then), else through /proc.
+        """
         if not offer.token or offer.boot_id != boot_id() or not supported():
             return None
         if not (0 < offer.slots <= _DATA - _STATES) or not (0 < offer.slot_bytes <= 1 << 30):
             return None
-        size = _size(offer.slots, offer.slot_bytes)
-        path = f"/proc/{offer.pid}/fd/{offer.fd}"
-        try:
-            if not _is_ring(os.readlink(path)):  # never open anything but a ring
-                return None
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        except OSError as exc:
-            log.debug("shared ring %s not reachable: %s", path, exc)
+        fd = None
+        if offer.socket and shared_dir:
+            fd = fdpass.fetch(shared_dir, offer.socket, offer.token, timeout_s)
+        if fd is None:
+            fd = _open_by_pid(offer)
+        if fd is None:
             return None
         try:
-            info = os.fstat(fd)
-            # What was opened, not what the path named a moment before, is a sealed ring.
-            if (not _is_ring(os.readlink(f"/proc/self/fd/{fd}")) or not stat.S_ISREG(info.st_mode)
-                    or info.st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS):
-                return None
-            mapping = mmap.mmap(fd, size)
-        except OSError:
-            return None
+            mapping = _map_ring(fd, _size(offer.slots, offer.slot_bytes))
         finally:
             os.close(fd)
+        if mapping is None:
+            return None
         if mapping[:TOKEN_BYTES] != offer.token:  # some other process's file at that path
             mapping.close()
             return None
@@ -241,3 +253,28 @@ class InboundRing:
                 asyncio.get_running_loop().call_soon(self._unmap)
             except RuntimeError:  # no loop (a test, a thread): the GC unmaps it
                 pass
+
+
+def _open_by_pid(offer: peer_pb2.SharedRing) -> int | None:
+    """The sender's memfd through /proc/<pid>/fd/<fd>, opened only if it names a ring."""
+    path = f"/proc/{offer.pid}/fd/{offer.fd}"
+    try:
+        if not _is_ring(os.readlink(path)):  # never open anything but a ring
+            return None
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("shared ring %s not reachable: %s", path, exc)
+        return None
+
+
+def _map_ring(fd: int, size: int) -> mmap.mmap | None:
+    """Maps ``fd`` if it is a sealed ring of ``size`` bytes: what was opened (or received), not
+    what a path named a moment before."""
+    try:
+        info = os.fstat(fd)
+        if (not _is_ring(os.readlink(f"/proc/self/fd/{fd}")) or not stat.S_ISREG(info.st_mode)
+                or info.st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS):
+            return None
+        return mmap.mmap(fd, size)
+    except OSError:
+        return None

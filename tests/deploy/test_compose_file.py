@@ -97,6 +97,17 @@ def test_workers_start_only_once_the_coordinator_is_healthy(services: dict) -> N
     assert services["worker"]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
 
 
+def test_workers_share_a_tmpfs_volume_at_the_shared_dir_for_their_rings(services: dict) -> None:
+    worker = WorkerConfig.from_env(environment(services["worker"]))
+    assert worker.shared_dir and worker.shared_memory
+    assert f"rings:{worker.shared_dir}" in services["worker"]["volumes"]
+    volume = load_raw()["volumes"]["rings"]["driver_opts"]
+    assert volume["type"] == volume["device"] == "tmpfs"
+    user = dockerfile().user.split(":")[0]
+    assert f"uid={user}" in volume["o"], "the image's user must own the volume to make its sockets there"
+    assert "coordinator" not in [s for s in services if services[s].get("volumes")]
+
+
 def test_finished_workers_are_not_restarted(services: dict) -> None:
     assert services["worker"].get("restart", "no") in ("no", "on-failure")
 

@@ -117,6 +117,12 @@ def up(processes: list[subprocess.Popen[str]], tmp_path: Path, shell: Mapping[st
     wait_until_healthy(coordinator_service, coordinator_env, names, coordinator)
 
     worker_env = container_env(worker_service, names)
+    # The workers' shared volume (a tmpfs on one host): one directory for all of them here.
+    shared = worker_env.get("RINGSERVE_SHARED_DIR")
+    if shared:
+        assert f"rings:{shared}" in worker_service["volumes"]
+        (tmp_path / "rings").mkdir(exist_ok=True)
+        worker_env["RINGSERVE_SHARED_DIR"] = str(tmp_path / "rings")
     assert worker_env["RINGSERVE_COORDINATOR"] == f"{LOOPBACK}:{coordinator_env['RINGSERVE_PORT']}"
     argv = command(worker_service["command"])
     return Up(coordinator, coordinator_log, local_argv(argv), worker_env, int(argv[argv.index("--epochs") + 1]))

@@ -172,3 +172,9 @@ def test_the_wait_for_a_lost_commits_holders_is_bounded_by_half_the_collective_t
     assert WorkerConfig.from_env({"RINGSERVE_HOLDER_WAIT_S": "0"}).holder_wait_bound_s == 0.0
     with pytest.raises(InvalidArgumentError, match=r"holder_wait_s \(-1\.0\) must be at least 0 \(RINGSERVE_HOLDER_WAIT_S\)"):
         WorkerConfig(holder_wait_s=-1.0)
+
+
+def test_a_negative_result_pool_is_rejected_and_the_variable_sets_it() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"result_pool_bytes \(-1\) must be at least 0 \(RINGSERVE_RESULT_POOL_BYTES\)"):
+        WorkerConfig(result_pool_bytes=-1)
+    assert WorkerConfig.from_env({"RINGSERVE_RESULT_POOL_BYTES": "0"}).result_pool_bytes == 0

@@ -25,7 +25,8 @@ def kinds(actions: list[policy.Action]) -> list[str]:
 
 def test_the_first_view_with_this_worker_opens_its_place_there() -> None:
     state, actions = decide(State("b"), view(1, "a", "b", "c"))
-    assert actions == [Open(Place(1, 1, 3, ("host-a:1", "host-b:1", "host-c:1"), ("a", "b", "c")))]
+    # every member's host (its cross rank) travels with the place, for hierarchical allreduce
+    assert actions == [Open(Place(1, 1, 3, ("host-a:1", "host-b:1", "host-c:1"), ("a", "b", "c"), hosts=(0, 0, 0)))]
     assert state.latest_view == 1 and state.current == actions[0].place
 
 
