@@ -101,7 +101,9 @@ class StuckPeers:
 
     def __init__(self, coordinator: str) -> None:
         self.coordinator = coordinator
-        self.server = grpc.aio.server()
+        # No BDP probing: on a quiet machine it grew the window past the whole segment, and the
+        # link never filled (the stream's window then stays at gRPC's initial 64 KiB).
+        self.server = grpc.aio.server(options=[("grpc.http2.bdp_probe", 0)])
         self.streams = 0
         self._channel = grpc.aio.insecure_channel(coordinator)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
