@@ -23,6 +23,8 @@ BYE = peer_pb2.BYE
 
 _HEADER_TAG = 0x0A  # field 1, length-delimited
 _PAYLOAD_TAG = 0x12  # field 2, length-delimited
+_PAD_TAG = bytes((0xAA, 0x01))  # FrameHeader.pad: field 21, length-delimited
+ALIGN = 16  # a payload's offset in a frame, see encode
 
 DTYPES: dict[np.dtype, int] = {
     np.dtype(np.float16): peer_pb2.FLOAT16,
@@ -85,15 +87,35 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def _padded(head: bytes, tail: int) -> bytes:
+    """``head`` with a ``pad`` field appended, so that the header's tag, length and bytes, and then
+    ``tail`` more bytes (the payload's tag and length), end at a multiple of ALIGN.
+
+    A field's place in a message does not matter to protobuf, so the pad may follow the rest.
+    """
+    for fill in range(2 * ALIGN):
+        padded = len(head) + len(_PAD_TAG) + 1 + fill  # fill < 128: its length is one byte
+        if (1 + len(_varint(padded)) + padded + tail) % ALIGN == 0:
+            return b"".join((head, _PAD_TAG, bytes((fill,)), bytes(fill)))
+    raise AssertionError("unreachable: some fill below 2 * ALIGN aligns any prefix")
+
+
 def encode(header: FrameHeader, payload: bytes | memoryview | np.ndarray = b"") -> bytes:
-    """Serialises a frame; the payload is copied exactly once, into the returned bytes."""
+    """Serialises a frame; the payload is copied exactly once, into the returned bytes.
+
+    The payload starts at a multiple of ALIGN bytes from the frame's start (see ``_padded``): a
+    received frame is one bytes object, whose data CPython's allocator aligns to 16, so the
+    receiver's numpy view of the payload is aligned for every dtype, and its sums and copies take
+    numpy's aligned loops (an unaligned float32 sum measured 1.7x slower).
+    """
     head = header.SerializeToString()
     if isinstance(payload, np.ndarray):
         payload = memoryview(np.ascontiguousarray(payload)).cast("B")  # type: ignore[arg-type]
-    parts: list[bytes | memoryview] = [bytes((_HEADER_TAG,)), _varint(len(head)), head]
-    if len(payload):
-        parts += [bytes((_PAYLOAD_TAG,)), _varint(len(payload)), payload]
-    return b"".join(parts)
+    if not len(payload):
+        return b"".join((bytes((_HEADER_TAG,)), _varint(len(head)), head))
+    tail = bytes((_PAYLOAD_TAG,)) + _varint(len(payload))
+    head = _padded(head, len(tail))
+    return b"".join((bytes((_HEADER_TAG,)), _varint(len(head)), head, tail, payload))
 
 
 def decode(data: bytes) -> tuple[FrameHeader, memoryview]:
@@ -107,6 +129,8 @@ def decode(data: bytes) -> tuple[FrameHeader, memoryview]:
         if len(buf) and buf[0] == _HEADER_TAG:
             size, pos = _read_varint(buf, 1)
             header = FrameHeader.FromString(buf[pos : pos + size])
+            if header.pad:
+                header.ClearField("pad")  # only where the payload starts: not part of the header's meaning
             pos += size
             if pos == len(buf):
                 return header, buf[pos:pos]
@@ -115,6 +139,7 @@ def decode(data: bytes) -> tuple[FrameHeader, memoryview]:
                 if start + size == len(buf):
                     return header, buf[start:]
         frame = peer_pb2.Frame.FromString(data)
+        frame.header.ClearField("pad")
         return frame.header, memoryview(frame.payload)
     except ProtocolError:
         raise

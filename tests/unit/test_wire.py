@@ -55,7 +55,9 @@ def test_an_encoded_frame_is_a_valid_protobuf_frame() -> None:
     header = full_header()
     data = wire.encode(header, b"payload")
     frame = peer_pb2.Frame.FromString(data)
-    assert frame.header == header and frame.payload == b"payload"
+    assert frame.payload == b"payload" and set(frame.header.pad) <= {0}  # the pad is zeros
+    frame.header.ClearField("pad")
+    assert frame.header == header
 
 
 def test_the_decoded_payload_is_a_view_of_the_received_bytes_not_a_copy() -> None:
@@ -155,3 +157,22 @@ def test_every_supported_dtype_has_a_wire_code_that_maps_back_to_it(dtype: type)
 def test_an_unsupported_dtype_is_rejected_naming_it_and_the_supported_ones(dtype: type) -> None:
     with pytest.raises(InvalidArgumentError, match=rf"The dtype {np.dtype(dtype)} is not supported; use one of float16, float32"):
         wire.dtype_code(np.dtype(dtype))
+
+
+@pytest.mark.parametrize("key", ["a", "k" * 37, "long#" * 40])
+@pytest.mark.parametrize("nbytes", [1, 3, 8, 1000, 1 << 21])
+def test_the_payload_starts_at_a_multiple_of_the_alignment_and_the_pad_is_not_in_the_header(key: str, nbytes: int) -> None:
+    header = wire.FrameHeader(kind=wire.DATA, op_key=key, descriptor=key * 2, view_id=2**40, count=nbytes)
+    data = wire.encode(header, bytes(nbytes))
+    got, payload = wire.decode(data)
+    assert (len(data) - payload.nbytes) % wire.ALIGN == 0
+    assert got == header and not got.pad
+    assert wire.encode(got, payload) == data  # a decoded header encodes to the same frame
+    assert peer_pb2.Frame.FromString(data).payload == bytes(nbytes)  # and a plain protobuf reader agrees
+
+
+def test_a_received_float64_payload_is_aligned_for_numpy() -> None:
+    for key in ("a", "bb", "ccc", "dddd" * 9):
+        data = bytes(wire.encode(wire.FrameHeader(op_key=key, count=3), np.arange(3.0)))
+        _, payload = wire.decode(data)
+        assert np.frombuffer(payload, dtype=np.float64).flags.aligned
