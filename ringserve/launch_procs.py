@@ -45,6 +45,7 @@ NOT_FORWARDED = re.compile(
 RESOLVE_TIMEOUT_S = 2.0
 TAIL_LINES = 5
 START_MARGIN_S = 2.0
+PUMP_DRAIN_S = 5.0  # how long, after the workers stopped, their output may take to be copied out
 
 
 def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -216,9 +217,10 @@ class Proc:
     def finish_stop(self, deadline: float) -> None:
         raise NotImplementedError
 
-    def join_pumps(self) -> None:
+    def join_pumps(self, deadline: float) -> None:
+        """Waits until ``deadline`` (time.monotonic) at most for the output to be copied out."""
         for thread in self.pumps:
-            thread.join(5.0)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class LocalProc(Proc):
@@ -391,5 +393,8 @@ def stop_all(procs: Sequence[Proc], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in running:
         p.finish_stop(deadline)
+    # One deadline for every pump: a pump that never sees EOF (a pipe some grandchild still
+    # holds) costs the launcher's exit PUMP_DRAIN_S at most, not that much per pump.
+    drained = time.monotonic() + PUMP_DRAIN_S
     for p in procs:
-        p.join_pumps()
+        p.join_pumps(drained)
