@@ -9,7 +9,8 @@
 
 Everything above lives on the event loop that started the worker and is touched only there; other
 threads read the ``Standing`` it publishes and route their writes to the loop (see standing.py).
-The public face (where the worker stands, its collectives) is ``facade.Facade``.
+The public face (where the worker stands, its collectives) is ``facade.Facade``, and what elastic
+training asks of it (commits, leaving, admissions) is ``elastic_hooks.ElasticHooks``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -27,7 +28,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ringserve import _malloc
 from ringserve._proto import coordinator_pb2 as cpb
-from ringserve.commits import Commit, Mark, Seen
 from ringserve.config import WorkerConfig
 from ringserve.errors import (
     ExcludedError,
@@ -41,10 +41,9 @@ from ringserve.errors import (
 from ringserve.observe import Counters, Timeline
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker import sighting
 from ringserve.worker.channels import ChannelCache
 from ringserve.worker.control import ControlClient
-from ringserve.worker.facade import Facade
+from ringserve.worker.elastic_hooks import ElasticHooks
 from ringserve.worker.loops import Lifeline
 from ringserve.worker.peers import PEER_SERVICE, PeerServicer
 from ringserve.worker.plane import Plane
@@ -58,7 +57,7 @@ log = logging.getLogger("ringserve.worker")
 __all__ = ["PEER_SERVICE", "Standing", "Worker"]
 
 
-class Worker(Facade):
+class Worker(ElasticHooks):
     """A ringserve worker in the running event loop.
 
     Example::
@@ -285,45 +284,6 @@ class Worker(Facade):
         self._pinned = view_id
         self._publish()
 
-    @property
-    def committed(self) -> Commit | None:
-        """The commit this worker's elastic state holds (None before its first sync): a read of an
-        immutable value, which only report_committed (on the loop, waited for) replaces."""
-        lifeline = self._lifeline
-        return lifeline.held.committed if lifeline is not None else None
-
-    def report_committed(self, commit: Commit, *, now: bool = False, view: int = 0) -> None:
-        """Sets the commit this worker's elastic state holds, reported with the next heartbeat;
-        ``view``: the view every member of which holds it (a commit-time allreduce in it finished).
-
-        ``now`` sends that heartbeat at once: at a sync, and at a commit where the world changes,
-        the coordinator must know who holds what before the new view's members are admitted
-        with nothing (callable from any thread; it holds once this returns).
-        """
-        on_loop(self._loop, self._committed, commit, now, view, wait_s=self.config.rpc_timeout_s)
-
-    def _committed(self, commit: Commit, now: bool, view: int) -> None:
-        lifeline = self._lifeline
-        if lifeline is None:
-            return
-        lifeline.held.hold(commit, view)
-        if now and not self._closed:
-            lifeline.heartbeat_now.set()
-
-    @property
-    def leaving(self) -> bool:
-        """Whether this worker leaves at the current commit (elastic, SIGTERM): the coordinator
-        drops it then, and a heartbeat answered "unknown" must not make it rejoin."""
-        return self._lifeline is not None and self._lifeline.leaving
-
-    @leaving.setter
-    def leaving(self, leaving: bool) -> None:
-        on_loop(self._loop, self._set_leaving, leaving, wait_s=self.config.rpc_timeout_s)
-
-    def _set_leaving(self, leaving: bool) -> None:
-        if self._lifeline is not None:
-            self._lifeline.leaving = leaving
-
     # -- the loop's side of views ----------------------------------------------------------
 
     def _install(self, view: cpb.View) -> None:
@@ -381,68 +341,3 @@ class Worker(Facade):
     async def get_params(self, key: str) -> bytes:
         assert self._control is not None
         return await self._control.get_params(key)
-
-    # -- elastic support -------------------------------------------------------------------
-
-    async def wait_for_view(self, newer_than: int, timeout_s: float) -> int:
-        """Waits until this worker is in a view numbered above ``newer_than``; returns its id.
-
-        Raises:
-            RendezvousTimeoutError: no such view within timeout_s.
-            ViewInstallError: a view could not be installed, and the worker left.
-        """
-        def ready() -> bool:
-            plane = self._planes.current
-            return plane is not None and plane.view_id > newer_than
-
-        await self._wait_for_view(ready, timeout_s, (
-            f"The worker at {self.address} was in no view newer than {newer_than} within {timeout_s:g} s."
-        ))
-        plane = self._planes.current
-        assert plane is not None
-        return plane.view_id
-
-    async def commit_mark(self) -> Mark:
-        """The job's committed high-water mark, asked of the coordinator now.
-
-        When the coordinator cannot answer within rpc_timeout_s (it is restarting), the mark its
-        last heartbeat answer carried, without holders, and a warning: a sync must not wait on
-        the coordinator, and that mark is at most a heartbeat old.
-        """
-        assert self._control is not None and self._lifeline is not None
-        try:
-            return await self._control.commit_mark(self.worker_id)
-        except RingserveError as exc:
-            heard = self._lifeline.heard_mark
-            log.warning("%s: could not ask the coordinator for the job's last commit (%s); using %s from a heartbeat",
-                        self.tag, exc, heard or "none")
-            return Mark(heard)
-
-    async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
-        """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
-        worker/reports.py: not at all while the coordinator does not answer)."""
-        assert self._lifeline is not None
-        return await self._lifeline.held.wait(commit, timeout_s)
-
-    async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
-        """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
-        and to let the members named in ``leaving`` (worker ids) go in that same view. ``view_id``:
-        the view of that commit (0: the current one); the coordinator ignores a request of an older one.
-
-        Returns:
-            How many the next view adds. A new view comes either way (with the same members if
-            nobody is waiting any more), so every rank that waits for a newer view gets one.
-        """
-        assert self._control is not None
-        return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
-
-    @property
-    def heartbeat_interval_s(self) -> float:
-        """The heartbeat interval the coordinator gave this worker (rpc_timeout_s before it joined)."""
-        return self._lifeline.heartbeat_interval_s if self._lifeline is not None else self.config.rpc_timeout_s
-
-    async def sight(self, worker_id: str, address: str) -> Seen:
-        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.sighting),
-        within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
-        timeout = min(self.config.rpc_timeout_s, self.heartbeat_interval_s)
-        return await sighting.sight(worker_id, address, self._make_channel, timeout)
