@@ -10,13 +10,15 @@ prepared bytes object again and again), no dependency of a send on a receive. So
 lower bound on any allreduce over that transport in Python on this machine, and its "bus bandwidth
 / gloo" an upper bound on what ringserve's stream-only column can reach. Transports:
 
-- ``grpc xK``: K grpc.aio client streams per ring edge (chunks dealt round-robin), as ringserve's
+- ``grpc xK``: K grpc.aio client streams per ring edge, each on a connection of its own (chunks
+  dealt round-robin), with ringserve's channel and server options, written as ringserve's
   StreamLink writes them, over loopback TCP;
 - ``tcp``: one plain TCP connection per edge, written with ``sock_sendall`` from a memoryview and
   read with ``sock_recv_into`` into a preallocated buffer (the kernel's two copies, no others):
   what a payload lane beside the gRPC stream would cost.
 
-gloo's allreduce of the same float32 tensor runs in the same run, as in allreduce.py.
+gloo's allreduce of the same float32 tensor, and ringserve's own allreduce with every payload over
+the stream (allreduce.py's stream-only column), run in the same run.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, free_port, read_json, run_ranks, table  # noqa: E402
-from allreduce import parse_size, worker_gloo  # noqa: E402
+from allreduce import STREAM_ONLY, parse_size, run_ringserve, worker_gloo  # noqa: E402
 
 METHOD = "/floor.Floor/Stream"
 ROUNDS = 8
@@ -67,15 +69,18 @@ async def _grpc_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> 
             got.put_nowait(len(message))
         return b""
 
-    limits = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-    server = grpc.aio.server(options=limits)
+    from ringserve.config import WorkerConfig
+    from ringserve.transport import channel_options, server_options
+
+    limit = WorkerConfig().max_message_bytes  # ringserve's own channel and server options
+    server = grpc.aio.server(options=server_options(limit))
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "floor.Floor", {"Stream": grpc.stream_unary_rpc_method_handler(stream)})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     (tmp / f"port.{rank}").write_text(str(port))
     successor = int(await _wait_file(tmp / f"port.{(rank + 1) % args.world}"))
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{successor}", options=limits + [("grpc.channel_id", k)])
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{successor}", options=[*channel_options(limit), ("grpc.channel_id", k)])
                 for k in range(args.streams[0])]
     calls = [ch.stream_unary(METHOD)() for ch in channels]
     payload = os.urandom(chunk)
@@ -185,6 +190,10 @@ def main() -> None:
             busbw = 2 * (world - 1) / world * size
             rows.append({"world": world, "transport": "gloo allreduce", "ms": f"{gloo * 1e3:.2f}",
                          "busbw": f"{busbw / gloo / 1e9:.2f}", "ratio": "1.00"})
+            run_ringserve(world, [str(size)], "uvloop", tmp, "stream", {}, STREAM_ONLY)
+            t = max(read_json(tmp / f"stream{world}.{i}.json")[str(size)]["t"] for i in range(world))
+            rows.append({"world": world, "transport": "ringserve allreduce, stream-only", "ms": f"{t * 1e3:.2f}",
+                         "busbw": f"{busbw / t / 1e9:.2f}", "ratio": f"{gloo / t:.2f}"})
             for transport in [*(f"grpc x{k}" for k in args.streams), "tcp"]:
                 run = tmp / f"{transport.replace(' ', '')}.{world}"
                 run.mkdir()
