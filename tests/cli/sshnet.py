@@ -67,7 +67,7 @@ class Cluster:
         """``ringserve <args>`` on the launching host; its output on stdout and stderr pipes."""
         argv = ["ip", "netns", "exec", self.launcher_ns, sys.executable, "-m", "ringserve.cli", *args]
         return subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_from_a_terminal)
 
     def run(self, args: Sequence[str], *, timeout: float, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -190,3 +190,13 @@ def processes_with(marker: str) -> list[int]:
         if marker.encode() in cmdline and state != "Z":
             found.append(int(entry))
     return found
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default in the launcher, as in a shell's foreground job.
+
+    A shell without job control starts a background job (``.ci/run &``, a CI runner's step) with
+    SIGINT ignored, every process below it inherits that, and Python leaves an inherited SIG_IGN
+    alone: the launcher would never see the Ctrl-C a test sends it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
