@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from ringserve.errors import (
     CorruptFrameError,
     HostsUpdatedInterrupt,
     RecoverableError,
+    RendezvousTimeoutError,
     StateLostError,
 )
 from ringserve.worker.runtime import Worker
@@ -313,22 +314,55 @@ def _leave_now(state: State, view: int) -> None:
     deadline = time.monotonic() + ctx.config.rpc_timeout_s
     while ctx.worker.latest_view <= view and time.monotonic() < deadline:
         time.sleep(0.005)
-    log.warning("leaving the world after a commit, as SIGTERM asked")
+    _exit(state, "leaving the world after a commit, as SIGTERM asked")
+
+
+def _exit(state: State, why: str) -> NoReturn:
+    log.warning(why)
     state.close_checkpoints(api.context().config.checkpoint_timeout_s)
     api.shutdown()
     sys.exit(0)
 
 
-def _wait_for_view_after(view: int) -> None:
+LEAVE_POLL_S = 0.25  # how often a worker waiting for a view checks for SIGTERM
+
+
+def _wait_for_view_after(view: int, state: State) -> None:
+    """Waits up to elastic_timeout_s for a view newer than ``view``; a SIGTERM meanwhile ends the
+    worker (exit 0) at once.
+
+    Between views the state is at its last commit (kept at a commit, restored after a failure),
+    which is all a leave at the next commit would keep. And the next commit may never come: when
+    SIGTERM reached every member but came to some just after the commit's flags were read (a
+    `docker compose down`, a job stopped), the others left at that commit, and the view this
+    worker waits for would hold only itself, below min_workers: it would wait out the elastic
+    timeout for nothing.
+
+    Raises:
+        RendezvousTimeoutError: no such view within elastic_timeout_s.
+    """
     ctx = api.context()
-
     timeout = ctx.config.elastic_timeout_s
+    deadline = time.monotonic() + timeout
+    while True:
+        if _Leave.requested.is_set():
+            _exit(state, "SIGTERM while waiting for a new view: leaving now, with the state of the last commit")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousTimeoutError(
+                f"The worker at {ctx.worker.address} was in no view newer than {view} within {timeout:g} s."
+            )
+        step = min(LEAVE_POLL_S, left)
 
-    def wait(w: Worker) -> Coroutine[Any, Any, int]:
-        return w.wait_for_view(view, timeout)
+        def wait(w: Worker, step: float = step) -> Coroutine[Any, Any, int]:
+            return w.wait_for_view(view, step)
 
-    # The worker's own deadline (RendezvousTimeoutError) comes first; this one is a backstop.
-    ctx.call(wait, timeout_s=timeout + 10.0)
+        try:
+            # The worker's own deadline (RendezvousTimeoutError) comes first; this one is a backstop.
+            ctx.call(wait, timeout_s=step + 10.0)
+            return
+        except RendezvousTimeoutError:
+            continue
 
 
 CORRUPT_RETRIES = 3  # damaged frames with no commit in between (checksums on) before the error is raised
@@ -409,6 +443,6 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
         finally:
             worker.pin_view(None)
         if not same_view:
-            _wait_for_view_after(view)
+            _wait_for_view_after(view, state)
         reset = True
 

@@ -12,6 +12,7 @@ at the commit and rank 0 lets them all go in the one view that also admits any j
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import harness
@@ -62,3 +63,28 @@ def test_a_worker_sent_sigterm_leaves_at_a_commit_and_the_two_others_go_on_witho
 def test_two_workers_sent_sigterm_at_once_leave_in_one_view_and_the_survivors_never_restore(tmp_path: Path) -> None:
     records, out, gone = leave(tmp_path, workers=4, leavers=2)
     check_no_rollback(records, out, gone)
+
+
+def test_a_worker_left_below_the_minimum_leaves_at_once_on_sigterm_instead_of_waiting_out_the_elastic_timeout(
+    tmp_path: Path,
+) -> None:
+    # As it was found: SIGTERM reached both workers of a world of 2 (min 2), one just after the
+    # commit's flags were read; the other left at that commit, and this one waited for a view of
+    # one that could never form, for the whole elastic timeout (a `docker compose down`, a stop).
+    run = harness.start(tmp_path, workers=2, min_np=2, steps=100_000, pause_s=0.01, restart=False)
+    run.follow()
+    run.wait_for_step(10, 90)
+    harness.wait_for_world(run, 2, 60)
+    first, second = run.workers()
+    run.signal("SIGTERM", signal.SIGTERM, first)
+    run.wait_for_line("leaving the world after a commit", 60)
+    time.sleep(1.0)  # the other is waiting for a view now, alone, below the minimum
+    assert second in run.workers(), "the second worker ended without being asked to"
+    run.signal("SIGTERM", signal.SIGTERM, second)
+    sent = time.monotonic()
+    code, out = run.finish(40)  # the elastic timeout is 60 s (harness.py)
+    took = time.monotonic() - sent
+    assert code == 0, out[-4000:]
+    assert "SIGTERM while waiting for a new view: leaving now" in out, out[-4000:]
+    assert took < 15, f"the last worker took {took:.1f} s to leave after its SIGTERM"
+    harness.check_invariants(run.records(), None)
