@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, free_port, read_json, run_ranks, table  # noqa: E402
@@ -56,6 +57,16 @@ async def _wait_file(path: pathlib.Path, timeout_s: float = 60) -> str:
             raise TimeoutError(f"{path} did not appear within {timeout_s} s")
         await asyncio.sleep(0.01)
     return path.read_text()
+
+
+async def _timed(send: Callable[[], Awaitable[None]], receive: Callable[[], Awaitable[None]]) -> list[float]:
+    """Seconds per op of ROUNDS ops, each one rank's sends and receives at once, after a warm-up."""
+    times = []
+    for _ in range(ROUNDS + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(send(), receive())
+        times.append(time.perf_counter() - t0)
+    return times[1:]
 
 
 async def _grpc_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> list[float]:
@@ -93,18 +104,14 @@ async def _grpc_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> 
         for _ in range(count):
             await got.get()
 
-    times = []
-    for _ in range(ROUNDS + 1):
-        t0 = time.perf_counter()
-        await asyncio.gather(send(), receive())
-        times.append(time.perf_counter() - t0)
+    times = await _timed(send, receive)
     for call in calls:
         await call.done_writing()
         await call
     for ch in channels:
         await ch.close()
     await server.stop(1)
-    return times[1:]
+    return times
 
 
 async def _tcp_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> list[float]:
@@ -137,14 +144,10 @@ async def _tcp_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> l
                 raise ConnectionError("the predecessor closed its connection")
             left -= n
 
-    times = []
-    for _ in range(ROUNDS + 1):
-        t0 = time.perf_counter()
-        await asyncio.gather(send(), receive())
-        times.append(time.perf_counter() - t0)
+    times = await _timed(send, receive)
     for s in (out, inbound, listener):
         s.close()
-    return times[1:]
+    return times
 
 
 def worker(args: argparse.Namespace) -> None:

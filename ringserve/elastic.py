@@ -55,6 +55,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     StateLostError,
 )
+from ringserve.worker.elastic_hooks import no_view_within
 from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")
@@ -349,9 +350,7 @@ def _wait_for_view_after(view: int, state: State) -> None:
             _exit(state, "SIGTERM while waiting for a new view: leaving now, with the state of the last commit")
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RendezvousTimeoutError(
-                f"The worker at {ctx.worker.address} was in no view newer than {view} within {timeout:g} s."
-            )
+            raise RendezvousTimeoutError(no_view_within(ctx.worker.address, view, timeout))
         step = min(LEAVE_POLL_S, left)
 
         def wait(w: Worker, step: float = step) -> Coroutine[Any, Any, int]:

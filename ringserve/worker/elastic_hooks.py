@@ -28,6 +28,11 @@ from ringserve.worker.standing import on_loop
 log = logging.getLogger("ringserve.worker")
 
 
+def no_view_within(address: str, newer_than: int, timeout_s: float) -> str:
+    """What a RendezvousTimeoutError says when no view newer than ``newer_than`` came in time."""
+    return f"The worker at {address} was in no view newer than {newer_than} within {timeout_s:g} s."
+
+
 class ElasticHooks(Facade):
     """Elastic training's calls on a Worker (its base class: the Worker provides the parts)."""
 
@@ -99,9 +104,7 @@ class ElasticHooks(Facade):
             plane = self._planes.current
             return plane is not None and plane.view_id > newer_than
 
-        await self._wait_for_view(ready, timeout_s, (
-            f"The worker at {self.address} was in no view newer than {newer_than} within {timeout_s:g} s."
-        ))
+        await self._wait_for_view(ready, timeout_s, no_view_within(self.address, newer_than, timeout_s))
         plane = self._planes.current
         assert plane is not None
         return plane.view_id
