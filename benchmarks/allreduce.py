@@ -11,7 +11,7 @@ growth of its resident set from just before the tensor was made, tensor included
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
 
 The workers share one host, so by default ringserve passes payloads through shared memory (only
-headers go over the gRPC stream; see ringserve/worker/shared.py). A second run with shared memory
+headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). A second run with shared memory
 off sends every payload over the stream, as between hosts: its columns say what the network path
 costs on its own (``--no-stream`` skips it).
 
@@ -104,7 +104,7 @@ def worker_gloo(args: argparse.Namespace) -> None:
 
 def tls_settings(tmp: pathlib.Path) -> dict[str, object]:
     """mTLS and a token from a throwaway CA, as config fields (the workers get them as env)."""
-    from ringserve._pki import CertificateAuthority
+    from ringserve.testing.pki import CertificateAuthority
 
     files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node")
     return {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca, "tls_require_client_auth": True,

@@ -3,8 +3,8 @@
 The coordinator runs in its own process (``ringserve coordinator``), so that its CPU time can be
 read from /proc; the simulated workers (tests/swarm.py) run 500 to a process, each with its own
 connection, and Join, hold a WatchView stream and heartbeat through the real worker's client (on
-one Heartbeats stream each; see ringserve/worker/control.py) at the interval the coordinator
-hands out (it stretches it past 1,000 workers, see ringserve/pacing.py). For each N:
+one Heartbeats stream each; see ringserve/worker/control/client.py) at the interval the coordinator
+hands out (it stretches it past 1,000 workers, see ringserve/coordinator/pacing.py). For each N:
 
 - first view: from the last Join's answer to the harness receiving the view of all N (and to the
   last worker receiving it);
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from swarm import Scale, percentile  # noqa: E402
 
 from ringserve._proto import coordinator_pb2 as pb  # noqa: E402
-from ringserve.worker.control import REOPEN_FIRST_S  # noqa: E402
+from ringserve.worker.control.client import REOPEN_FIRST_S  # noqa: E402
 
 
 async def measure(

@@ -10,7 +10,7 @@ world, size and lane (shared memory on one host, and stream-only with RINGSERVE_
 between hosts), the median ms per op of each, and the paired ratio new / in place within each round:
 its median and its range over the rounds. The new-result loop keeps the last result alive until the
 next call returns, as ``out = rs.allreduce(x)`` in a loop does. ``--pool-bytes`` sets
-RINGSERVE_RESULT_POOL_BYTES (0: no pool of result buffers, see ringserve/worker/pool.py).
+RINGSERVE_RESULT_POOL_BYTES (0: no pool of result buffers, see ringserve/worker/dataplane/pool.py).
 """
 
 from __future__ import annotations

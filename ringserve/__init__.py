@@ -62,7 +62,7 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
-from ringserve.worker.process_sets import ProcessSet
+from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
 __version__ = "0.1.0"

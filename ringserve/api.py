@@ -17,7 +17,7 @@ import numpy as np
 from ringserve.config import WorkerConfig
 from ringserve.errors import CollectiveTimeoutError, NotInitializedError
 from ringserve.loop import LoopThread
-from ringserve.worker.process_sets import ProcessSet, WholeWorld
+from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
@@ -197,7 +197,7 @@ def allreduce(
     same shape and dtype receives the result. ``compression``, ``residual`` (error feedback) and
     ``check_finite``: see ``Worker.allreduce``.
 
-    ``op="adasum"``: Adasum (Maleki et al.; Horovod's CPU algorithm, see ringserve/worker/adasum.py)
+    ``op="adasum"``: Adasum (Maleki et al.; Horovod's CPU algorithm, see ringserve/worker/ops/adasum.py)
     of floating point arrays, bit-identical on every rank, on a world whose size is a power of two
     (UnsupportedError otherwise, as Horovod refuses it); ``parts`` gives each tensor fused in ``a``
     its own coefficients.

@@ -113,8 +113,8 @@ _SECURITY_ENV = {f"RINGSERVE_{f.upper()}" for f in (*_SECURITY_FIELDS, "token")}
 def _placement(ns: argparse.Namespace) -> Any:
     """horovodrun's host arguments as a Placement; None when none was given (all on this host)."""
     from ringserve.launch import Placement
-    from ringserve.launch_hosts import parse_host_list, parse_hostfile
-    from ringserve.launch_procs import SshSettings
+    from ringserve.launch.hosts import parse_host_list, parse_hostfile
+    from ringserve.launch.procs import SshSettings
 
     ssh = SshSettings(port=ns.ssh_port, identity_file=ns.ssh_identity_file or "", config_file=ns.ssh_config_file or "",
                       start_timeout_s=ns.start_timeout)
@@ -216,7 +216,7 @@ def _human(n: int) -> str:
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
-    from ringserve.worker.control import ControlClient
+    from ringserve.worker.control.client import ControlClient
 
     async def fetch() -> object:
         env = {k: v for k, v in os.environ.items() if k in _SECURITY_ENV}

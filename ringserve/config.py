@@ -20,7 +20,7 @@ MiB = 1 << 20
 ADVERTISE_AUTO = "auto"
 
 # The most slots a shared-memory ring has: its header page holds one state byte per slot (see
-# worker/shared.py, whose layout this must match; a unit test checks that it does).
+# worker/dataplane/shared.py, whose layout this must match; a unit test checks that it does).
 MAX_SHARED_SLOTS = 4032
 
 
@@ -127,7 +127,7 @@ class CoordinatorConfig(SecuritySettings):
         heartbeat_timeout_s: a worker silent this long is declared dead.
         max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
             grows, so that all workers together send at most this many heartbeats a second,
-            but never past a third of heartbeat_timeout_s (see ringserve.pacing); 0: never.
+            but never past a third of heartbeat_timeout_s (see ringserve.coordinator.pacing); 0: never.
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
@@ -255,7 +255,7 @@ class WorkerConfig(SecuritySettings):
         max_unverified_streams: peer streams that have not yet proved to come from a member of
             a view (no HELLO yet, or a HELLO not yet checked against a view) that the peer
             server holds at once; a new one past it ends the oldest (RESOURCE_EXHAUSTED), so
-            streams that squat cannot keep out a member's (see worker/gate.py). A stream whose
+            streams that squat cannot keep out a member's (see worker/dataplane/gate.py). A stream whose
             HELLO is verified against this view (or a retired view) never counts.
         max_concurrent_rpcs: RPCs the peer server serves at once besides the unverified
             streams: the verified streams (one per view from each rank that sends to this one:
@@ -275,22 +275,22 @@ class WorkerConfig(SecuritySettings):
         shared_memory: between workers on one host, pass payloads through a shared-memory ring
             (a memfd the successor maps) and only headers over the stream; workers on other
             hosts, or that cannot see each other's processes, fall back to the stream by
-            themselves (see worker/shared.py). Off: every payload travels over gRPC.
+            themselves (see worker/dataplane/shared.py). Off: every payload travels over gRPC.
         shared_dir: a directory that every worker on this host shares, where each worker's rings
-            are handed to receivers over a Unix socket (see worker/fdpass.py): containers, whose
+            are handed to receivers over a Unix socket (see worker/dataplane/fdpass.py): containers, whose
             PID namespaces hide each other's /proc, then pass payloads through shared memory too.
             A tmpfs volume mounted into every worker container (docker-compose.yml). Empty: rings
             are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
-        hierarchical: allreduce by host (see worker/hierarchy.py): a reduce-scatter among the
+        hierarchical: allreduce by host (see worker/ops/hierarchy.py): a reduce-scatter among the
             workers of each host, an allreduce of each slice across hosts, an allgather within
             each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
             the same number, more than one, of workers on each; ``1``: whenever every host has
             the same number of workers; ``0``: the flat ring always. Every worker must agree.
         result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
             buffers from a pool of at most this many bytes, reusing a buffer only once nothing
-            outside the pool refers to it (see worker/pool.py); it saves the page faults of a
+            outside the pool refers to it (see worker/dataplane/pool.py); it saves the page faults of a
             fresh mapping per call. 0: every result is a fresh array.
         checkpoint_dir: in elastic training, rank 0 of each view writes every checkpoint_every-th
             confirmed commit here (a local path, or any fsspec URL such as ``s3://bucket/job``,

@@ -23,11 +23,11 @@ from typing import Any
 
 from ringserve.errors import RingChangedError
 from ringserve.observe import Counters
-from ringserve.worker.link import SEND_WINDOW
-from ringserve.worker.memlink import MemoryLink
-from ringserve.worker.plane import Plane
-from ringserve.worker.session import Place, Session
-from ringserve.worker.shared import OutboundRing
+from ringserve.worker.dataplane.link import SEND_WINDOW
+from ringserve.worker.dataplane.memlink import MemoryLink
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.session import Place, Session
+from ringserve.worker.dataplane.shared import OutboundRing
 
 Call = Callable[[Session, int], Awaitable[Any]]
 

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script: import the ringserve of this c
 from ringserve._proto import coordinator_pb2 as pb  # noqa: E402
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from ringserve.errors import RingserveError  # noqa: E402
-from ringserve.worker.control import HeartbeatStream  # noqa: E402
+from ringserve.worker.control.client import HeartbeatStream  # noqa: E402
 
 WATCH = "/ringserve.v1.Coordinator/WatchView"
 # A real worker's default rpc_timeout_s: a heartbeat not answered within it is missed.

@@ -10,7 +10,7 @@ Each request is answered by exactly the answer the unary Heartbeat would give, i
 that the client can wait for the answer to its one request in flight with its own deadline.
 
 Bounds, so that a flood of streams cannot starve the members (whose clients fall back to unary
-heartbeats while refused a stream, see ringserve.worker.control):
+heartbeats while refused a stream, see ringserve.worker.control.client):
 - at most ``heartbeat_stream_cap`` streams at once (RESOURCE_EXHAUSTED past it);
 - one stream per worker id: the newest wins, and the older one ends with ABORTED on its next
   request (a worker that re-opened its stream after a network fault must not be refused

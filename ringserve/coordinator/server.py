@@ -14,9 +14,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ringserve import _malloc, membership
+from ringserve import _malloc
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator import membership
 from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
 from ringserve.security import Security
 from ringserve.transport import server_options

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve import commits, membership, pacing
+from ringserve import commits
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
 from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
@@ -280,7 +281,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         held = commits.Commit(request.committed_lineage, request.committed_step)
         made_in = self._recent_views.get(request.committed_view) if request.committed_view else None
         if made_in is not None and made_in.rank_of(request.worker_id) is not None and (held, made_in.view_id) != self._made:
-            # Every member of the view the commit was made in holds it (see worker/reports.py),
+            # Every member of the view the commit was made in holds it (see worker/control/reports.py),
             # named once per (commit, view): the other members' own reports then change nothing.
             self._made = (held, made_in.view_id)
             members = [commits.Holder(m.worker_id, m.address, made_in.view_id, r)

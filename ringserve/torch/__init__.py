@@ -25,7 +25,7 @@ second collective of a name still in flight) are ``InvalidArgumentError``, a Val
 
 The functions run over ringserve's one default context (``ringserve.api``). Process sets are
 Horovod's: ``hvd.init(process_sets=[...])`` or ``hvd.add_process_set(ranks)``, then
-``process_set=`` on any collective and on DistributedOptimizer (see ringserve.worker.process_sets).
+``process_set=`` on any collective and on DistributedOptimizer (see ringserve.worker.ops.process_sets).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from ringserve.torch import _tensors, basics
 from ringserve.torch._buckets import Bucket
 from ringserve.torch.compression import Compression, Compressor
 from ringserve.torch.optimizer import DistributedOptimizer
-from ringserve.worker import adasum
+from ringserve.worker.ops import adasum
 
 
 class AdasumOptimizer(DistributedOptimizer):

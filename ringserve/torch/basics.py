@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from ringserve import api
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
-from ringserve.worker.process_sets import ProcessSet, WholeWorld
+from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
 
 # Horovod's hvd.global_process_set: every rank of the default context's view.

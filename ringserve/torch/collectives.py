@@ -22,7 +22,7 @@ import torch
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
-from ringserve.worker.process_sets import ProcessSet
+from ringserve.worker.ops.process_sets import ProcessSet
 
 R = TypeVar("R")
 

@@ -21,7 +21,7 @@ import torch
 
 from ringserve.torch import _tensors, basics
 from ringserve.torch.collectives import Handle, _claim
-from ringserve.worker.process_sets import ProcessSet
+from ringserve.worker.ops.process_sets import ProcessSet
 
 Splits = torch.Tensor | list[int] | tuple[int, ...] | None
 

@@ -16,7 +16,7 @@ import torch
 from ringserve import api
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch import basics
-from ringserve.worker.process_sets import ProcessSet
+from ringserve.worker.ops.process_sets import ProcessSet
 
 # Tensors are fused into broadcast buffers of at most this many bytes (one tensor may exceed it).
 _GROUP_BYTES = 64 << 20

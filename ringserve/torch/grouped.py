@@ -21,7 +21,7 @@ from ringserve import api
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.collectives import Handle, _allreduce_start, _claim, _rescale, _scaled
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
-from ringserve.worker.process_sets import ProcessSet
+from ringserve.worker.ops.process_sets import ProcessSet
 
 
 def _grouped_start(
@@ -135,7 +135,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None,
                              process_set: ProcessSet | None = None) -> Handle[list[torch.Tensor]]:
-    """One collective for the whole list (see ringserve.worker.grouped), any mix of dtypes."""
+    """One collective for the whole list (see ringserve.worker.ops.grouped), any mix of dtypes."""
     with basics.named_call(_claim("grouped_allgather", name)) as call:
         pairs = [_tensors.raw(t) if t.dim() else (t.detach().cpu().numpy(), None) for t in tensors]
         arrays = [a for a, _ in pairs]
@@ -187,7 +187,7 @@ def _grouped_reducescatter_start(
     compression: type[Compressor] | Compressor, prescale_factor: float, postscale_factor: float,
     process_set: ProcessSet | None = None,
 ) -> Handle[list[torch.Tensor]]:
-    """One fused reduce-scatter per wire dtype (see ringserve.worker.grouped)."""
+    """One fused reduce-scatter per wire dtype (see ringserve.worker.ops.grouped)."""
     core = ops.core_op(op, "grouped_reducescatter")
     with basics.named_call(_claim("grouped_reducescatter", name)) as call:
         around, codec = split(compression)

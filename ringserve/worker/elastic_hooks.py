@@ -18,12 +18,12 @@ import grpc
 from ringserve.commits import Commit, Mark, Seen
 from ringserve.config import WorkerConfig
 from ringserve.errors import RingserveError
-from ringserve.worker import sighting
-from ringserve.worker.control import ControlClient
+from ringserve.worker.control import sighting
+from ringserve.worker.control.client import ControlClient
+from ringserve.worker.control.loops import Lifeline
+from ringserve.worker.control.standing import on_loop
+from ringserve.worker.dataplane.registry import Planes
 from ringserve.worker.facade import Facade
-from ringserve.worker.loops import Lifeline
-from ringserve.worker.registry import Planes
-from ringserve.worker.standing import on_loop
 
 log = logging.getLogger("ringserve.worker")
 
@@ -127,7 +127,7 @@ class ElasticHooks(Facade):
 
     async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
         """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
-        worker/reports.py: not at all while the coordinator does not answer)."""
+        worker/control/reports.py: not at all while the coordinator does not answer)."""
         assert self._lifeline is not None
         return await self._lifeline.held.wait(commit, timeout_s)
 
@@ -149,7 +149,7 @@ class ElasticHooks(Facade):
         return self._lifeline.heartbeat_interval_s if self._lifeline is not None else self.config.rpc_timeout_s
 
     async def sight(self, worker_id: str, address: str) -> Seen:
-        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.sighting),
+        """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.control.sighting),
         within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
         timeout = min(self.config.rpc_timeout_s, self.heartbeat_interval_s)
         return await sighting.sight(worker_id, address, self._make_channel, timeout)

@@ -20,14 +20,14 @@ import numpy as np
 
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
-from ringserve.worker import adasum, collectives, grouped
-from ringserve.worker import join as joining
-from ringserve.worker import process_sets as sets
-from ringserve.worker.plane import Plane
-from ringserve.worker.process_sets import ProcessSet, Registry, WholeWorld
-from ringserve.worker.session import Session
-from ringserve.worker.set_policy import root_position
-from ringserve.worker.standing import Standing
+from ringserve.worker.control.standing import Standing
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.ops import adasum, collectives, grouped
+from ringserve.worker.ops import join as joining
+from ringserve.worker.ops import process_sets as sets
+from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
+from ringserve.worker.ops.set_policy import root_position
 
 
 class Facade:
@@ -158,7 +158,7 @@ class Facade:
         what this rank's encodings lost; keep it from call to call. ``check_finite`` raises
         NonFiniteError on every rank when the result holds NaN or Inf.
 
-        ``op="adasum"``: Adasum (see worker/adasum.py) of floating point arrays, on a world whose
+        ``op="adasum"``: Adasum (see worker/ops/adasum.py) of floating point arrays, on a world whose
         size is a power of two, without compression or residual; ``parts`` (element counts that
         tile ``a``) gives each tensor fused in ``a`` its own coefficients, as Horovod does.
 

@@ -41,16 +41,16 @@ from ringserve.errors import (
 from ringserve.observe import Counters, Timeline
 from ringserve.security import Security
 from ringserve.transport import channel_options, server_options
-from ringserve.worker.channels import ChannelCache
-from ringserve.worker.control import ControlClient
+from ringserve.worker.control.client import ControlClient
+from ringserve.worker.control.loops import Lifeline
+from ringserve.worker.control.standing import Standing, on_loop, raise_failure
+from ringserve.worker.control.tasks import TaskOwner
+from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.dataplane.peers import PEER_SERVICE, PeerServicer
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.registry import Planes
 from ringserve.worker.elastic_hooks import ElasticHooks
-from ringserve.worker.loops import Lifeline
-from ringserve.worker.peers import PEER_SERVICE, PeerServicer
-from ringserve.worker.plane import Plane
-from ringserve.worker.process_sets import Registry, WholeWorld
-from ringserve.worker.registry import Planes
-from ringserve.worker.standing import Standing, on_loop, raise_failure
-from ringserve.worker.tasks import TaskOwner
+from ringserve.worker.ops.process_sets import Registry, WholeWorld
 
 log = logging.getLogger("ringserve.worker")
 

@@ -1,4 +1,4 @@
-"""The remote wrapper (launch_remote) on its own: run here as ssh would run it, its stdin a pipe.
+"""The remote wrapper (launch.remote) on its own: run here as ssh would run it, its stdin a pipe.
 
 What it must do whatever happens to the launcher: stop its worker when the session ends (stdin
 closed), when the launcher's pings stop, or when the wrapper itself is killed.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.launch_remote import MARK
+from ringserve.launch.remote import MARK
 
-SOURCE = (Path(__file__).resolve().parents[2] / "ringserve" / "launch_remote.py").read_text()
+SOURCE = (Path(__file__).resolve().parents[2] / "ringserve" / "launch" / "remote.py").read_text()
 SLEEPER = "import os, sys, time; print('up', os.environ['RINGSERVE_COORDINATOR'], os.getcwd(), flush=True); time.sleep(60)"
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ringserve.launch_env import horovod_env
+from ringserve.launch.env import horovod_env
 
 SCRIPT = "import os; print(sorted((k, v) for k, v in os.environ.items() if k.startswith('HOROVOD_')))"
 

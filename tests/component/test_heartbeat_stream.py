@@ -21,8 +21,8 @@ from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.coordinator.server import SERVICE_NAME
 from ringserve.coordinator.service import CoordinatorService
-from ringserve.worker import control
-from ringserve.worker.control import HeartbeatStream
+from ringserve.worker.control import client as control
+from ringserve.worker.control.client import HeartbeatStream
 
 Stub = pb_grpc.CoordinatorStub
 # Each channel on a connection of its own, as each worker's is.

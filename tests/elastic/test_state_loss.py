@@ -18,8 +18,8 @@ import harness
 import numpy as np
 import pytest
 
-from ringserve.checkpoint import decode, file_name
 from ringserve.commits import Commit
+from ringserve.elastic.checkpoint import decode, file_name
 from ringserve.errors import STATE_LOST_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(180)

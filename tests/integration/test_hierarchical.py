@@ -1,4 +1,4 @@
-"""Hierarchical allreduce (ringserve/worker/hierarchy.py) between real workers, hosts told apart by
+"""Hierarchical allreduce (ringserve/worker/ops/hierarchy.py) between real workers, hosts told apart by
 their hostname setting: exact against the flat ring, the same bytes on every rank, chosen only where
 the view allows, and a mismatch still fails every rank within the abort grace."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ringserve.errors import MismatchError
-from ringserve.worker import hierarchy
-from ringserve.worker.policy import Place
+from ringserve.worker.dataplane.policy import Place
+from ringserve.worker.ops import hierarchy
 
 pytestmark = pytest.mark.timeout(60)
 

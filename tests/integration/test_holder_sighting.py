@@ -1,4 +1,4 @@
-"""What a sync that lost the mark sees of a holder's address (ringserve/worker/sighting.py), over
+"""What a sync that lost the mark sees of a holder's address (ringserve/worker/control/sighting.py), over
 real sockets: a live peer server answers with its id (ALIVE; another id means a new process took
 the port: GONE), a closed port refuses (GONE, the only proof of absence), and a stopped process,
 whose kernel still completes the TCP handshake, never answers (SILENT, within the deadline)."""

@@ -1,5 +1,5 @@
 """New-result collectives between real workers take their buffers from the worker's pool
-(ringserve/worker/pool.py): a result the caller holds is never written again, and a dropped one is
+(ringserve/worker/dataplane/pool.py): a result the caller holds is never written again, and a dropped one is
 reused."""
 
 from __future__ import annotations

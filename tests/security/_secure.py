@@ -11,8 +11,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from ringserve._pki import CertFiles, CertificateAuthority
 from ringserve.security import Security
+from ringserve.testing.pki import CertFiles, CertificateAuthority
 
 TOKEN = "job-token-7f3c"  # noqa: S105 - a test token
 

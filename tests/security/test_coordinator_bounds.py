@@ -232,7 +232,7 @@ async def test_a_flood_of_heartbeat_streams_cannot_keep_members_from_heartbeatin
     """Streams that never send, streams naming strangers, and streams under a member's own id, past
     the cap: every beat of the members is answered (on a stream or, while refused one, by a unary
     call), Status answers, and once the flood's silent streams time out the members stream again."""
-    from ringserve.worker.control import HeartbeatStream
+    from ringserve.worker.control.client import HeartbeatStream
 
     config = make_coordinator_config(max_heartbeat_streams=8, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
     own = [("grpc.use_local_subchannel_pool", 1)]

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringserve import Coordinator, Worker, membership
+from ringserve import Coordinator, Worker
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.coordinator import membership
 from ringserve.coordinator.service import view_to_proto
 from ringserve.loop import LoopThread
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from _secure import TOKEN
 
-from ringserve import InvalidArgumentError, RingserveError, Worker, WorkerConfig, healthcheck, membership, wire
+from ringserve import InvalidArgumentError, RingserveError, Worker, WorkerConfig, healthcheck, wire
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
+from ringserve.coordinator import membership
 from ringserve.security import Security
 
 pytestmark = pytest.mark.timeout(60)
@@ -178,7 +179,7 @@ async def test_a_worker_with_a_wrong_token_cannot_join_and_leaves_no_trace(make_
 
 async def test_a_heartbeat_stream_with_a_wrong_token_is_refused_and_the_client_says_so(make_coordinator_config, make_worker_config) -> None:
     from ringserve import Coordinator
-    from ringserve.worker.control import ControlClient
+    from ringserve.worker.control.client import ControlClient
 
     async with Coordinator(make_coordinator_config(token=TOKEN)) as coord:
         member = ControlClient(make_worker_config(coord.address, token=TOKEN))

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from _dist_worlds import DIST_WORKERS, REPO
 
 from ringserve.errors import InvalidArgumentError, PeerUnavailableError
-from ringserve.launch_env import torch_env
-from ringserve.launch_hosts import Slot
+from ringserve.launch.env import torch_env
+from ringserve.launch.hosts import Slot
 from ringserve.torch.distributed import Options, ops
 from ringserve.torch.distributed.rendezvous import _check, _store_host
 from ringserve.torch.distributed.settings import Settings

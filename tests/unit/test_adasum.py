@@ -1,4 +1,4 @@
-"""Adasum (worker/adasum.py), run by the ring simulator for worlds 1..16 that are powers of two: the
+"""Adasum (worker/ops/adasum.py), run by the ring simulator for worlds 1..16 that are powers of two: the
 result is numpy's Adasum of the whole vectors (tests/reference.py), the same bytes on every rank, a
 sum for orthogonal gradients and an average for parallel ones; other worlds and integer dtypes are
 refused as Horovod refuses them."""
@@ -13,8 +13,8 @@ from reference import numpy_adasum
 from ringsim import simulate
 
 from ringserve.errors import InvalidArgumentError, UnsupportedError
-from ringserve.worker import adasum, collectives, join
-from ringserve.worker.session import Session
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.ops import adasum, collectives, join
 
 T = 10.0
 POWERS = [1, 2, 4, 8, 16]

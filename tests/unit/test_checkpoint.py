@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.checkpoint import CheckpointStore, CheckpointWriter, CoordinatorStore, decode, encode, file_name
 from ringserve.commits import Commit
+from ringserve.elastic.checkpoint import CheckpointStore, CheckpointWriter, CoordinatorStore, decode, encode, file_name
 
 
 def test_a_checkpoint_file_round_trips_and_names_its_lineage_and_step() -> None:

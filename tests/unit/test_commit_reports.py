@@ -1,4 +1,4 @@
-"""When the coordinator has recorded this worker's commit (ringserve/worker/reports.py): rank 0
+"""When the coordinator has recorded this worker's commit (ringserve/worker/control/reports.py): rank 0
 waits for the previous commit before it reports the next, so that a world is never more than one
 commit ahead of the job's mark; it never waits on a coordinator that does not answer."""
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from ringserve.commits import Commit
-from ringserve.worker.reports import CommitReports
+from ringserve.worker.control.reports import CommitReports
 
 
 async def test_a_wait_ends_when_a_heartbeat_carrying_the_commit_or_a_later_one_is_answered() -> None:

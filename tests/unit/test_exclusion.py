@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.worker.exclusion import excluded, must_ask
+from ringserve.worker.control.exclusion import excluded, must_ask
 
 
 @pytest.mark.parametrize(("silent_s", "ask"), [(0.0, False), (1.99, False), (2.0, True), (30.0, True)])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ringserve.errors import InvalidArgumentError
-from ringserve.launch_env import slot_env
-from ringserve.launch_hosts import (
+from ringserve.launch.env import slot_env
+from ringserve.launch.hosts import (
     Blacklist,
     HostSpec,
     Slot,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import sys
 
-from ringserve.launch_procs import SshSettings, describe_exit, forwarded_env, is_local_host
+from ringserve.launch.procs import SshSettings, describe_exit, forwarded_env, is_local_host
 
 
 def test_the_environment_is_forwarded_except_the_login_sessions_own_and_what_each_worker_gets() -> None:

@@ -19,12 +19,13 @@ from ringsim import make_ring, shut
 from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, RingChangedError
 from ringserve.observe import Counters
-from ringserve.worker import collectives, shared
-from ringserve.worker.link import SEND_WINDOW, Link
-from ringserve.worker.memlink import MemoryLink
-from ringserve.worker.plane import Plane
-from ringserve.worker.session import Place
-from ringserve.worker.shared import InboundRing, OutboundRing
+from ringserve.worker.dataplane import shared
+from ringserve.worker.dataplane.link import SEND_WINDOW, Link
+from ringserve.worker.dataplane.memlink import MemoryLink
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.session import Place
+from ringserve.worker.dataplane.shared import InboundRing, OutboundRing
+from ringserve.worker.ops import collectives
 
 needs_shared = pytest.mark.skipif(not shared.supported(), reason="shared rings need Linux memfds on x86-64")
 

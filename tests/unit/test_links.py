@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve import links
-from ringserve.membership import (
+from ringserve.coordinator import ringcheck as links
+from ringserve.coordinator.membership import (
     Admit,
     Heartbeat,
     Join,

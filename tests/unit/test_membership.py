@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from ringserve.membership import (
+from ringserve.coordinator.membership import (
     Admit,
     Claim,
     Heartbeat,

@@ -1,4 +1,4 @@
-"""Point-to-point messages (worker/p2p.py), proved by the simulator (tests/ringsim.py).
+"""Point-to-point messages (worker/ops/p2p.py), proved by the simulator (tests/ringsim.py).
 
 A message is a collective of the ring (sender, receiver) on the view's planes and links, so the
 simulator runs it exactly as it ships, beside the whole view's collectives, under random
@@ -18,9 +18,10 @@ from ringsim import make_ring, shut, simulate
 from test_ring import case_seed
 
 from ringserve.errors import InvalidArgumentError, MismatchError, PeerUnavailableError
-from ringserve.worker import collectives, p2p, programs
-from ringserve.worker.programs import Ring
-from ringserve.worker.session import Session
+from ringserve.worker.dataplane import programs
+from ringserve.worker.dataplane.programs import Ring
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.ops import collectives, p2p
 
 T = 10.0
 

@@ -7,9 +7,9 @@ import pytest
 
 from ringserve import InvalidArgumentError
 from ringserve.config import CoordinatorConfig
-from ringserve.membership import Heartbeat, Join, Rules, State, Tick, heartbeat_interval, step
-from ringserve.pacing import failure_window
-from ringserve.pacing import heartbeat_interval as interval_for
+from ringserve.coordinator.membership import Heartbeat, Join, Rules, State, Tick, heartbeat_interval, step
+from ringserve.coordinator.pacing import failure_window
+from ringserve.coordinator.pacing import heartbeat_interval as interval_for
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 
 from ringserve.errors import RingChangedError
-from ringserve.worker import policy
-from ringserve.worker.policy import Close, CloseRetired, Member, Open, Place, Retire, Starve, State, View, decide
+from ringserve.worker.dataplane import policy
+from ringserve.worker.dataplane.policy import (
+    Close,
+    CloseRetired,
+    Member,
+    Open,
+    Place,
+    Retire,
+    Starve,
+    State,
+    View,
+    decide,
+)
 
 
 def view(view_id: int, *ids: str, left: tuple[str, ...] = (), failed: tuple[str, ...] = ()) -> View:

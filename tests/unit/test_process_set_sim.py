@@ -18,10 +18,10 @@ from reference import numpy_adasum, numpy_reduce
 from ringsim import simulate
 
 from ringserve.errors import InvalidArgumentError
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.session import Session
 from ringserve.worker.facade import Facade
-from ringserve.worker.plane import Plane
-from ringserve.worker.process_sets import ProcessSet, Registry, WholeWorld
-from ringserve.worker.session import Session
+from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
 
 T = 10.0
 

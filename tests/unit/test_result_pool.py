@@ -1,4 +1,4 @@
-"""The result pool (ringserve/worker/pool.py): a buffer goes out again only once nothing outside
+"""The result pool (ringserve/worker/dataplane/pool.py): a buffer goes out again only once nothing outside
 the pool can reach it, and the pool never holds more than its capacity."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringserve.worker.pool import ResultPool
+from ringserve.worker.dataplane.pool import ResultPool
 
 F32 = np.dtype(np.float32)
 N = 1 << 18  # 1 MiB of float32

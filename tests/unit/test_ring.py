@@ -36,10 +36,11 @@ from ringserve.ring import (
     segment_bounds,
     successor,
 )
-from ringserve.worker import collectives, executor, programs
-from ringserve.worker.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
-from ringserve.worker.session import Session
-from ringserve.worker.values import Blocks, Raw
+from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.dataplane.values import Blocks, Raw
+from ringserve.worker.ops import collectives
 
 WORLDS = list(range(1, 17))
 DTYPES = list(wire.DTYPES)

@@ -20,10 +20,11 @@ from ringsim import simulate
 from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError
 from ringserve.ring import chunk_bounds
-from ringserve.worker import collectives, executor, grouped, programs
-from ringserve.worker.programs import FORWARD, Give, Place, Program, Recv, Ring
-from ringserve.worker.session import Session
-from ringserve.worker.values import Exchange
+from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.programs import FORWARD, Give, Place, Program, Recv, Ring
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.dataplane.values import Exchange
+from ringserve.worker.ops import collectives, grouped
 
 WORLDS = list(range(1, 17))
 DTYPES = list(wire.DTYPES)

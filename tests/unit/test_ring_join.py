@@ -14,10 +14,10 @@ from ringsim import simulate
 
 from ringserve.errors import MismatchError, ProtocolError, UsageError
 from ringserve.observe import Counters
-from ringserve.worker import collectives, grouped, join
-from ringserve.worker.keys import MAX_SKIPPED
-from ringserve.worker.plane import Plane
-from ringserve.worker.session import Place, Session
+from ringserve.worker.dataplane.keys import MAX_SKIPPED
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.session import Place, Session
+from ringserve.worker.ops import collectives, grouped, join
 
 T = 10.0
 CHUNK = 16

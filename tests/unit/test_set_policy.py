@@ -1,4 +1,4 @@
-"""The pure part of process sets (worker/set_policy.py) and the per-view registry, without sockets.
+"""The pure part of process sets (worker/ops/set_policy.py) and the per-view registry, without sockets.
 
 Every rank decides on the same gathered requests, so these functions alone say which id a set
 gets and which error every rank raises.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ringserve.errors import InvalidArgumentError, RingChangedError
-from ringserve.worker.process_sets import ProcessSet, Registry, WholeWorld
-from ringserve.worker.set_policy import (
+from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
+from ringserve.worker.ops.set_policy import (
     AddRequest,
     RemoveRequest,
     decide_add,

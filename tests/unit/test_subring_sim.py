@@ -26,10 +26,11 @@ from ringserve.errors import (
     RingChangedError,
 )
 from ringserve.ring import reduce_scatter_step, segment_bounds
-from ringserve.worker import collectives, executor, keys, programs
-from ringserve.worker.programs import Program, Ring
-from ringserve.worker.session import Session
-from ringserve.worker.values import Raw
+from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane.programs import Program, Ring
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.dataplane.values import Raw
+from ringserve.worker.ops import collectives
 
 T = 10.0
 RINGS = [

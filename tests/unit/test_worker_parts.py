@@ -11,10 +11,10 @@ import grpc
 import pytest
 
 from ringserve.errors import NotInitializedError, RingChangedError, ViewInstallError
-from ringserve.worker.channels import ChannelCache
-from ringserve.worker.policy import Place
-from ringserve.worker.standing import Standing, on_loop
-from ringserve.worker.tasks import TaskOwner
+from ringserve.worker.control.standing import Standing, on_loop
+from ringserve.worker.control.tasks import TaskOwner
+from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.dataplane.policy import Place
 
 # -- the task owner -----------------------------------------------------------------------------------
 

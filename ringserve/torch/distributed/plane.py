@@ -8,11 +8,11 @@ the worker's event loop.
 - **A ``new_group(ranks)``** is a sub-ring of the view (``subset``): its collectives run on the
   worker's session over ``members``, the group's global ranks in group-rank order, so group rank
   ``i`` is position ``i`` of the ring, and roots and blocks are counted in group ranks, as torch
-  counts them. Keys name their ring (worker/keys.py), so a group's collectives never meet the
+  counts them. Keys name their ring (worker/dataplane/keys.py), so a group's collectives never meet the
   world's or another group's, whatever order the ranks issue them in. A group of every rank in
   rank order is the whole view, numbered apart by its tag.
 - **send / recv** run over the two-member ring (sender, receiver) of their global ranks
-  (worker/p2p.py), under a name per group and tag: ``<tag>.p2p.<torch tag>``. So messages of one
+  (worker/ops/p2p.py), under a name per group and tag: ``<tag>.p2p.<torch tag>``. So messages of one
   direction, group and tag are matched in order, as torch matches them, and 0 -> 2 and 2 -> 0 in
   flight at once are keyed apart. A recv from any source is refused (``recv``).
 - **all_to_all** is ringserve's alltoall over the group's ring, on bytes.
@@ -33,8 +33,8 @@ import numpy as np
 
 from ringserve.api import Context
 from ringserve.errors import InvalidArgumentError, RingChangedError
-from ringserve.worker import collectives, p2p
-from ringserve.worker.session import Session
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.ops import collectives, p2p
 
 if TYPE_CHECKING:
     from ringserve.worker.runtime import Worker
@@ -159,7 +159,7 @@ class Plane:
         return f"{self.tag or 'torch'}.p2p.{int(tag)}"
 
     def send(self, array: np.ndarray, dst: int, tag: int) -> Future[None]:
-        """Sends ``array`` to group rank ``dst``; done once it is on the link (see worker/p2p.py)."""
+        """Sends ``array`` to group rank ``dst``; done once it is on the link (see worker/ops/p2p.py)."""
         ring = p2p.pair(self.global_rank_of_self, self.global_rank(dst))
         name = self._p2p_name(tag)
         return self._start(lambda s, o: p2p.send(s, array, name=name, **o), ring)

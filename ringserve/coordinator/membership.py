@@ -1,0 +1,605 @@
+"""The membership state machine: ``step(state, event, now) -> (state, actions)``.
+
+Pure and clock-injected: the coordinator service feeds it events and carries out the actions it
+returns (publishing a view, probing a suspect). Views are numbered; a view lists its members in
+rank order. Members of the current view keep their relative order (rank 0 is the longest-lived
+member), and newcomers follow in join order, or in the order of their rank hints for the first view.
+
+Rules, in order of precedence:
+
+- **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
+  removed, and a view without it is published at once; a worker is never declared dead before it
+  has been silent for the full timeout. Silence is checked on ``Tick``. Workers that died together
+  (a host, a rack) sent their last heartbeats over an interval, and would expire over as many
+  ticks, each a view that every rank must install. So when some have expired while others are
+  nearly silent (for more than ``heartbeat_timeout_s - failure_window_s``), the view waits, at
+  most ``failure_window_s``, until each of those has either spoken again or expired too, and then
+  removes all the expired ones at once.
+- **Rendezvous**: the first view forms once ``min_workers`` have joined and membership has been
+  stable for ``settle_s``.
+- **Admission**: once a world runs, newcomers wait until a member asks for them to be admitted (an
+  elastic job does so at a commit, after all ranks agreed to), so that nobody's training step is
+  cut in half by a joiner. That request always yields a new view at once, with the waiting workers
+  or, if they are gone by then, with the same members: every rank already waits for a newer view.
+  The request also names the members that leave at that commit; they go in that same view, as
+  graceful leaves (one view for the commit's whole change). An empty world admits at once.
+- **Recovery**: a restarted coordinator knows nothing; workers rejoin claiming the view they run
+  in. When every member of the newest claimed view is back, that same view (same id, same ranks)
+  is adopted, so the world goes on undisturbed; when some do not come back within the heartbeat
+  timeout, the next view is formed from those that did. A restarted coordinator never starts a
+  second world numbered from 1 beside the running one.
+- **Partial partitions**: a suspect that answers the probe is cut off from its peers only; a bump
+  view re-forms the ring and a ring check drops one side if a link stays down (see
+  ``ringserve.coordinator.ringcheck``, which argues the design).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from ringserve.coordinator import pacing
+from ringserve.coordinator import ringcheck as links
+from ringserve.coordinator.ringcheck import RingCheck
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    worker_id: str
+    address: str
+    hostname: str
+    rank_hint: int
+    join_seq: int
+
+
+@dataclass(frozen=True)
+class ViewInfo:
+    """A numbered membership; ``members`` are in rank order. An empty view means "no world"."""
+
+    view_id: int
+    members: tuple[MemberInfo, ...]
+    left: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+
+    # Derived tables are computed once per view, on first use (cached_property writes the
+    # instance dict directly, which a frozen dataclass allows): a view of 2,000 members is asked
+    # for ranks by every request that names a worker.
+    @cached_property
+    def ranks(self) -> dict[str, int]:
+        """Each member's rank, by worker id."""
+        return {m.worker_id: rank for rank, m in enumerate(self.members)}
+
+    @cached_property
+    def placements(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``local(rank)`` of every member, computed in one pass over the members."""
+        hosts: dict[str, int] = {}
+        per_host: dict[str, int] = {}
+        local_ranks = []
+        for m in self.members:
+            hosts.setdefault(m.hostname, len(hosts))
+            local_ranks.append(per_host.get(m.hostname, 0))
+            per_host[m.hostname] = local_ranks[-1] + 1
+        return tuple(
+            (local_rank, per_host[m.hostname], hosts[m.hostname], len(hosts))
+            for local_rank, m in zip(local_ranks, self.members, strict=True)
+        )
+
+    def rank_of(self, worker_id: str) -> int | None:
+        return self.ranks.get(worker_id)
+
+    def local(self, rank: int) -> tuple[int, int, int, int]:
+        """(local_rank, local_size, cross_rank, cross_size) of the member at ``rank``: its index
+        among the members on its host, their number, its host's index among the hosts in order of
+        first appearance, and the number of hosts."""
+        return self.placements[rank]
+
+
+@dataclass(frozen=True)
+class Rules:
+    min_workers: int
+    max_workers: int
+    settle_s: float
+    heartbeat_timeout_s: float
+    # How long the view without expired workers may wait for those nearly expired (silent for
+    # more than heartbeat_timeout_s - failure_window_s) to speak or expire too (0: never waits).
+    failure_window_s: float = 0.0
+    # The interval workers are told to heartbeat at, stretched as the world grows so that they
+    # send at most max_heartbeats_per_s in all (0: never stretched; see ringserve.coordinator.pacing).
+    heartbeat_interval_s: float = 1.0
+    max_heartbeats_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a rejoining worker says it runs in: a view, its rank there, and that view's size."""
+
+    view_id: int
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Beat:
+    """A heartbeat not yet folded into ``State.last_seen``. The beats since the last tick form a
+    linked list, newest first, so that recording one allocates one cell, whatever the number of
+    workers; a tick folds them into a new ``last_seen`` in one pass."""
+
+    worker_id: str
+    at: float
+    previous: _Beat | None
+
+
+@dataclass(frozen=True)
+class State:
+    rules: Rules
+    workers: dict[str, MemberInfo] = field(default_factory=dict)
+    # When each worker was last heard from, as of the last tick; ``seen`` adds the newer beats.
+    last_seen: dict[str, float] = field(default_factory=dict)
+    beats: _Beat | None = None
+    view: ViewInfo = ViewInfo(0, ())
+    changed_at: float = -INF
+    join_seq: int = 0
+    # Workers removed since the last published view, by how they went.
+    left: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
+    # A member of the running view asked for waiting workers to be admitted, and for a new view.
+    admit: bool = False
+    bump: bool = False
+    suspects: frozenset[str] = frozenset()
+    claims: dict[str, Claim] = field(default_factory=dict)
+    first_claim_at: float = INF
+    # Partial partitions (ringserve.coordinator.ringcheck): the ring check under way, when each cut-off worker may
+    # be admitted again, how often each was cut off, and when the recent bumps were.
+    check: RingCheck | None = None
+    held: dict[str, float] = field(default_factory=dict)
+    cuts: dict[str, int] = field(default_factory=dict)
+    bumps: tuple[float, ...] = ()
+    # When workers were first found expired while others were nearly so (see _expire).
+    expiring_since: float = INF
+    # Whether the next view may differ from the current one: set by every change of membership,
+    # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
+    # sort every worker again.
+    dirty: bool = True
+
+
+@dataclass(frozen=True)
+class Join:
+    worker_id: str
+    address: str
+    hostname: str
+    rank_hint: int = -1
+    claim: Claim | None = None
+
+
+@dataclass(frozen=True)
+class Leave:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A worker reported a peer as failed on the data plane."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    worker_id: str
+    alive: bool
+
+
+@dataclass(frozen=True)
+class Linked:
+    """A member's heartbeat says its ring predecessor's stream reached it in view ``view_id``."""
+
+    worker_id: str
+    view_id: int
+
+
+@dataclass(frozen=True)
+class Admit:
+    """A member of the running view asks for the waiting workers to be admitted, and for the
+    members in ``leaving`` (they leave at this commit) to go in the same view."""
+
+    requester_id: str
+    view_id: int = 0
+    leaving: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+Event = Join | Leave | Heartbeat | Suspect | ProbeResult | Linked | Admit | Tick
+
+
+@dataclass(frozen=True)
+class PublishView:
+    view: ViewInfo
+
+
+@dataclass(frozen=True)
+class Removed:
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Check at once whether a suspect still answers; report back with ProbeResult."""
+
+    worker_id: str
+    address: str
+
+
+Action = PublishView | Removed | Probe
+
+
+def _with_beat(state: State, beats: _Beat) -> State:
+    """``replace(state, beats=beats)``, for the one event that comes thousands of times a second:
+    ``replace`` runs ``__init__`` over every field (about 20 us a heartbeat, half the handler's
+    time at 2,000 workers); a copy of the instance's dict is a fifth of that. The new state is
+    changed only before anyone sees it, so it is as immutable as ``replace``'s."""
+    new = object.__new__(State)
+    fields = new.__dict__
+    fields.update(state.__dict__)
+    fields["beats"] = beats
+    return new
+
+
+def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
+    """Applies one event at time ``now`` and returns the new state and the actions to carry out.
+
+    A heartbeat costs the same whatever the number of workers: it is recorded, and nothing else
+    is looked at. Deadlines (silence, settling, recovery) are checked on ``Tick``.
+    """
+    actions: list[Action] = []
+    if isinstance(event, Heartbeat):
+        if event.worker_id not in state.workers:
+            return state, []
+        return _with_beat(state, _Beat(event.worker_id, now, state.beats)), []
+    if isinstance(event, Join):
+        state = _join(state, event, now)
+    elif isinstance(event, Leave):
+        if event.worker_id in state.workers:
+            state = _remove(state, event.worker_id, now, failed=False)
+            actions.append(Removed(event.worker_id, "left"))
+    elif isinstance(event, Suspect):
+        member = state.workers.get(event.worker_id)
+        if member is not None and event.worker_id not in state.suspects:
+            state = replace(state, suspects=state.suspects | {event.worker_id})
+            actions.append(Probe(event.worker_id, member.address))
+    elif isinstance(event, ProbeResult):
+        state = replace(state, suspects=state.suspects - {event.worker_id})
+        if not event.alive and event.worker_id in state.workers:
+            state = _remove(state, event.worker_id, now, failed=True)
+            actions.append(Removed(event.worker_id, "reported by a peer and did not answer a probe"))
+        elif event.alive and event.worker_id in state.workers:
+            state, cut = _partitioned(state, event.worker_id, now)
+            actions.extend(cut)
+    elif isinstance(event, Linked):
+        state = _linked(state, event)
+    elif isinstance(event, Admit):
+        current = event.view_id in (0, state.view.view_id)
+        if current and state.view.rank_of(event.requester_id) is not None:
+            # Leavers named by the requester go now, gracefully, in the one view that also admits:
+            # each leaver's own Leave (after its drain) would come later, one view per leaver, and
+            # the survivors would sync in a view that still holds the next one to go.
+            leaving = [w for w in dict.fromkeys(event.leaving) if state.view.rank_of(w) is not None and w in state.workers]
+            if leaving:
+                state = _remove_all(state, leaving, now, failed=False)
+                actions.extend(Removed(w, "left") for w in leaving)
+            state = replace(state, admit=True, bump=True, dirty=True)
+    elif isinstance(event, Tick):
+        state, removed = _expire(state, now)
+        actions.extend(removed)
+    if state.check is not None or state.held:
+        state, cut = _check_ring(state, now)
+        actions.extend(cut)
+    state, published = _maybe_publish(state, now)
+    actions.extend(published)
+    if published and (state.check is not None or state.cuts):
+        state = _arm_check(state, now)
+    return state, actions
+
+
+def checking(state: State) -> bool:
+    """Whether a ring check waits for members to say their links are up (``Linked`` events)."""
+    return state.check is not None
+
+
+def seen(state: State) -> dict[str, float]:
+    """When each worker was last heard from, heartbeats since the last tick included."""
+    if state.beats is None:
+        return state.last_seen
+    last_seen = dict(state.last_seen)
+    beat: _Beat | None = state.beats
+    while beat is not None:
+        # Newest first: a worker's first beat in the list is its latest; a beat of a worker
+        # removed since does not bring it back.
+        if beat.at > last_seen.get(beat.worker_id, INF):
+            last_seen[beat.worker_id] = beat.at
+        beat = beat.previous
+    return last_seen
+
+
+def heartbeat_interval(state: State) -> float:
+    """The interval the workers are told to heartbeat at now (see ringserve.coordinator.pacing)."""
+    rules = state.rules
+    return pacing.heartbeat_interval(
+        rules.heartbeat_interval_s, rules.heartbeat_timeout_s, rules.max_heartbeats_per_s, len(state.workers)
+    )
+
+
+def _failure_window(state: State) -> float:
+    """failure_window_s, or longer when the interval is stretched: a stretched interval spreads
+    the last heartbeats of workers that died together over more time."""
+    rules = state.rules
+    if rules.max_heartbeats_per_s <= 0:
+        return rules.failure_window_s
+    return max(rules.failure_window_s, pacing.failure_window(heartbeat_interval(state), rules.heartbeat_timeout_s))
+
+
+def _expire(state: State, now: float) -> tuple[State, list[Action]]:
+    """Folds the heartbeats in, and removes the workers silent past the timeout, all in one view,
+    once none is left nearly silent (or failure_window_s has passed since some expired)."""
+    last_seen = seen(state)
+    if state.beats is not None:
+        state = replace(state, last_seen=last_seen, beats=None)
+    deadline = state.rules.heartbeat_timeout_s
+    if not any(now - at > deadline for at in last_seen.values()):
+        if state.expiring_since != INF:
+            # The expired spoke again (a slow worker, not a dead one): the wait is over, and a
+            # later failure gets a window of its own.
+            state = replace(state, expiring_since=INF)
+        return state, []
+    expiring_since = min(state.expiring_since, now)
+    window = _failure_window(state)
+    if now - expiring_since < window:
+        nearly = deadline - window
+        if any(nearly < now - at <= deadline for at in last_seen.values()):
+            return replace(state, expiring_since=expiring_since), []
+    silent = [wid for wid, at in last_seen.items() if now - at > deadline]
+    state = replace(_remove_all(state, silent, now, failed=True), expiring_since=INF)
+    return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
+
+
+def is_known(state: State, worker_id: str) -> bool:
+    return worker_id in state.workers
+
+
+def waiting(state: State) -> int:
+    """Workers that joined but are not in the current view."""
+    in_view = state.view.ranks
+    return len([w for w in state.workers if w not in in_view])
+
+
+def admissible(state: State) -> int:
+    """Waiting workers that the next view would take, within max_workers (none still held out)."""
+    room = state.rules.max_workers - len(state.view.members)
+    return max(0, min(waiting(state) - len(state.held.keys() & state.workers.keys()), room))
+
+
+def _partitioned(state: State, suspect: str, now: float) -> tuple[State, list[Action]]:
+    """A peer reported ``suspect`` and it answered the probe: a link is down, not a worker."""
+    view = state.view
+    if view.rank_of(suspect) is None or len(view.members) < 2 or state.check is not None:
+        # A check under way (or the bump it waits for) settles this report too.
+        return state, []
+    timeout = state.rules.heartbeat_timeout_s
+    if links.storming(state.bumps, now, timeout):
+        return _cut(state, suspect, now, f"reported by its peers again after {links.MAX_BUMPS} new rings")
+    bumps = tuple(t for t in state.bumps if now - t < links.STORM_WINDOW * timeout) + (now,)
+    return replace(state, bump=True, dirty=True, bumps=bumps, check=RingCheck(0, INF)), []
+
+
+def _linked(state: State, event: Linked) -> State:
+    check = state.check
+    if check is None or event.view_id != check.view_id or event.view_id != state.view.view_id:
+        return state
+    if state.view.rank_of(event.worker_id) is None:
+        return state
+    linked = check.linked | {event.worker_id}
+    if len(linked) < len(state.view.members):
+        return replace(state, check=replace(check, linked=linked))
+    # Every link is up: the partition (if any) healed, and nobody here owes a cut any more.
+    members = {m.worker_id for m in state.view.members}
+    return replace(state, check=None, cuts={w: c for w, c in state.cuts.items() if w not in members})
+
+
+def _check_ring(state: State, now: float) -> tuple[State, list[Action]]:
+    """Lets held workers in again once their time is up, and drops a worker if a link stayed down."""
+    if state.held:
+        held = {w: t for w, t in state.held.items() if t > now}
+        if len(held) != len(state.held):
+            # A worker held out may be admitted again: the next view may differ.
+            state = replace(state, held=held, dirty=True)
+    check = state.check
+    if check is None or check.view_id != state.view.view_id or now < check.deadline:
+        return state, []
+    ids = [m.worker_id for m in state.view.members]
+    victim = links.cut_off(ids, check.linked)
+    down = len([link for link in links.down_links(ids, check.linked) if victim in link])
+    reason = (f"cut off from its ring neighbours: {down} of its links did not come up within "
+              f"{state.rules.heartbeat_timeout_s:g} s, though it answers the coordinator")
+    return _cut(state, victim, now, reason)
+
+
+def _cut(state: State, worker_id: str, now: float, reason: str) -> tuple[State, list[Action]]:
+    """Drops a worker that answers but cannot reach its peers, and holds it out for a while."""
+    cuts = state.cuts.get(worker_id, 0) + 1
+    until = now + links.hold_s(cuts, state.rules.heartbeat_timeout_s)
+    state = _remove(state, worker_id, now, failed=True)
+    state = replace(
+        state, check=RingCheck(0, INF), cuts={**state.cuts, worker_id: cuts}, held={**state.held, worker_id: until}
+    )
+    return state, [Removed(worker_id, reason)]
+
+
+def _arm_check(state: State, now: float) -> State:
+    """Checks a view just published if a check waits for it, or if it takes back a cut-off worker."""
+    view = state.view
+    if len(view.members) < 2:
+        return replace(state, check=None)
+    if state.check is None and not any(m.worker_id in state.cuts for m in view.members):
+        return state
+    return replace(state, check=RingCheck(view.view_id, now + state.rules.heartbeat_timeout_s))
+
+
+def _join(state: State, event: Join, now: float) -> State:
+    old = state.workers.get(event.worker_id)
+    info = MemberInfo(
+        worker_id=event.worker_id,
+        address=event.address,
+        hostname=event.hostname,
+        rank_hint=event.rank_hint,
+        join_seq=old.join_seq if old else state.join_seq,
+    )
+    claims = state.claims
+    first_claim_at = state.first_claim_at
+    if event.claim is not None and event.claim.view_id > state.view.view_id:
+        claims = {**claims, event.worker_id: event.claim}
+        first_claim_at = min(first_claim_at, now)
+    changed = old != info
+    return replace(
+        state,
+        workers={**state.workers, event.worker_id: info},
+        last_seen={**state.last_seen, event.worker_id: now},
+        changed_at=now if changed else state.changed_at,
+        join_seq=state.join_seq + (0 if old else 1),
+        claims=claims,
+        first_claim_at=first_claim_at,
+        dirty=True,
+    )
+
+
+def _remove(state: State, worker_id: str, now: float, *, failed: bool) -> State:
+    return _remove_all(state, [worker_id], now, failed=failed)
+
+
+def _remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool) -> State:
+    """Removes several workers with one copy of each table, however many they are."""
+    gone = frozenset(worker_ids)
+    workers = {k: v for k, v in state.workers.items() if k not in gone}
+    last_seen = {k: v for k, v in state.last_seen.items() if k not in gone}
+    claims = {k: v for k, v in state.claims.items() if k not in gone} if state.claims else state.claims
+    return replace(
+        state,
+        workers=workers,
+        last_seen=last_seen,
+        claims=claims,
+        changed_at=now,
+        suspects=state.suspects - gone,
+        left=state.left if failed else state.left | gone,
+        failed=state.failed | gone if failed else state.failed,
+        dirty=True,
+    )
+
+
+def _desired(state: State) -> tuple[MemberInfo, ...]:
+    current = {m.worker_id: r for r, m in enumerate(state.view.members)}
+    admitting = state.admit or not state.view.members
+
+    def key(m: MemberInfo) -> tuple[float, float, int]:
+        if m.worker_id in current:
+            return (0, current[m.worker_id], 0)
+        hint = m.rank_hint if m.rank_hint >= 0 and not state.view.members else INF
+        return (1, hint, m.join_seq)
+
+    members = [
+        m for m in state.workers.values()
+        if m.worker_id in current or (admitting and m.worker_id not in state.held)
+    ]
+    return tuple(sorted(members, key=key)[: state.rules.max_workers])
+
+
+def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:
+    """Rebuilds the running view from the claims of rejoining workers, after a restart."""
+    newest = max(c.view_id for c in state.claims.values())
+    # Keyed by rank, then by join order: two workers claiming one rank (a stale or a false claim)
+    # must not make the sort compare members.
+    claimants = sorted(
+        ((c.rank, state.workers[w]) for w, c in state.claims.items() if c.view_id == newest and w in state.workers),
+        key=lambda claim: (claim[0], claim[1].join_seq),
+    )
+    # One claimant per rank (the earliest): the rest wait like newcomers, and the view stays
+    # within the claimed size, so within max_workers.
+    claimants = [c for i, c in enumerate(claimants) if i == 0 or c[0] != claimants[i - 1][0]]
+    size = max(c.size for c in state.claims.values() if c.view_id == newest)
+    ranks = [r for r, _ in claimants]
+    members = tuple(m for _, m in claimants)
+    if ranks == list(range(size)):
+        # Everyone is back: adopt the same view, so the workers see nothing change.
+        view = ViewInfo(newest, members)
+        state = replace(state, view=view, claims={}, first_claim_at=INF, changed_at=now, admit=False)
+        return state, [PublishView(view)]
+    if now - state.first_claim_at < state.rules.heartbeat_timeout_s:
+        return state, []
+    # Some never came back within a heartbeat timeout: they count as failed, and the next view is
+    # formed from those that did, in their old rank order (waiting newcomers still wait).
+    failed = tuple(f"rank {r} of view {newest}" for r in range(size) if r not in ranks)
+    if len(members) < state.rules.min_workers:
+        members = ()
+    view = ViewInfo(newest + 1, members, failed=failed)
+    state = replace(state, view=view, claims={}, first_claim_at=INF, changed_at=now, admit=False)
+    return state, [PublishView(view)]
+
+
+def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
+    if not state.dirty:
+        return state, []
+    if state.claims:
+        recovered = _recover(state, now)
+        if recovered is not None:
+            return recovered
+    elif not state.bump and now - state.changed_at < state.rules.settle_s and not _lost_any(state):
+        # Still settling, and nobody to drop: the answer is "not yet" without sorting everyone
+        # (a view of 2,000 forms after as many joins).
+        return state, []
+    desired = _desired(state)
+    current_ids = [m.worker_id for m in state.view.members]
+    desired_ids = [m.worker_id for m in desired]
+    if desired_ids == current_ids and desired == state.view.members:
+        if state.bump:
+            return _publish(state, desired)
+        # An admit request that finds nobody to let in lapses: a later joiner waits for the next.
+        return replace(state, admit=False, dirty=False), []
+    lost = set(current_ids) - set(desired_ids)
+    enough = len(desired) >= state.rules.min_workers
+    if lost and not enough:
+        # The world fell below its minimum: end it now, so that nobody waits on a dead ring.
+        if not state.view.members:
+            return replace(state, dirty=False), []
+        return _publish(state, ())
+    if not enough:
+        return replace(state, dirty=False), []
+    settled = now - state.changed_at >= state.rules.settle_s
+    if not lost and not settled and not state.bump:
+        return state, []
+    return _publish(state, desired)
+
+
+def _lost_any(state: State) -> bool:
+    """Whether a member of the current view has been removed since it was published."""
+    return any(w in state.view.ranks for w in state.left | state.failed)
+
+
+def _publish(state: State, members: tuple[MemberInfo, ...]) -> tuple[State, list[Action]]:
+    previous = {m.worker_id for m in state.view.members}
+    view = ViewInfo(
+        state.view.view_id + 1,
+        members,
+        left=tuple(sorted(state.left & previous)),
+        failed=tuple(sorted(state.failed & previous)),
+    )
+    state = replace(state, view=view, left=frozenset(), failed=frozenset(), admit=False, bump=False)
+    return state, [PublishView(view)]

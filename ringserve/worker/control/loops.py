@@ -1,0 +1,207 @@
+"""The worker's membership loops: the view watch, the heartbeats, the rejoin and the exclusion check.
+
+Two long-lived tasks, both owned by the worker's ``TaskOwner`` (tasks.py), which reports a crash
+the moment it happens:
+
+- **watch**: every view the coordinator publishes is installed (``Worker._install``). A view that
+  cannot be installed makes the worker give up (ViewInstallError, it leaves). A broken watch
+  (the coordinator is away) is watched again, with a backoff.
+- **heartbeat**: every heartbeat interval (or at once when asked, see ``heartbeat_now``) the
+  worker's counters, stalled collectives, ring link and commit go to the coordinator, which
+  answers with the joiners waiting, the job's commit mark and the interval to keep (it stretches
+  the interval as the world grows). A worker the coordinator does not know rejoins
+  under its id, claiming the view it runs in. A worker silent to the coordinator for a heartbeat
+  timeout asks its peers whether they went on without it (see exclusion.py) and, if they did,
+  stops with ExcludedError.
+
+After each heartbeat and each break in the watch, retired planes that drained are forgotten and
+channels nobody uses are closed.
+
+The loops run on the worker's event loop, and so does everything they touch; what the training
+thread may read of theirs (``pending_workers``) it reads from the worker's published standing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from ringserve._proto import coordinator_pb2 as cpb
+from ringserve.commits import Commit
+from ringserve.config import WorkerConfig
+from ringserve.errors import ExcludedError, RingserveError
+from ringserve.observe import Counters
+from ringserve.worker.control import exclusion
+from ringserve.worker.control.client import ControlClient
+from ringserve.worker.control.reports import CommitReports
+from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.dataplane.registry import Planes
+
+log = logging.getLogger("ringserve.worker")
+
+
+class Lifeline:
+    """The worker's loops on the control plane, and what they learn (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        control: ControlClient,
+        joined: cpb.JoinResponse,
+        address: str,
+        counters: Counters,
+        planes: Planes,
+        channels: ChannelCache,
+        linked_view: Callable[[], int],
+        install: Callable[[cpb.View], None],
+        give_up: Callable[[int, Exception], Awaitable[None]],
+        exclude: Callable[[ExcludedError], None],
+        failed: Callable[[], bool],
+        publish: Callable[[], None],
+        tag: Callable[[], str],
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.worker_id = joined.worker_id
+        self.address = address
+        self.counters = counters
+        self.planes = planes
+        self.channels = channels
+        self._linked_view = linked_view
+        self._install = install
+        self._give_up = give_up
+        self._exclude = exclude
+        self._failed = failed
+        self._publish = publish
+        self._tag = tag
+        self.heartbeat_interval_s = joined.heartbeat_interval_s
+        self.heartbeat_timeout_s = joined.heartbeat_timeout_s
+        self.heard_at = asyncio.get_running_loop().time()  # when the last answered heartbeat was sent
+        self.pending_workers = 0
+        # The commit this worker's elastic state holds once synced, reported with heartbeats (see
+        # worker/control/reports.py), and the job's mark from the last heartbeat answer (a fallback when
+        # the coordinator cannot be asked at a sync).
+        self.held = CommitReports()
+        self.heard_mark: Commit | None = None
+        self.heartbeat_now = asyncio.Event()
+        # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
+        # then (see Worker.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
+        self.leaving = False
+
+    @property
+    def tag(self) -> str:
+        return self._tag()
+
+    async def housekeeping(self) -> None:
+        """Forgets drained planes, then closes the channels no link or probe holds any more."""
+        await self.planes.drain()
+        await self.channels.sweep()
+
+    async def watch(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                async for view in self.control.watch(self.worker_id):
+                    try:
+                        self._install(view)
+                    except Exception as exc:  # noqa: BLE001 - whatever it is, the worker cannot go on
+                        await self._give_up(view.view_id, exc)
+                        return
+                    backoff = 0.05
+            except RingserveError as exc:  # the coordinator is away: watch again
+                log.warning("%s: view watch broke: %s", self.tag, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+            await self.housekeeping()
+
+    async def heartbeat(self) -> None:
+        while not self._failed():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.heartbeat_interval_s):
+                    await self.heartbeat_now.wait()
+            self.heartbeat_now.clear()
+            c = self.counters
+            counters = cpb.WorkerCounters(
+                collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
+            )
+            plane = self.planes.current
+            view_id = plane.view_id if plane is not None else 0
+            stalled = plane.stalled(self.config.stall_warning_s) if plane is not None else []
+            sent_at = asyncio.get_running_loop().time()
+            committed, committed_view = self.held.committed, self.held.view
+            try:
+                answer = await self.control.heartbeat(
+                    self.worker_id, view_id, counters, stalled, self._linked_view(), committed, committed_view
+                )
+            except RingserveError as exc:
+                self.held.failed()
+                self.counters.heartbeats_missed += 1
+                log.warning("%s: heartbeat failed: %s", self.tag, exc)
+                if await self._excluded_now():
+                    return
+                continue
+            self.heard_at = sent_at
+            # The coordinator stretches the interval as the world grows (0: an older coordinator).
+            self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
+            self.held.answered(committed, answer.known)
+            # Counted against the view the answer is about: stale news of joiners already admitted
+            # must not make a commit wait for a view that never comes.
+            current = self.planes.current.view_id if self.planes.current is not None else 0
+            self.pending_workers = answer.pending_workers if answer.view_id == current else 0
+            self._publish()
+            if answer.HasField("mark_step"):
+                self.heard_mark = max(self.heard_mark or Commit(0, 0), Commit(answer.mark_lineage, answer.mark_step))
+            for warning in answer.stall_warnings:
+                self.counters.stall_warnings += 1
+                log.warning("%s: stalled collective %s", self.tag, warning)
+            if not answer.known and not self._failed() and not self.leaving:  # one that gave up or leaves stays out
+                await self._rejoin()
+            await self.housekeeping()
+
+    async def _excluded_now(self) -> bool:
+        """After a heartbeat timeout without the coordinator: whether the peers went on without us.
+
+        If they did, every collective of this worker fails with ExcludedError from now on (see
+        ringserve.worker.control.exclusion), and so does a wait for a view.
+        """
+        silent_s = asyncio.get_running_loop().time() - self.heard_at
+        place = self.planes.last_place
+        if place is None or place.size == 1 or not exclusion.must_ask(silent_s, self.heartbeat_timeout_s):
+            return False
+        peers = [a for r, a in enumerate(place.addresses) if r != place.rank]
+        leases = [self.channels.lease(a) for a in peers]
+        try:
+            channels = {lease.address: lease.channel for lease in leases}
+            views = await exclusion.peer_views(peers, channels.__getitem__, self.config.rpc_timeout_s)
+        finally:
+            for lease in leases:
+                lease.release()
+        # Against the last view we were in, not the newest we heard of: the view that dropped us
+        # may have reached us before the coordinator's route went.
+        newer = exclusion.excluded(place.view_id, views)
+        if not newer:
+            return False
+        exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, place.view_id)
+        log.error("%s: %s", self.tag, exc)
+        self._exclude(exc)
+        return True
+
+    async def _rejoin(self) -> None:
+        """Registers again under the same id, claiming the view we run in (after a coordinator
+        restart, or after being declared dead while stopped)."""
+        plane = self.planes.current
+        claim = {}
+        if plane is not None:
+            claim = {"view_id": plane.view_id, "rank": plane.place.rank, "view_size": plane.place.size}
+        log.warning("%s: the coordinator does not know this worker; rejoining with %s", self.tag, claim or "no view")
+        try:
+            joined = await self.control.join(
+                address=self.address, hostname=self.config.hostname, rank_hint=self.config.rank_hint,
+                worker_id=self.worker_id, **claim,
+            )
+            self.heartbeat_timeout_s = joined.heartbeat_timeout_s
+        except RingserveError as exc:
+            log.warning("%s: rejoin failed: %s", self.tag, exc)

@@ -1,0 +1,206 @@
+"""The peer server's servicer: the streams other workers open to this one, and ``Peer/Latest``.
+
+A peer stream opens with a HELLO that names a view and the sender's rank in it. The stream is
+*verified* once that view's plane here accepts the sender (``Plane.accept``): a rank of the view,
+not this worker's own. Only then are its frames read into the plane, routed by collective key,
+each collective checking that its frames come from the rank that precedes this one in its ring
+(``Plane.on_frame``: a frame any other stream brings is refused, and so is its stream); and only
+then is a shared-memory ring it offers mapped (see shared.py). So any rank of a view can stream to
+any other, as sub-rings and point-to-point programs need, while the bounds of gate.py hold for the
+streams that have proved nothing.
+
+A HELLO for a view not installed here yet (the sender heard of it first) holds its stream
+unverified, reading nothing more, until the view comes: gRPC's flow control then holds the sender's
+frames, bounded by its window, instead of a buffer here. A HELLO for a past view, or for one
+without this worker, is never verified: its frames are dropped and counted, and the gate ends it
+at its deadline.
+
+When a verified stream ends, its plane hears of it (``Plane.stream_ended``): the collectives that
+wait on that sender starve, and a stream that broke (no BYE) is reported to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from ringserve import wire
+from ringserve._proto import peer_pb2
+from ringserve.config import WorkerConfig
+from ringserve.errors import ProtocolError
+from ringserve.observe import Counters
+from ringserve.ring import predecessor
+from ringserve.worker.dataplane.gate import Pass, StreamGate
+from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.registry import Planes
+from ringserve.worker.dataplane.shared import InboundRing
+
+log = logging.getLogger("ringserve.worker")
+
+PEER_SERVICE = "ringserve.v1.Peer"
+
+Report = Callable[[int, int, str], None]  # (view, suspect rank, why)
+
+
+class PeerServicer:
+    """Serves ``Peer/Stream`` and ``Peer/Latest`` for one worker's planes."""
+
+    def __init__(self, config: WorkerConfig, counters: Counters, planes: Planes, *, report: Report,
+                 tag: Callable[[], str]) -> None:
+        self.config = config
+        self.counters = counters
+        self.planes = planes
+        self.gate = StreamGate(cap=config.max_unverified_streams, deadline_s=config.peer_hello_timeout_s)
+        self._report = report
+        self._tag = tag
+        # Verified streams open from a (view, sender rank): a heartbeat says whether the ring's
+        # link into us is up.
+        self._inbound: dict[tuple[int, int], int] = {}
+        self._rings: set[InboundRing] = set()  # shared rings mapped by streams still open
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler to add to the peer server."""
+        stream = grpc.stream_unary_rpc_method_handler(
+            self.stream, response_serializer=peer_pb2.StreamSummary.SerializeToString
+        )
+        latest = grpc.unary_unary_rpc_method_handler(
+            self.latest, request_deserializer=peer_pb2.LatestRequest.FromString,
+            response_serializer=peer_pb2.LatestView.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(PEER_SERVICE, {"Stream": stream, "Latest": latest})
+
+    def linked_view(self) -> int:
+        """The current view if the stream from its ring predecessor has reached us, else 0."""
+        plane = self.planes.current
+        if plane is None:
+            return 0
+        place = plane.place
+        if place.size == 1 or (place.view_id, predecessor(place.rank, place.size)) in self._inbound:
+            return place.view_id
+        return 0
+
+    def close(self) -> None:
+        """Unmaps every shared ring still mapped (the server has stopped: no stream reads them)."""
+        for ring in list(self._rings):
+            ring.close()
+        self._rings.clear()
+
+    async def latest(self, request: peer_pb2.LatestRequest, context: grpc.aio.ServicerContext) -> peer_pb2.LatestView:
+        return peer_pb2.LatestView(view_id=self.planes.latest_view, worker_id=self.planes.state.worker_id)
+
+    async def stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
+        # Streams that have proved nothing are bounded in number and in time (see gate.py).
+        admitted = self.gate.enter()
+        frames = 0
+        ring: InboundRing | None = None
+        plane: Plane | None = None
+        clean = False
+        try:
+            async with asyncio.timeout(self.gate.deadline_s) as admitted.deadline:
+                raws = aiter(request_iterator)
+                async for raw in raws:
+                    hello, _ = wire.decode(raw)
+                    frames += 1
+                    if hello.kind != wire.HELLO:
+                        raise ProtocolError("A peer stream must open with a HELLO frame.")
+                    break
+                else:
+                    return peer_pb2.StreamSummary(frames=0)
+                admitted.hello = hello
+                plane = await self._verify(admitted)
+                if plane is not None:
+                    self._count(hello, +1)
+                    if hello.HasField("shared_ring") and self.config.shared_memory:
+                        ring = await self._attach(hello.shared_ring)
+                        if ring is not None:
+                            self._rings.add(ring)
+                sender = hello.sender_rank
+                async for raw in raws:
+                    header, payload = wire.decode(raw)
+                    frames += 1
+                    if header.view_id != hello.view_id:
+                        raise ProtocolError(
+                            f"A stream opened for view {hello.view_id} carried a frame of view {header.view_id}."
+                        )
+                    if header.kind == wire.BYE:
+                        clean = True
+                        continue
+                    if header.HasField("shm_slot"):
+                        if ring is None:
+                            raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
+                        payload = ring.payload(header)
+                    if plane is None:
+                        self.counters.frames_rejected += 1
+                        continue
+                    plane.on_frame(Received(header, payload, raw), sender)
+        except ProtocolError as exc:
+            log.warning("%s: rejected a peer stream: %s", self._tag(), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            await context.abort(*self._timed_out(admitted))
+        finally:
+            if ring is not None:
+                ring.close()  # unmapped once the collectives are done with its payloads
+                self._rings.discard(ring)
+            self.gate.leave(admitted)
+            # Only a verified stream's end says anything about the view.
+            if plane is not None and admitted.hello is not None:
+                hello = admitted.hello
+                self._count(hello, -1)
+                if plane.stream_ended(hello.sender_rank, clean):
+                    self._report(hello.view_id, hello.sender_rank, f"its stream to rank {plane.place.rank} broke")
+        return peer_pb2.StreamSummary(frames=frames)
+
+    async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
+        """The predecessor's shared ring, mapped; through its ring server in the shared directory
+        (a blocking exchange, on a thread, under connect_timeout_s), or through /proc."""
+        cfg = self.config
+        if offer.socket and cfg.shared_dir:
+            return await asyncio.to_thread(InboundRing.attach, offer, shared_dir=cfg.shared_dir,
+                                           timeout_s=cfg.connect_timeout_s)
+        return InboundRing.attach(offer)
+
+    async def _verify(self, admitted: Pass) -> Plane | None:
+        """The plane that accepts the stream's sender, once its view is installed here; None if
+        that view is past, or has no place for this worker (the stream stays unverified).
+
+        Raises:
+            ProtocolError: the plane refuses the sender (see Plane.accept).
+        """
+        hello = admitted.hello
+        assert hello is not None
+        while True:
+            plane = self.planes.plane_of(hello.view_id)
+            if plane is not None:
+                plane.accept(hello)
+                self.gate.verify(admitted)
+                return plane
+            if hello.view_id <= self.planes.latest_view or self.planes.state.stopped:
+                return None
+            await self.planes.changed()  # the gate's deadline bounds the wait
+
+    def _timed_out(self, admitted: Pass) -> tuple[grpc.StatusCode, str]:
+        if admitted.evicted:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"The peer server of {self._tag()} holds {self.gate.cap} streams whose HELLO is not verified "
+                "(max_unverified_streams); this one, the oldest, was ended to make room."
+            )
+        hello = admitted.hello
+        what = "sent no HELLO" if hello is None else (
+            f"sent a HELLO (view {hello.view_id}, rank {hello.sender_rank}) that no view of this worker verified"
+        )
+        return grpc.StatusCode.DEADLINE_EXCEEDED, (
+            f"The peer stream {what} within {self.gate.deadline_s:g} s (peer_hello_timeout_s) and was ended."
+        )
+
+    def _count(self, hello: wire.FrameHeader, delta: int) -> None:
+        link = (hello.view_id, hello.sender_rank)
+        count = self._inbound.get(link, 0) + delta
+        if count > 0:
+            self._inbound[link] = count
+        else:
+            self._inbound.pop(link, None)

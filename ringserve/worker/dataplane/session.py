@@ -1,0 +1,150 @@
+"""A session: the ring a collective runs over, on one view's plane (plane.py).
+
+Programs (programs.py) work in ring positions over a ``Ring(members, index)``, and the executor
+(executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
+next member, and receives what the ring's previous member sends. So the same program runs over the
+whole view or over a sub-ring of some of its ranks (a process set), unchanged.
+
+To the collectives (collectives.py) a session over ranks ``(0, 2, 3)`` of a view of five looks like
+a view of three: ``place.rank`` is this rank's position in the ring and ``place.size`` the ring's
+length, so that segments, blocks and roots are counted in positions.
+
+Sessions are cheap and hold nothing the plane does not: the worker makes one per collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ringserve.errors import InvalidArgumentError
+from ringserve.observe import Counters, Timeline
+from ringserve.worker.dataplane import keys
+from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
+from ringserve.worker.dataplane.link import STREAM_METHOD, Link
+from ringserve.worker.dataplane.policy import Place
+from ringserve.worker.dataplane.pool import ResultPool
+from ringserve.worker.dataplane.programs import Ring
+
+if TYPE_CHECKING:
+    from ringserve.worker.dataplane.plane import Plane
+
+__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session", "check_members"]
+
+
+def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
+    """``members`` as a tuple of ints, after checking that it is a ring this rank can run.
+
+    Raises:
+        InvalidArgumentError: a rank repeats or falls outside [0, size), or ``rank`` is missing.
+    """
+    ranks = tuple(int(m) for m in members)
+    if not ranks:
+        raise InvalidArgumentError("A ring needs at least one rank.")
+    if len(set(ranks)) != len(ranks):
+        raise InvalidArgumentError(f"The ranks of a ring ({ranks}) must not repeat.")
+    outside = [m for m in ranks if not 0 <= m < size]
+    if outside:
+        raise InvalidArgumentError(f"Ranks {outside} of the ring {ranks} are not in [0, {size}) (the view's ranks).")
+    if rank not in ranks:
+        raise InvalidArgumentError(f"Rank {rank} is not a member of the ring {ranks}, so it cannot run its collectives.")
+    return ranks
+
+
+class Session:
+    """A ring over the ranks of one view's plane: the whole view (``members`` None) or a sub-ring."""
+
+    def __init__(self, plane: Plane, members: tuple[int, ...] | None = None) -> None:
+        self.plane = plane
+        view = plane.place
+        if members is None:
+            self.ring, self.spec, self.place = plane.ring, "", view
+        else:
+            ranks = check_members(members, view.rank, view.size)
+            self.ring = Ring(ranks, ranks.index(view.rank))
+            self.spec = keys.spec_of(ranks)
+            self.place = replace(
+                view, rank=self.ring.index, size=len(ranks),
+                addresses=tuple(view.addresses[m] for m in ranks),
+                worker_ids=tuple(view.worker_ids[m] for m in ranks) if view.worker_ids else (),
+                hosts=tuple(view.hosts[m] for m in ranks) if view.hosts else (),
+            )
+        self._next: Link | None = None
+
+    @property
+    def view_id(self) -> int:
+        return self.plane.view_id
+
+    @property
+    def counters(self) -> Counters:
+        return self.plane.counters
+
+    @property
+    def pool(self) -> ResultPool | None:
+        return self.plane.pool
+
+    @property
+    def hierarchical(self) -> str:
+        """The hierarchical allreduce setting (hierarchy.py); "0" on a sub-ring, which is its own ring."""
+        return self.plane.hierarchical if not self.spec else "0"
+
+    @property
+    def checksum(self) -> bool:
+        return self.plane.checksum
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self.plane.timeline
+
+    def open(self, name: str | None, descriptor: str, *, key: str | None = None) -> tuple[str, Inbox]:
+        """Registers a collective; its key is equal on every rank of the ring that calls it in the
+        same order. The link to the ring's next member opens here if this is its first use.
+
+        ``key``: open that very key (a rank that has joined stands in for the others' collectives
+        of the whole view, see join.py); the keys of its name it passes over stay open to their
+        frames until opened.
+        """
+        key, inbox, self._next = self.plane.open(name, descriptor, self.ring, self.spec, key=key)
+        return key, inbox
+
+    def release(self, key: str) -> None:
+        self.plane.release(key)
+
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
+        """The frame (slot, chunk) of a collective, from the ring's previous member."""
+        return await self.plane.recv(key, inbox, slot, chunk)
+
+    def has_room(self) -> bool:
+        """Whether the link to the ring's next member takes another DATA frame now (see link.py)."""
+        link = self._next
+        return link is None or link.has_room
+
+    async def room(self) -> None:
+        """Waits until the link may have room; check has_room again."""
+        if self._next is not None:
+            await self._next.room()
+
+    def forward(self, frame: Received) -> None:
+        """Sends a received frame on to the ring's next member as it is: same header, same payload."""
+        if self._next is not None:
+            self._next.forward(frame.header, frame.payload, frame.raw)
+
+    def send(
+        self,
+        key: str,
+        inbox: Inbox,
+        *,
+        slot: int,
+        chunk: int,
+        payload: np.ndarray | memoryview | bytes,
+        dtype: int,
+        count: int,
+        origin: int = 0,
+        origin_count: int = 0,
+        codec: int = 0,
+    ) -> None:
+        """Sends one DATA frame to the ring's next member."""
+        self.plane.send(self._next, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
+                        origin=origin, origin_count=origin_count, codec=codec)

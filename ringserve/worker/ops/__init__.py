@@ -1,0 +1,1 @@
+"""Collectives: which program each call runs over which session (allreduce, allgather, process sets, ...)."""

@@ -1,0 +1,86 @@
+"""Point-to-point messages: a send on one rank and its recv on another, over the view's links.
+
+A message from rank s to rank d of a view is a collective of the two-member ring ``(s, d)``
+(session.py), run by the executor like any other: its key ``name#n/s.d`` names its direction, so
+the n-th message called ``name`` from s to d meets exactly the n-th recv called ``name`` from s on
+d. Messages 0 -> 2 and 2 -> 0 in flight at once are keyed apart, and so are messages of different
+names (torch's tags are names: a recv matches the sends of its source and tag, in order). Frames
+that arrive before their recv is opened wait in its inbox (plane.py), so a send never waits for
+its recv to be posted.
+
+- **A send** (programs.message) is done once its frames are on the link to the receiver: an
+  eager send, as gloo's is. With checksums on, the executor's confirmation lap makes it wait for
+  the receiver too.
+- **A recv** places the frames straight into its buffer. The descriptor carries the dtype and
+  size, so a recv whose buffer differs from what was sent fails with MismatchError naming both.
+- **Failures** are the executor's and the plane's: the deadline (CollectiveTimeoutError), the
+  sender's stream ending (PeerUnavailableError), the view changing (RingChangedError).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ringserve.errors import InvalidArgumentError
+from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.session import Session
+from ringserve.worker.dataplane.values import Blocks
+
+
+def pair(src: int, dst: int) -> tuple[int, int]:
+    """The ring a message from view rank ``src`` to view rank ``dst`` runs over.
+
+    Raises:
+        InvalidArgumentError: ``src`` and ``dst`` are the same rank.
+    """
+    if src == dst:
+        raise InvalidArgumentError(f"A message from rank {src} to itself cannot be sent: copy the tensor instead.")
+    return (int(src), int(dst))
+
+
+def _descriptor(flat: np.ndarray) -> str:
+    return f"message {flat.dtype} x{flat.size}"
+
+
+def _check(session: Session, position: int, what: str) -> None:
+    ring = session.ring
+    if ring.size != 2 or ring.index != position:
+        raise InvalidArgumentError(
+            f"A {what} runs on the ring (sender, receiver), but this session is the ring {ring.members} at "
+            f"position {ring.index}."
+        )
+
+
+async def send(session: Session, data: np.ndarray, *, name: str, chunk_bytes: int, timeout_s: float) -> None:
+    """Sends ``data`` (any array; it travels flat, in C order) to the session's other member.
+
+    Raises:
+        InvalidArgumentError: the session is not a ring (this rank, receiver).
+        CollectiveTimeoutError, PeerUnavailableError, RingChangedError: as any collective.
+    """
+    _check(session, 0, "send")
+    flat = np.ascontiguousarray(data).reshape(-1)
+    values = Blocks(flat.dtype, [flat, None])
+    program = programs.message(session.ring, flat.size, max(1, chunk_bytes // flat.dtype.itemsize))
+    await executor.run(session, name, _descriptor(flat), timeout_s, program, values)
+
+
+async def recv(session: Session, out: np.ndarray, *, name: str, chunk_bytes: int, timeout_s: float) -> np.ndarray:
+    """Receives the session's other member's message into ``out`` (a writable, C-contiguous
+    array of the message's dtype and size) and returns ``out``.
+
+    Raises:
+        InvalidArgumentError: the session is not a ring (sender, this rank), or ``out`` is not
+            writable and contiguous.
+        MismatchError: the sender sent another dtype or size.
+        CollectiveTimeoutError, PeerUnavailableError, RingChangedError: as any collective.
+    """
+    _check(session, 1, "recv")
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("A recv needs a writable, C-contiguous numpy array to receive into.")
+    flat = out.reshape(-1)
+    # The block to fill is ``out`` itself: Blocks.place writes frames in place when the size fits.
+    values = Blocks(flat.dtype, [flat, None], expect=[flat.size, None])
+    program = programs.message(session.ring, flat.size, max(1, chunk_bytes // flat.dtype.itemsize))
+    await executor.run(session, name, _descriptor(flat), timeout_s, program, values)
+    return out
