@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, run_ranks, table  # noqa: E402
-from allreduce import parse_size  # noqa: E402
+from _common import PYTHON, read_json, run_ranks, table
+from allreduce import parse_size
 
 
 def per_batch(size: int) -> int:

@@ -247,7 +247,7 @@ def grouped_allgather(arrays: Sequence[Any], name: str | None = None, *,
 
 
 def grouped_reduce_scatter(arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
-                           compression: str | None | list[str | None] = None,
+                           compression: str | list[str | None] | None = None,
                            process_set: ProcessSet | None = None) -> list[np.ndarray]:
     """``reduce_scatter`` of each array of a list, as one collective per dtype."""
     return context().call(lambda w: w.grouped_reduce_scatter(arrays, op=op, name=name, compression=compression,

@@ -195,12 +195,12 @@ def _format_status(status: object) -> str:
         )
     header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
     lines.append(header)
-    for m in status.members:
-        lines.append(
-            f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
-            f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
-            f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
-        )
+    lines.extend(
+        f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
+        f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
+        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
+        for m in status.members
+    )
     if len(status.members) < size:
         lines.append(f"... {size - len(status.members)} more (--all lists every worker)")
     return "\n".join(lines)
@@ -216,9 +216,10 @@ def _human(n: int) -> str:
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
+    from ringserve._proto import coordinator_pb2
     from ringserve.worker.control.client import ControlClient
 
-    async def fetch() -> object:
+    async def fetch() -> coordinator_pb2.StatusResponse:
         env = {k: v for k, v in os.environ.items() if k in _SECURITY_ENV}
         config = WorkerConfig.from_env(env, coordinator=ns.coordinator, rpc_timeout_s=ns.timeout,
                                        **_overrides(ns, _SECURITY_FIELDS))

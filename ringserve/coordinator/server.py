@@ -80,9 +80,9 @@ def _add_service(service: CoordinatorService, server: grpc.aio.Server) -> None:
     captured = _Handlers()
     pb_grpc.add_CoordinatorServicer_to_server(service, captured)
     handlers = captured.handlers
-    handlers["WatchView"] = handlers["WatchView"]._replace(response_serializer=view_bytes)  # type: ignore[attr-defined]
+    handlers["WatchView"] = handlers["WatchView"]._replace(response_serializer=view_bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class Coordinator:

@@ -175,7 +175,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 alive = answer.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             alive = False
-        except Exception as exc:  # noqa: BLE001 - a worker whose address cannot even be dialled is not answering
+        except Exception as exc:
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
             alive = False
         log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")

@@ -180,7 +180,7 @@ def _newest_durable(location: str, keep: int) -> tuple[tuple[Commit, object] | N
     commit, data, path = found
     try:
         return (commit, pickle.loads(data)), ""
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same: no usable copy
+    except Exception as exc:
         return None, f"the checkpoint {path} could not be unpickled ({type(exc).__name__}: {exc})"
 
 

@@ -15,6 +15,7 @@ gives up connecting after the start timeout, and notices a vanished host within 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -57,10 +58,8 @@ def _resolve(name: str) -> list[str]:
     found: list[str] = []
 
     def look() -> None:
-        try:
+        with contextlib.suppress(OSError, UnicodeError):
             found.extend(str(info[4][0]) for info in socket.getaddrinfo(name, None))
-        except (OSError, UnicodeError):
-            pass
 
     thread = threading.Thread(target=look, daemon=True)  # a dead DNS server must not hang the launch
     thread.start()
@@ -243,10 +242,8 @@ class LocalProc(Proc):
         return describe_exit(self.label, code)
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)
@@ -365,10 +362,8 @@ class RemoteProc(Proc):
         # EOF on the wrapper's stdin: it stops the worker (SIGTERM, SIGKILL after the grace).
         with self._stdin_lock:
             if self.popen.stdin is not None and not self.popen.stdin.closed:
-                try:
+                with contextlib.suppress(OSError):
                     self.popen.stdin.close()
-                except OSError:
-                    pass
 
     def finish_stop(self, deadline: float) -> None:
         # The wrapper's own SIGKILL comes at the grace; leave it a moment to say so and exit.
@@ -379,10 +374,8 @@ class RemoteProc(Proc):
             self.popen.wait()
 
     def _kill_ssh(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def stop_all(procs: Sequence[Proc], grace_s: float) -> None:

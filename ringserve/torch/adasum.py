@@ -123,7 +123,7 @@ class AdasumOptimizer(DistributedOptimizer):
         """Does nothing, as in Horovod's Adasum optimizer: step() combines and applies the deltas
         (a synchronize that applied them would let the next step() take its local steps again)."""
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Waits for every bucket's Adasum of deltas and applies it; the local steps ran as the
         gradients came in (or run now, for parameters whose gradients never came)."""
         loss = closure() if closure is not None else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
@@ -176,7 +176,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     ps = basics.resolve_set(process_set)
     reduce_op = ops.resolve(op, average)
-    return _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression, ps)
+    return cast(torch.Tensor, _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression, ps))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -239,7 +239,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object
     Dimension 0 may differ between ranks; the other dimensions and the dtype must match. Over a
     process set, its members' tensors in the set's rank order.
     """
-    return _Allgather.apply(tensor, name, basics.resolve_set(process_set))
+    return cast(torch.Tensor, _Allgather.apply(tensor, name, basics.resolve_set(process_set)))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -285,7 +285,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: object = None) -> torch.Tensor:
     """Returns root_rank's ``tensor`` on every rank, as a new tensor (differentiable). ``root_rank``
     is a global rank, a member of ``process_set`` when one is given (as in Horovod)."""
-    return _Broadcast.apply(tensor, root_rank, name, basics.resolve_set(process_set))
+    return cast(torch.Tensor, _Broadcast.apply(tensor, root_rank, name, basics.resolve_set(process_set)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -351,8 +351,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     Rows are split as evenly as possible, the first ranks getting one more, as in Horovod (over a
     process set, by the rank within the set).
     """
-    return _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor,
-                                basics.resolve_set(process_set))
+    return cast(torch.Tensor, _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor,
+                                basics.resolve_set(process_set)))
 
 
 def barrier(process_set: object = None) -> None:

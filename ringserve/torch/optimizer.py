@@ -102,7 +102,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cls is DistributedOptimizer and ops.resolve(op) is ops.Adasum and api.size() > 1:
             if basics.optimizer_set(kwargs.get("process_set", args[4] if len(args) > 4 else None)) is not None:
                 raise UnsupportedError("Adasum does not support non-global process sets (as in Horovod).")
-            from ringserve.torch.adasum import AdasumOptimizer  # noqa: PLC0415  (it builds on this module)
+            from ringserve.torch.adasum import AdasumOptimizer
 
             return super().__new__(AdasumOptimizer)
         return super().__new__(cls)
@@ -179,7 +179,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(inner, name)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self._optimizer.param_groups
 
@@ -187,7 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self._optimizer.state
 
@@ -195,7 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self._optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self._optimizer.defaults
 
@@ -363,7 +363,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
         if bucket.residual is None:
             bucket.residual = np.zeros(array.size, dtype=sum_dtype(array.dtype))
-        return bucket.residual
+        residual: np.ndarray = bucket.residual
+        return residual
 
     def _finish(self, bucket: Bucket) -> None:
         result, bucket.done_at = basics.wait(bucket.future)
@@ -464,7 +465,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Synchronizes (unless in skip_synchronize()) and runs the wrapped optimizer's step.
 
         Warns, as Horovod does, when synchronize() was called since the last backward pass and
@@ -510,6 +511,6 @@ def _hook(optimizer: weakref.ref[DistributedOptimizer]) -> Callable[[torch.Tenso
     def on_grad(param: torch.Tensor) -> None:
         owner = optimizer()
         if owner is not None:
-            owner._on_grad(param)  # noqa: SLF001
+            owner._on_grad(param)
 
     return on_grad

@@ -11,7 +11,7 @@ is plain BatchNorm.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -21,7 +21,7 @@ from ringserve.torch.compression import Compression
 
 
 def _sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    return collectives._allreduce_start(  # noqa: SLF001
+    return collectives._allreduce_start(
         tensor, op=ops.Sum, name=None, compression=Compression.none, prescale_factor=1.0,
         postscale_factor=1.0, out=None,
     ).wait()
@@ -111,6 +111,6 @@ class SyncBatchNorm(_BatchNorm):
                 momentum = 1.0 / float(self.num_batches_tracked)
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
-        return _SyncBatchNormFunction.apply(
+        return cast(torch.Tensor, _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, momentum
-        )
+        ))

@@ -38,9 +38,8 @@ async def test_close_can_be_called_twice_and_the_async_context_manager_closes(ma
 
 
 async def test_the_worker_constructor_accepts_a_plain_coordinator_address(make_coordinator_config) -> None:
-    async with Coordinator(make_coordinator_config(min_workers=1)) as coord:
-        async with Worker(coord.address) as w:
-            assert w.config.coordinator == coord.address and w.size == 1
+    async with Coordinator(make_coordinator_config(min_workers=1)) as coord, Worker(coord.address) as w:
+        assert w.config.coordinator == coord.address and w.size == 1
 
 
 @pytest.mark.parametrize("world", [{"n": 3, "coordinator": {"min_workers": 2}}], indirect=True, ids=["3 of min 2"])

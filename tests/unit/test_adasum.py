@@ -91,7 +91,7 @@ async def test_a_world_whose_size_is_not_a_power_of_two_is_refused_as_horovod_re
     async def call(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4), name=None, chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(UnsupportedError, match="non-power of 2") as caught:
+    with pytest.raises(UnsupportedError, match=r"non-power of 2") as caught:
         await simulate(world, call, seed=world)
     assert isinstance(caught.value, NotImplementedError)
 
@@ -100,13 +100,13 @@ async def test_integer_arrays_and_parts_that_do_not_tile_the_array_are_refused()
     async def ints(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4, dtype=np.int32), name=None, chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(InvalidArgumentError, match="floating point"):
+    with pytest.raises(InvalidArgumentError, match=r"floating point"):
         await simulate(2, ints, seed=2)
 
     async def parts(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4), name=None, chunk_bytes=8, timeout_s=T, parts=[1, 2])
 
-    with pytest.raises(InvalidArgumentError, match="sum to the array's 4 elements"):
+    with pytest.raises(InvalidArgumentError, match=r"sum to the array's 4 elements"):
         await simulate(2, parts, seed=2)
 
 

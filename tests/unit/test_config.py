@@ -110,7 +110,7 @@ def test_a_malformed_variable_is_rejected_naming_the_variable_and_its_value() ->
 
 
 def test_values_from_the_environment_are_validated_like_arguments() -> None:
-    with pytest.raises(InvalidArgumentError, match="must be at least the minimum"):
+    with pytest.raises(InvalidArgumentError, match=r"must be at least the minimum"):
         CoordinatorConfig.from_env({"RINGSERVE_MIN_WORKERS": "5", "RINGSERVE_MAX_WORKERS": "2"})
 
 

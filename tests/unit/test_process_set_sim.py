@@ -171,10 +171,10 @@ async def test_removed_ids_are_reused_and_a_removed_set_refuses_collectives() ->
         a = await w.add_process_set([0, 1])
         b = await w.add_process_set([1, 2])
         await w.remove_process_set(a)
-        with pytest.raises(InvalidArgumentError, match="not registered"):
+        with pytest.raises(InvalidArgumentError, match=r"not registered"):
             await w.allreduce(np.ones(2), process_set=a)
         c = await w.add_process_set([0, 2])
-        with pytest.raises(InvalidArgumentError, match="global process set cannot be removed"):
+        with pytest.raises(InvalidArgumentError, match=r"global process set cannot be removed"):
             await w.remove_process_set(w.global_process_set)  # type: ignore[arg-type]
         return [a.process_set_id, b.process_set_id, c.process_set_id, w.process_sets()]
 

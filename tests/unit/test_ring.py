@@ -11,6 +11,7 @@ the simulated section). Nothing here opens a socket.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import zlib
@@ -371,7 +372,7 @@ async def run_allreduce(program: Callable[..., Program], world: int) -> list[np.
 
 async def test_the_simulator_fails_a_broadcast_that_lacks_the_commit_lap() -> None:
     assert len(await run_broadcast(programs.broadcast_chain, 4)) == 4  # the shipped program passes
-    with pytest.raises(AssertionError, match="never took|after their collective had finished"):
+    with pytest.raises(AssertionError, match=r"never took|after their collective had finished"):
         await run_broadcast(broadcast_without_commit, 4)
 
 
@@ -379,7 +380,7 @@ async def test_the_simulator_fails_an_allreduce_that_hangs_or_reduces_the_wrong_
     assert len(await run_allreduce(lambda r, b, c: programs.ring_reduce(r, b, c, gather=True), 3)) == 3
     with pytest.raises(CollectiveTimeoutError):
         await run_allreduce(allgather_that_stops_forwarding_early, 3)
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await run_allreduce(reduce_scatter_from_the_wrong_segment, 3)
 
 
@@ -445,7 +446,7 @@ def test_segment_bounds_tile_the_buffer_like_numpy_array_split(world: int) -> No
             bounds = segment_bounds(units, world, granule)
             assert len(bounds) == world
             assert bounds[0][0] == 0 and bounds[-1][1] == units * granule
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             sizes = [(b - a) // granule for a, b in bounds]
             assert sizes == [len(p) for p in np.array_split(np.arange(units), world)]
 
@@ -458,7 +459,7 @@ def test_chunk_bounds_cover_a_range_with_chunks_no_larger_than_asked() -> None:
                 assert chunks == [(start, start)]
                 continue
             assert chunks[0][0] == start and chunks[-1][1] == stop
-            assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
             assert all(0 < b - a <= size for a, b in chunks)
             assert len(chunks) == math.ceil((stop - start) / size)
 
@@ -481,7 +482,7 @@ def test_the_reduce_scatter_ends_with_each_rank_owning_its_own_segment(world: in
         if world > 1:
             assert received[-1] == rank
         gathered = [allgather_step(rank, world, s)[1] for s in range(world - 1)]
-        assert sorted(gathered + [rank]) == list(range(world))
+        assert sorted([*gathered, rank]) == list(range(world))
 
 
 def test_successor_and_predecessor_close_the_ring() -> None:

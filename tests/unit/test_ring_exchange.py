@@ -244,9 +244,9 @@ async def test_the_simulator_passes_the_shipped_alltoall_and_fails_broken_ones()
     assert len(await run_alltoall(programs.alltoall_ring, 5)) == 5
     with pytest.raises(CollectiveTimeoutError):
         await run_alltoall(alltoall_that_waits_for_the_farthest_origin_first, 5)
-    with pytest.raises(AssertionError, match="never got the block"):
+    with pytest.raises(AssertionError, match=r"never got the block"):
         await run_alltoall(alltoall_that_forwards_what_it_should_keep, 5)
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await run_alltoall(alltoall_that_gives_the_wrong_block, 5)
 
 

@@ -203,7 +203,7 @@ async def test_opening_a_key_out_of_order_keeps_the_keys_it_passed_over_open_and
     assert not numbering.behind({"": 3}) and numbering.behind({"": 4, "other": 1})
     assert session.open(None, "barrier")[0] == "#4"  # a real open goes on after the stand-ins
     assert numbering.opened == 1 and numbering.counts() == {"": 4}
-    with pytest.raises(ProtocolError, match="past the last of its name"):
+    with pytest.raises(ProtocolError, match=r"past the last of its name"):
         session.open(None, "barrier", key=f"#{5 + MAX_SKIPPED}")
 
 
@@ -214,9 +214,9 @@ async def test_a_joined_rank_stands_in_for_the_whole_views_collectives_only_and_
     assert whole.open("g", "barrier")[0] == "g#1"
     assert plane.numbering.opened == 1 and plane.numbering.counts() == {"g": 1}
     assert not plane.numbering.behind({"g": 1})
-    with pytest.raises(UsageError, match="whole view's collectives only"):
+    with pytest.raises(UsageError, match=r"whole view's collectives only"):
         sub.open("g", "barrier", key="g#2")
-    with pytest.raises(ProtocolError, match="not one of the whole view's"):
+    with pytest.raises(ProtocolError, match=r"not one of the whole view's"):
         whole.open("g", "barrier", key="g#2/0")
     assert plane.numbering.counts() == {"g": 1}
 

@@ -125,7 +125,7 @@ async def test_the_simulator_fails_a_wrong_program_over_a_sub_ring_while_the_who
     results = await simulate_rings(world, {None: with_program(good, xs, None), members: with_program(good, xs, members)},
                                    seed=1)
     assert len(results[members]) == 3
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await simulate_rings(world, {None: with_program(good, xs, None),
                                      members: with_program(reduce_scatter_from_the_wrong_segment, xs, members)}, seed=2)
     with pytest.raises(CollectiveTimeoutError):
@@ -145,7 +145,7 @@ async def test_frames_sent_on_the_wrong_link_are_refused_not_used() -> None:
             sub.ring = Ring((0, 3, 2), 0)
         return await collectives.allreduce(sub, np.ones(6), op="sum", name="misrouted", chunk_bytes=16, timeout_s=2)
 
-    with pytest.raises(ProtocolError, match="came from rank 0, but rank 3 of view 1 receives that collective's "
+    with pytest.raises(ProtocolError, match=r"came from rank 0, but rank 3 of view 1 receives that collective's "
                                             "frames from rank 2 only"):
         await simulate(5, call, seed=4)
 
@@ -163,7 +163,7 @@ async def test_a_stream_that_ends_fails_only_the_collectives_that_wait_on_its_se
         await asyncio.sleep(0.05)
         gone = PeerUnavailableError("The stream from rank 0 of view 1 broke.")
         planes[1].starve((0,), gone)
-        with pytest.raises(PeerUnavailableError, match="rank 0 of view 1 broke"):
+        with pytest.raises(PeerUnavailableError, match=r"rank 0 of view 1 broke"):
             await whole
         outs = await asyncio.gather(*(collectives.allreduce(planes[r].session((2, 1)), x * r, op="sum", name="s",
                                                             chunk_bytes=16, timeout_s=T) for r in (1, 2)))
@@ -229,7 +229,7 @@ def test_a_key_names_its_ring_whatever_the_name_holds() -> None:
     assert keys.ring_of(sub, whole, 1) == Ring((3, 0, 2), 2)
     assert keys.source(Ring((3, 0, 2), 2)) == 0 and keys.source(Ring((4,), 0)) == -1
     for bad in ("x#1/0.1", "x#1/2.2", "x#1/2.9", "x#1/2.a", "x#1/."):
-        with pytest.raises(ProtocolError, match="names a ring"):
+        with pytest.raises(ProtocolError, match=r"names a ring"):
             keys.ring_of(bad, whole, 1)
 
 

@@ -74,19 +74,19 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self._group_desc = ""
 
     # torch's names: a ProcessGroup without C++ backends keeps its name and description itself.
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._group_name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return self._group_name
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._group_desc
 
     def __repr__(self) -> str:
@@ -136,7 +136,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         return self._run("reduce_scatter", ops.reduce_scatter_list(self.plane, output, list(inputs), op))
 
     @_op("reduce_scatter_tensor")
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:  # noqa: A002
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ReduceScatterOptions)
         op = ops.core_op(opts.reduceOp, "reduce_scatter_tensor")
         return self._run("reduce_scatter_tensor", ops.reduce_scatter_into(self.plane, output, input, op))
@@ -168,7 +168,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         return self._run("all_gather", ops.allgather(self.plane, list(outputs), tensor))
 
     @_op("all_gather_into_tensor")
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:  # noqa: A002
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:
         return self._run("all_gather_into_tensor", ops.allgather_into(self.plane, output, input))
 
     _allgather_base = all_gather_single
@@ -234,7 +234,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         return self._completer.track("recv", [part], finish)
 
     @_op("all_to_all_single")
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],  # noqa: A002
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> RingserveWork:
         return self._run("all_to_all_single", ops.all_to_all(self.plane, output, input, output_split_sizes,
                                                              input_split_sizes))
@@ -287,7 +287,7 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
     """
     settings = Settings.from_env(pg_options)
     ranks = list(opts.global_ranks_in_group)
-    default = dist.distributed_c10d._world.default_pg  # noqa: SLF001 - None while the default group is made
+    default = dist.distributed_c10d._world.default_pg
     if ranks and isinstance(default, ProcessGroupRingserve):
         plane = default.plane.subset(ranks, tag=f"torch.group.{opts.group_id}")
         return ProcessGroupRingserve(plane, settings)

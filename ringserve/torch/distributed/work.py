@@ -148,7 +148,7 @@ class Completer:
                 return
             try:
                 value = finish([f.result() for f in parts])
-            except BaseException as exc:  # noqa: BLE001 - whatever it is, the op failed
+            except BaseException as exc:
                 work._complete(error=backend_error(exc, what))
             else:
                 work._complete(value)

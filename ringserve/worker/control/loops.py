@@ -107,7 +107,7 @@ class Lifeline:
                 async for view in self.control.watch(self.worker_id):
                     try:
                         self._install(view)
-                    except Exception as exc:  # noqa: BLE001 - whatever it is, the worker cannot go on
+                    except Exception as exc:
                         await self._give_up(view.view_id, exc)
                         return
                     backoff = 0.05

@@ -176,10 +176,7 @@ def point_to_point(rank: int, size: int, gloo: dist.ProcessGroup) -> None:
 
 def subgroups(rank: int, size: int) -> None:
     """Every op on sub-rings, each beside gloo's group of the same ranks."""
-    if size == 2:
-        specs = [[1], [0, 1]]
-    else:
-        specs = [[0, 2], [1, 3], [0, 1, 3], [2]]
+    specs = [[1], [0, 1]] if size == 2 else [[0, 2], [1, 3], [0, 1, 3], [2]]
     groups = [(m, dist.new_group(m), dist.new_group(m, backend="gloo")) for m in specs]
     for members, group, gloo in groups:
         if rank not in members:
