@@ -146,9 +146,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         """Reduces ``grads`` over the ranks (every backward_passes_per_step calls), then applies them."""
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
         if not getattr(self, "built", False):
-            with keras.backend.name_scope(self.name, caller=self):
-                self.build(variables)
-            self.built = True
+            self.build(variables)
         grads = [keras.ops.zeros_like(v) if g is None else g for g, v in zip(grads, variables, strict=True)]
         if not grads:
             return
