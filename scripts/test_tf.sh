@@ -9,5 +9,5 @@ bash scripts/setup.sh
 if ! .venv/bin/python -c "import tensorflow" 2>/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".[torch,dev,spark,keras,tensorflow]"
 fi
-exec .venv/bin/python -m pytest -p no:cacheprovider -m "tensorflow or keras_slow" \
+exec .venv/bin/python -m pytest -p no:cacheprovider -m "tensorflow or slow" \
   tests/keras tests/tensorflow tests/spark_estimators "$@"
