@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ringserve.bindings import require
-from ringserve.errors import InvalidArgumentError
+from ringserve.errors import InvalidArgumentError, RingserveError
 from ringserve.spark import data as datasets
 from ringserve.spark.store import Store
 
@@ -370,7 +370,8 @@ class EstimatorBase(Estimator):  # type: ignore[misc]
         results = run(run_task, args=(trainer, spec), num_proc=num_proc, spark_context=sc)
         digests = {r["digest"] for r in results}
         if len(digests) != 1:
-            raise InvalidArgumentError(f"The ranks ended with different weights ({len(digests)} distinct): a bug.")
+            raise RingserveError(f"The ranks of run {run_id} ended with {len(digests)} different sets of weights; "
+                                 "they must be identical (please report this).")
         model = trainer.load(store.read(store.get_checkpoint_path(run_id, trainer.checkpoint_ext)))
         predict = trainer.predictor(model, spec)
         probe = {c.name: np.zeros((1, *c.shape), dtype=np.float32) for c in (train.columns[n] for n in p.feature_cols)}
