@@ -21,9 +21,9 @@ N, BATCH, EPOCHS = 4, 16, 2
 def test_four_ranks_of_model_fit_match_one_process_on_the_global_batch(tmp_path: Path, backend: str) -> None:
     common = ["--epochs", str(EPOCHS), "--samples", "1024", "--lr", "0.04"]
     run_script(EXAMPLE, N, tmp_path / "four", ["--out", str(tmp_path / "four"), "--batch-size", str(BATCH), *common],
-               backend=backend, timeout_s=240)
+               backend=backend, timeout_s=240, pass_out_dir=False)
     run_script(EXAMPLE, 1, tmp_path / "one", ["--out", str(tmp_path / "one"), "--batch-size", str(BATCH * N), *common],
-               backend=backend, timeout_s=120)
+               backend=backend, timeout_s=120, pass_out_dir=False)
     ranks = [np.load(tmp_path / "four" / f"rank{r}.npz") for r in range(N)]
     one = np.load(tmp_path / "one" / "rank0.npz")
     keys = [k for k in one.files if k.startswith("w")]

@@ -29,8 +29,9 @@ ENV = {
 
 
 def run_script(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *, backend: str = "torch",
-               timeout_s: float = 150.0) -> str:
-    """Runs ``ringserve run -np n python script out_dir *args``; returns its output.
+               timeout_s: float = 150.0, pass_out_dir: bool = True) -> str:
+    """Runs ``ringserve run -np n python script out_dir *args`` (without out_dir when not
+    ``pass_out_dir``) in out_dir; returns its output.
 
     Raises:
         AssertionError: the run failed or passed ``timeout_s``; its output is in the message.
@@ -38,8 +39,8 @@ def run_script(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **ENV, "KERAS_BACKEND": backend,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(n), sys.executable, str(script), str(out_dir),
-           *args]
+    cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(n), sys.executable, str(script),
+           *([str(out_dir)] if pass_out_dir else []), *args]
     # A session of its own: on a timeout the launcher and every worker it started are killed together.
     proc = subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
