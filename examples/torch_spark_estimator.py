@@ -25,7 +25,7 @@ def build(seed: int = 0) -> torch.nn.Module:
 
 
 def run(spark: Any, store_dir: str) -> dict[str, float]:
-    from keras_spark_estimator import make_frames  # noqa: PLC0415  (the same data as the Keras example)
+    from keras_spark_estimator import make_frames
 
     train, test, x, y = make_frames(spark)
     model = build()

@@ -263,7 +263,7 @@ def wire_of(compression: object) -> str | None:
     if wire not in (None, "fp16", "bf16", "int8"):
         raise InvalidArgumentError(
             f"The compression {compression!r} is unknown; use Compression.none, fp16, bf16 or int8.")
-    return wire  # type: ignore[no-any-return]
+    return wire
 
 
 # -- fused collectives -----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def host_call(fn: HostFn, tensors: Sequence[Any], out_dtypes: Sequence[Any] | No
     if not tensors:
         return []
     if name() == "tensorflow":
-        import tensorflow as tf  # noqa: PLC0415  (the backend's own framework, present when it is in use)
+        import tensorflow as tf
 
         inputs = [tf.convert_to_tensor(t) for t in tensors]
         tout = list(out_dtypes) if out_dtypes is not None else [t.dtype for t in inputs]

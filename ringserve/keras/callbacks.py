@@ -51,7 +51,7 @@ def broadcast_variables(variables: list[Any], root_rank: int, name: str = "rings
         variable.assign(value)
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcasts the model's and the optimizer's variables from ``root_rank`` when training begins,
     so that every rank starts from the same state (random initializations differ by rank).
 
@@ -77,7 +77,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):  # type: ignor
             self._broadcast()
 
 
-class MetricAverageCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class MetricAverageCallback(keras.callbacks.Callback):
     """Averages the epoch's metrics (every numeric entry of ``logs``) over the ranks at epoch end,
     in one allreduce; every rank then logs the same numbers."""
 
@@ -113,7 +113,7 @@ def _set_lr(optimizer: keras.optimizers.Optimizer, new_lr: float, momentum_corre
             m.assign(_backend.to_numpy(m) * (new_lr / old_lr))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Sets the learning rate to ``initial_lr * multiplier`` for epochs ``start_epoch`` to ``end_epoch``.
 
     Args:

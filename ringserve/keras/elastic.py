@@ -103,7 +103,7 @@ def _sync_object(payload: tuple[int, int, dict[str, Any]], root: int) -> tuple[i
     return taken
 
 
-class CommitStateCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class CommitStateCallback(keras.callbacks.Callback):
     """Commits ``state`` every ``batches_per_commit`` batches; put it after the Update*StateCallbacks,
     so that a commit holds the batch and epoch they have just recorded."""
 
@@ -122,7 +122,7 @@ class CommitStateCallback(keras.callbacks.Callback):  # type: ignore[misc]
             self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class UpdateBatchStateCallback(keras.callbacks.Callback):
     """Keeps ``state.batch`` at the number of batches done in the current epoch."""
 
     def __init__(self, state: Any) -> None:
@@ -136,7 +136,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):  # type: ignore[misc]
+class UpdateEpochStateCallback(keras.callbacks.Callback):
     """Keeps ``state.epoch`` at the number of epochs done, across calls of ``fit`` that start again
     at epoch 0 after a reset."""
 

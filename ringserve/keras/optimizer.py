@@ -32,7 +32,7 @@ GRADIENTS = "ringserve.keras.gradients"
 
 
 @keras.saving.register_keras_serializable(package="ringserve")
-class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
+class DistributedOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras 3 optimizer so that every applied step uses gradients averaged over all ranks.
 
     Args:

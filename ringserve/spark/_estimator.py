@@ -87,7 +87,7 @@ def apply_transformation(fn: Callable[[Any], Any] | None, arrays: dict[str, np.n
     """``transformation_fn`` on a shard as a pandas DataFrame (array columns hold one array per row)."""
     if fn is None or not arrays:
         return arrays
-    import pandas as pd  # noqa: PLC0415  (the spark extra's; only when a transformation is given)
+    import pandas as pd
 
     frame = pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in arrays.items()})
     out = fn(frame)
@@ -97,7 +97,7 @@ def apply_transformation(fn: Callable[[Any], Any] | None, arrays: dict[str, np.n
 
 def run_task(trainer: Trainer, spec: TrainSpec) -> dict[str, Any]:
     """The body of every barrier task: read this rank's shard, train, report."""
-    from ringserve import api  # noqa: PLC0415  (in the task, after ringserve.spark.run set its environment)
+    from ringserve import api
 
     api.init()
     try:
@@ -173,8 +173,8 @@ def check_dataframe(df: Any, columns: list[str], validation: float | str | None)
         InvalidArgumentError: a missing column (with the DataFrame's columns), or one whose type is
             not a number, an array of numbers or an ML vector.
     """
-    from pyspark.ml.linalg import VectorUDT  # noqa: PLC0415
-    from pyspark.sql import types as T  # noqa: PLC0415
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
 
     wanted = columns + ([validation] if isinstance(validation, str) else [])
     missing = [c for c in wanted if c not in df.columns]
@@ -202,8 +202,8 @@ def check_dataframe(df: Any, columns: list[str], validation: float | str | None)
 def write_parquet(df: Any, store: Store, run_id: str, columns: list[str], vectors: list[str],
                   validation: float | str | None, num_proc: int, seed: int) -> tuple[str, str | None]:
     """Writes the DataFrame's columns once, to the store's train (and validation) Parquet."""
-    from pyspark.ml.functions import vector_to_array  # noqa: PLC0415
-    from pyspark.sql import functions as F  # noqa: PLC0415
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
 
     for name in vectors:
         df = df.withColumn(name, vector_to_array(F.col(name), "float32"))
@@ -233,10 +233,10 @@ def add_predictions(df: Any, predict: Predict, feature_cols: list[str], label_co
                     widths: list[int]) -> Any:
     """``df`` with a ``<label>__output`` column per label: a double, or an array of doubles when the
     model gives more than one value per row (class probabilities)."""
-    from pyspark.ml.functions import vector_to_array  # noqa: PLC0415
-    from pyspark.ml.linalg import VectorUDT  # noqa: PLC0415
-    from pyspark.sql import functions as F  # noqa: PLC0415
-    from pyspark.sql import types as T  # noqa: PLC0415
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
 
     check_dataframe(df, feature_cols, None)
     inputs = {}
@@ -254,8 +254,8 @@ def add_predictions(df: Any, predict: Predict, feature_cols: list[str], label_co
     def predict_batches(frames: Iterator[Any]) -> Iterator[Any]:
         for frame in frames:
             feats = {name: _column_array(frame[col]) for name, col in inputs.items()}
-            for out_name, out, width in zip(outputs, predict(feats), widths, strict=True):
-                out = np.asarray(out, dtype=np.float64).reshape(len(frame), -1)
+            for out_name, raw, width in zip(outputs, predict(feats), widths, strict=True):
+                out = np.asarray(raw, dtype=np.float64).reshape(len(frame), -1)
                 frame[out_name] = out[:, 0] if width == 1 else list(out)
             yield frame
 
@@ -267,10 +267,10 @@ def _column_array(series: Any) -> np.ndarray:
     values = series.to_numpy()
     if values.dtype == object:
         return np.stack([np.asarray(v, dtype=np.float32) for v in values]) if len(values) else np.zeros((0, 0))
-    return values
+    return np.asarray(values)
 
 
-class EstimatorModel(Model):  # type: ignore[misc]
+class EstimatorModel(Model):
     """A trained model as a Spark ML Transformer: ``transform(df)`` adds ``<label>__output`` columns.
 
     Attributes reach the trained model (``getModel()``), the per-epoch metrics averaged over the
@@ -288,23 +288,23 @@ class EstimatorModel(Model):  # type: ignore[misc]
         self._predict = predict
         self._widths = widths
 
-    def getModel(self) -> Any:  # noqa: N802  (Horovod's and Spark's naming)
+    def getModel(self) -> Any:
         return self._model
 
-    def getHistory(self) -> dict[str, list[float]]:  # noqa: N802
+    def getHistory(self) -> dict[str, list[float]]:
         return self._history
 
-    def getRunId(self) -> str:  # noqa: N802
+    def getRunId(self) -> str:
         return self._run_id
 
-    def getOutputCols(self) -> list[str]:  # noqa: N802
+    def getOutputCols(self) -> list[str]:
         return output_columns(self._label_cols)
 
     def _transform(self, dataset: Any) -> Any:
         return add_predictions(dataset, self._predict, self._feature_cols, self._label_cols, self._widths)
 
 
-class EstimatorBase(Estimator):  # type: ignore[misc]
+class EstimatorBase(Estimator):
     """``fit(df)``: checks, writes Parquet once, trains in num_proc barrier tasks, returns a model."""
 
     def __init__(self, params: EstimatorParams) -> None:
@@ -318,7 +318,7 @@ class EstimatorBase(Estimator):  # type: ignore[misc]
         """Framework checks of the model, optimizer and loss, before any data is touched."""
 
     def _fit(self, dataset: Any) -> EstimatorModel:
-        from ringserve.spark import _check_local_slots, _spark_context  # noqa: PLC0415
+        from ringserve.spark import _check_local_slots, _spark_context
 
         p = self.params_
         store = p.check()
@@ -344,7 +344,7 @@ class EstimatorBase(Estimator):  # type: ignore[misc]
                        run_id: str | None = None) -> EstimatorModel:
         """Trains on Parquet already in the store (written by an earlier ``fit``, or by you), with no
         write: ``train_path`` and ``val_path`` default to the store's paths for ``run_id``."""
-        from ringserve.spark import _check_local_slots, _spark_context, run  # noqa: PLC0415
+        from ringserve.spark import _check_local_slots, _spark_context, run
 
         p = self.params_
         store = p.check()

@@ -86,14 +86,14 @@ def describe(store: Store, path: str, names: list[str]) -> Dataset:
         if _numeric(t):
             columns[name] = Column(name, (), np.dtype(t.to_pandas_dtype()).name)
             continue
-        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            if _numeric(t.value_type):
-                if first is None:
-                    first = _first_row(store, files, [n for n in names if n in schema.names])
-                value = first.get(name)
-                length = len(value) if value is not None else 0
-                columns[name] = Column(name, (length,), np.dtype(t.value_type.to_pandas_dtype()).name)
-                continue
+        listed = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+        if listed and _numeric(t.value_type):
+            if first is None:
+                first = _first_row(store, files, [n for n in names if n in schema.names])
+            value = first.get(name)
+            length = len(value) if value is not None else 0
+            columns[name] = Column(name, (length,), np.dtype(t.value_type.to_pandas_dtype()).name)
+            continue
         raise InvalidArgumentError(f"The column {name!r} is {t}, not numeric: a model takes numbers or arrays of numbers.")
     return Dataset(path, rows, columns)
 

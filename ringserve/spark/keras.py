@@ -56,7 +56,7 @@ def _targets(spec: TrainSpec, data: dict[str, np.ndarray], rows: Any) -> Any:
     return ys[0] if len(ys) == 1 else ys
 
 
-class _Batches(keras.utils.PyDataset):  # type: ignore[misc,name-defined]
+class _Batches(keras.utils.PyDataset):  # type: ignore[name-defined]
     """A rank's shard in batches: the same number of steps on every rank, reshuffled every epoch."""
 
     def __init__(self, spec: TrainSpec, data: dict[str, np.ndarray], rank: int) -> None:
@@ -96,7 +96,7 @@ def _model_bytes(model: Any) -> bytes:
 
 
 def _load_model(blob: bytes, custom_objects: dict[str, Any] | None) -> Any:
-    import ringserve.keras  # noqa: F401, PLC0415  (registers DistributedOptimizer for loading)
+    import ringserve.keras  # noqa: F401  (registers DistributedOptimizer for loading)
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "model.keras")
@@ -128,7 +128,7 @@ class KerasTrainer:
             raise InvalidArgumentError(
                 f"This task's KERAS_BACKEND is {os.environ['KERAS_BACKEND']!r}, the driver's {self.backend!r}.")
         os.environ["KERAS_BACKEND"] = self.backend
-        import ringserve.keras as hvd  # noqa: PLC0415  (in the task, after its backend is set)
+        import ringserve.keras as hvd
 
         model = _load_model(self.model_blob, self.custom_objects)
         optimizer = keras.optimizers.deserialize(self.optimizer_config, custom_objects=self.custom_objects)
@@ -170,7 +170,7 @@ class KerasTrainer:
         return predict
 
 
-class _Checkpoint(keras.callbacks.Callback):  # type: ignore[misc,name-defined]
+class _Checkpoint(keras.callbacks.Callback):  # type: ignore[name-defined]
     """Rank 0's: the model, saved to the store after every epoch."""
 
     def __init__(self, spec: TrainSpec) -> None:

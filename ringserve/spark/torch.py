@@ -92,7 +92,7 @@ class TorchTrainer:
 
     def train(self, spec: TrainSpec, data: dict[str, np.ndarray],
               val: dict[str, np.ndarray] | None) -> tuple[dict[str, list[float]], str]:
-        import ringserve.torch as hvd  # noqa: PLC0415  (in the task, where ringserve is initialized)
+        import ringserve.torch as hvd
 
         model = self.model
         optimizer = self.optimizer_class(model.parameters(), **self.optimizer_defaults)

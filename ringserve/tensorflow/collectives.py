@@ -70,7 +70,7 @@ def _dense_allreduce(tensor: tf.Tensor, op: ReduceOp, name: str, compression: ob
     if op not in (Average, Sum) or not tensor.dtype.is_floating:
         return host_call(run, [tensor])[0]
 
-    @tf.custom_gradient  # type: ignore[misc]
+    @tf.custom_gradient
     def reduce(x: tf.Tensor) -> tuple[tf.Tensor, Any]:
         def grad(upstream: tf.Tensor) -> tf.Tensor:
             # d(sum or average over ranks)/dx is the same reduction of the upstream gradients.

@@ -1,7 +1,8 @@
 """``ringserve run -np 4`` of examples/keras_fit.py: every rank ends with identical weights, equal
 within float tolerance to one process trained on the global batch (4x the batch, the same rate).
 
-The torch backend runs by default; the TensorFlow one is marked ``tensorflow``.
+Both are marked (the torch one ``slow``: four Keras processes take a minute on 2 cores; the TensorFlow
+one ``tensorflow``); ``scripts/test_tf.sh`` runs both.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ N, BATCH, EPOCHS = 4, 16, 2
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [pytest.param("torch"), pytest.param("tensorflow", marks=pytest.mark.tensorflow)])
+@pytest.mark.parametrize("backend", [pytest.param("torch", marks=pytest.mark.slow), pytest.param("tensorflow", marks=pytest.mark.tensorflow)])
 def test_four_ranks_of_model_fit_match_one_process_on_the_global_batch(tmp_path: Path, backend: str) -> None:
     common = ["--epochs", str(EPOCHS), "--samples", "1024", "--lr", "0.04"]
     run_script(EXAMPLE, N, tmp_path / "four", ["--out", str(tmp_path / "four"), "--batch-size", str(BATCH), *common],
