@@ -31,6 +31,8 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="stretch the heartbeat interval as the world grows to keep under this rate, "
                         "within a third of the timeout (default 1000; 0: never)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the live status page on this port (0: any free port; needs ringserve[status])")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 16384)")
     p.add_argument("--max-param-bytes", type=int, default=None,
@@ -70,7 +72,7 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "http_port", "max_concurrent_rpcs", "max_param_bytes",
                  "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 
@@ -90,6 +92,8 @@ async def _serve(config: CoordinatorConfig) -> None:
         print(f"ringserve coordinator listening on {coord.address} ({mode}{token})", flush=True)
         if coord.metrics is not None:
             print(f"ringserve coordinator metrics on {coord.metrics.url}", flush=True)
+        if coord.status_page is not None:
+            print(f"ringserve coordinator status page on {coord.status_page.url}", flush=True)
         await stop.wait()
 
 
