@@ -224,7 +224,7 @@ class StatusPage:
         if not self._token:
             return _see_other("/")
         if not hmac.compare_digest(given.encode(), self._token.encode()):
-            return self._login_page("That is not this job's token.", status=401)
+            return self._login_page("That is not the job token.", status=401)
         response = _see_other("/")
         self._set_cookie(response)
         return response

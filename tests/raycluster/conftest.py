@@ -1,0 +1,52 @@
+"""A real local Ray cluster for the tests of ringserve.ray, on loopback only.
+
+Collected only where Ray is installed (scripts/test_ray.sh installs the ray extra); every test here
+carries the ``ray`` marker, deselected by default. Ray is kept on 127.0.0.1 (its "local cluster"
+mode, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and sends no usage statistics, both set before Ray is
+imported, so that Ray's own processes inherit them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+sys.path.insert(0, str(ROOT / "examples"))  # the digits demo's model and helpers
+
+if importlib.util.find_spec("ray") is None:
+    collect_ignore_glob = ["test_*.py"]
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if pathlib.Path(str(item.fspath)).parent == HERE:
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One Ray instance for the session: 4 CPUs' worth of slots, the examples and these helpers on
+    every worker's path."""
+    import ray
+
+    path = os.pathsep.join([str(ROOT / "examples"), str(HERE), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    assert ray.util.get_node_ip_address() == "127.0.0.1", "Ray must run on loopback in tests"
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
