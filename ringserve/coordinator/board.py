@@ -43,8 +43,13 @@ class Event:
     text: str
 
 
+def _short(worker_id: str) -> str:
+    """A worker id as the page shows it: its first characters (ids are random hex; addresses follow)."""
+    return worker_id[:8]
+
+
 def _names(workers: Iterable[membership.MemberInfo]) -> str:
-    return ", ".join(f"{m.worker_id} ({m.address})" for m in workers)
+    return ", ".join(f"{_short(m.worker_id)} ({m.address})" for m in workers)
 
 
 class Board:
@@ -73,7 +78,7 @@ class Board:
         removed = [a for a in actions if isinstance(a, membership.Removed)]
         for gone in removed:
             member = before.workers.get(gone.worker_id)
-            who = f"{gone.worker_id} ({member.address})" if member is not None else gone.worker_id
+            who = f"{_short(gone.worker_id)} ({member.address})" if member is not None else _short(gone.worker_id)
             self._commits.pop(gone.worker_id, None)
             if gone.reason == "left":
                 self._add(now, "left", view_id, f"worker {who} left")
@@ -86,7 +91,7 @@ class Board:
             member = after.workers.get(event.worker_id)
             where = f" ({member.address})" if member is not None else ""
             self._add(now, "partition", view_id,
-                      f"a peer reported worker {event.worker_id}{where}, which answers the coordinator: a link "
+                      f"a peer reported worker {_short(event.worker_id)}{where}, which answers the coordinator: a link "
                       f"is down; the ring is re-formed and checked")
         if isinstance(event, membership.Linked) and before.check is not None and after.check is None:
             self._add(now, "healed", view_id, f"every link of view {view_id} is up: the partition healed")

@@ -41,10 +41,11 @@ def ray_cluster() -> Iterator[Any]:
     """One Ray instance for the session: 4 CPUs' worth of slots, the examples and these helpers on
     every worker's path."""
     import ray
+    from ray_digits import WORKER_ENV
 
     path = os.pathsep.join([str(ROOT / "examples"), str(HERE), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, **WORKER_ENV}})
     assert ray.util.get_node_ip_address() == "127.0.0.1", "Ray must run on loopback in tests"
     try:
         yield ray

@@ -19,6 +19,11 @@ from sklearn.model_selection import train_test_split
 from train_digits import mlp, parameter_digest
 
 HIDDEN = 64
+# Every Ray worker's environment in the tests. A process of a loaded 2-core machine (Ray's own
+# processes, and the workers of two jobs) can be descheduled for seconds: the coordinators that Ray
+# Train's rank 0 starts (configured from the environment, rendezvous.py) get a heartbeat timeout with
+# room for that.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "RINGSERVE_HEARTBEAT_TIMEOUT_S": "30"}
 
 
 def digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,3 +128,54 @@ def train_elastic(epochs: int, seed: int, step_delay_s: float) -> dict[str, Any]
     digests = hvd.allgather_object(parameter_digest(model), name="digests")
     return {"digest": parameter_digest(model), "identical": len(set(digests)) == 1, "epoch": state.epoch,
             "steps": state.steps, "sizes": sizes, "size": hvd.size()}
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """A Ray Train worker's loop: the digits demo under DistributedDataParallel on the process group
+    Ray set up (the "ringserve" backend), each rank on its shard; rank 0 reports the metrics."""
+    import hashlib
+    import pathlib
+    import tempfile
+
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    rank, size = context.get_world_rank(), context.get_world_size()
+    x, y, xt, yt = digits(0)
+    torch.manual_seed(rank)  # different everywhere: DDP broadcasts rank 0's parameters
+    model = ray.train.torch.prepare_model(mlp(64))  # DistributedDataParallel over the process group
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * size, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per = len(x) // size
+    xs, ys = x[rank * per: (rank + 1) * per], y[rank * per: (rank + 1) * per]
+    first = last = 0.0
+    for epoch in range(config["epochs"]):
+        order = torch.randperm(len(xs), generator=torch.Generator().manual_seed(epoch))
+        total = 0.0
+        for step in range(len(xs) // 32):
+            idx = order[step * 32: (step + 1) * 32]
+            optimizer.zero_grad()
+            loss = loss_fn(model(xs[idx]), ys[idx])
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        last = total / (len(xs) // 32)
+        first = first or last
+    with torch.no_grad():
+        accuracy = float((model(xt).argmax(1) == yt).float().mean())
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digests: list[Any] = [None] * size
+    dist.all_gather_object(digests, digest)
+    metrics = {"backend": dist.get_backend(), "size": size, "identical": len(set(digests)) == 1,
+               "first_loss": first, "last_loss": last, "accuracy": accuracy}
+    # Ray Train keeps the metrics that come with a checkpoint: rank 0 saves its digest as one.
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = None
+        if rank == 0:
+            pathlib.Path(folder, "digest").write_text(digest)
+            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        ray.train.report(metrics, checkpoint=checkpoint)

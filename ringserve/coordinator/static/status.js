@@ -133,28 +133,35 @@ function ring(s) {
   }
 }
 
+// The commit rate when the job commits (elastic training), else the collective rate, over the
+// last five minutes (or since the page's samples began).
 function chart(s) {
   const svg = document.getElementById("chart");
   svg.replaceChildren();
-  const W = 400, H = 140, left = 36, bottom = 18, top = 8;
-  const pts = s.chart;
-  svg.append(el("svg:line", {x1: left, y1: H - bottom, x2: W, y2: H - bottom, class: "axis"}));
-  if (!pts.length) {
+  const W = 400, H = 140, left = 40, bottom = 18, top = 10;
+  const commits = s.chart.some((p) => p.commits_per_s !== null);
+  const key = commits ? "commits_per_s" : "collectives_per_s";
+  const pts = s.chart.filter((p) => p[key] !== null);
+  document.getElementById("chart-what").textContent = commits ? "commits/s" : "collectives/s";
+  document.getElementById("chart-what").className = commits ? "line-commits" : "line-collectives";
+  svg.append(el("svg:line", {x1: left, y1: H - bottom, x2: W - 4, y2: H - bottom, class: "axis"}));
+  if (pts.length < 2) {
     svg.append(el("svg:text", {x: W / 2, y: H / 2, "text-anchor": "middle", class: "muted"}, "collecting samples…"));
     return;
   }
-  const t1 = pts[pts.length - 1].t, t0 = t1 - 300;
-  const max = Math.max(1e-9, ...pts.map((p) => Math.max(p.commits_per_s || 0, p.collectives_per_s || 0)));
-  const x = (t) => left + ((t - t0) / 300) * (W - left);
+  const t1 = pts[pts.length - 1].t, t0 = Math.max(pts[0].t, t1 - 300);
+  const span = Math.max(t1 - t0, 1e-9);
+  const max = Math.max(1e-9, ...pts.map((p) => p[key]));
+  const x = (t) => left + ((t - t0) / span) * (W - 4 - left);
   const y = (v) => H - bottom - (v / max) * (H - bottom - top);
-  for (const [key, cls] of [["collectives_per_s", "line-collectives"], ["commits_per_s", "line-commits"]]) {
-    const line = pts.filter((p) => p[key] !== null).map((p) => `${x(p.t).toFixed(1)},${y(p[key]).toFixed(1)}`);
-    if (line.length) svg.append(el("svg:polyline", {points: line.join(" "), class: cls}));
-  }
-  svg.append(el("svg:text", {x: left - 4, y: top + 8, "text-anchor": "end", class: "tick"}, max.toPrecision(2)));
+  const line = pts.filter((p) => p.t >= t0).map((p) => `${x(p.t).toFixed(1)},${y(p[key]).toFixed(1)}`);
+  svg.append(el("svg:polyline", {points: line.join(" "), class: commits ? "line-commits" : "line-collectives"}));
+  const fmt = (v) => (v >= 100 ? v.toFixed(0) : v.toFixed(1));
+  svg.append(el("svg:text", {x: left - 4, y: top + 4, "text-anchor": "end", class: "tick"}, fmt(max)));
   svg.append(el("svg:text", {x: left - 4, y: H - bottom, "text-anchor": "end", class: "tick"}, "0"));
-  svg.append(el("svg:text", {x: left, y: H - 4, class: "tick"}, "−5 min"));
-  svg.append(el("svg:text", {x: W, y: H - 4, "text-anchor": "end", class: "tick"}, "now"));
+  svg.append(el("svg:text", {x: left, y: H - 4, class: "tick"}, `−${duration(span)}`));
+  svg.append(el("svg:text", {x: W - 4, y: H - 4, "text-anchor": "end", class: "tick"},
+    `now: ${fmt(pts[pts.length - 1][key])}/s`));
 }
 
 function stalls(s) {
