@@ -23,7 +23,7 @@ What each kind of event means:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ringserve import commits
@@ -72,8 +72,10 @@ class Board:
         self.history.append(Event(max(0.0, now - self._started), kind, view_id, text))
 
     def applied(self, before: membership.State, event: membership.Event, after: membership.State,
-                actions: Iterable[membership.Action], now: float) -> None:
+                actions: Sequence[membership.Action], now: float) -> None:
         """Records what one step of the state machine (``event`` took ``before`` to ``after``) did."""
+        if not actions and isinstance(event, membership.Heartbeat):
+            return  # the one event that comes thousands of times a second, and changes nothing here
         view_id = after.view.view_id
         removed = [a for a in actions if isinstance(a, membership.Removed)]
         for gone in removed:

@@ -225,6 +225,8 @@ class RayExecutor:
         """
         if self._coordinator is not None:
             raise UsageError("This RayExecutor has already started: shut it down first.")
+        if not ray.is_initialized():
+            ray.init()  # what Ray's first remote call would do; the driver's node address comes from it
         host = ray.util.get_node_ip_address()
         local = _is_loopback(host)
         config = CoordinatorConfig(**{

@@ -228,3 +228,24 @@ async def test_a_port_in_use_fails_the_start_and_leaves_nothing_running() -> Non
         with pytest.raises(OSError):
             await second.start()
         assert second.status_page is None and second._server is None
+
+
+def test_ringserve_coordinator_http_port_serves_the_page_and_says_where(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0", "--http-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert "listening on" in lines[0], lines
+        assert lines[1].startswith("ringserve coordinator status page on http://127.0.0.1:"), lines
+        url = lines[1].split(" on ", 1)[1].strip()
+        with urllib.request.urlopen(url + "status.json", timeout=10) as answer:
+            assert answer.status == 200 and b'"view_id":0' in answer.read()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(20)
+    assert proc.returncode == 0
