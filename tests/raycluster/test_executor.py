@@ -19,9 +19,14 @@ from ringserve.ray import RayExecutor, RayWorkerError
 EPOCHS, SEED, BATCH = 6, 0, 64
 
 
+# A loaded 2-core machine can deschedule a worker for seconds: a heartbeat timeout with room for it
+# (a killed worker is found at once all the same, by its peers' broken streams).
+COORDINATOR = {"heartbeat_timeout_s": 15.0}
+
+
 def _executor(num_workers: int, **settings: Any) -> RayExecutor:
-    ex = RayExecutor(RayExecutor.create_settings(timeout_s=90, **settings), num_workers=num_workers,
-                     cpus_per_worker=1, use_gpu=False)
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=90, coordinator=COORDINATOR, **settings),
+                     num_workers=num_workers, cpus_per_worker=1, use_gpu=False)
     ex.start()
     return ex
 
@@ -71,7 +76,7 @@ class Counter:
 def test_run_remote_execute_and_execute_single_behave_as_horovods(ray_cluster: Any) -> None:
     import ray
 
-    ex = RayExecutor(RayExecutor.create_settings(timeout_s=90), num_workers=2)
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=90, coordinator=COORDINATOR), num_workers=2)
     ex.start(executable_cls=Counter, executable_args=[5])
     try:
         assert ex.execute(_where) == [(ex.coordinator_address, 0), (ex.coordinator_address, 1)]
