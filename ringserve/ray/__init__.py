@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["RayExecutor", "RaySettings", "RayWorkerError", "RingserveConfig", "register_torch_backend"]
 
-_FROM = {"RayExecutor": "executor", "RaySettings": "executor", "RayWorkerError": "executor",
+_FROM = {"RayExecutor": "executor", "RaySettings": "settings", "RayWorkerError": "settings",
          "RingserveConfig": "train"}
 
 
