@@ -167,6 +167,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         max_workers=max(max_np, ns.np),
         settle_s=0.2,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        http_port=ns.http_port,
         **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
     )
     env = dict(os.environ)
@@ -267,6 +268,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="serve the coordinator's live status page on this port of --host (needs ringserve[status])")
     hosts = p.add_argument_group("hosts (as horovodrun)")
     one = hosts.add_mutually_exclusive_group()
     one.add_argument("-H", "--hosts", default=None,

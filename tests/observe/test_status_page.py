@@ -249,3 +249,36 @@ def test_ringserve_coordinator_http_port_serves_the_page_and_says_where(tmp_path
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
     assert proc.returncode == 0
+
+
+def test_ringserve_run_http_port_serves_the_page_of_its_coordinator_while_the_job_runs(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:  # a free port on loopback, for the launcher's fixed --http-port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = "import time, ringserve; ringserve.init(); time.sleep(20 if ringserve.rank() == 0 else 0); ringserve.shutdown()"
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "run", "-np", "2", "--http-port", str(port),
+                             sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as answer:
+                    if b'"view_id":1' in answer.read():
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the launcher's page never showed view 1"
+            time.sleep(0.2)
+    finally:
+        proc.terminate()  # the launcher stops its workers, then its coordinator
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
