@@ -20,20 +20,13 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-sys.path.insert(0, str(ROOT / "examples"))  # the digits demo's model and helpers
-
 if importlib.util.find_spec("ray") is None:
     collect_ignore_glob = ["test_*.py"]
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if pathlib.Path(str(item.fspath)).parent == HERE:
-            item.add_marker(pytest.mark.ray)
+else:
+    sys.path.insert(0, str(ROOT / "examples"))  # the digits demo's model and helpers
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 @pytest.fixture(scope="session")

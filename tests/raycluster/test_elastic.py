@@ -12,6 +12,9 @@ import ray_digits
 
 from ringserve.ray import RayExecutor
 
+pytestmark = pytest.mark.ray
+
+
 EPOCHS, SEED, STEP_DELAY_S = 10, 0, 0.08
 
 

@@ -16,6 +16,9 @@ import ringserve
 import ringserve.ray
 from ringserve.ray import RayExecutor, RayWorkerError
 
+pytestmark = pytest.mark.ray
+
+
 EPOCHS, SEED, BATCH = 6, 0, 64
 
 

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 from ray_digits import WORKER_ENV
 
+pytestmark = pytest.mark.ray
+
+
 EPOCHS = 8
 JOB = Path(__file__).resolve().parent / "torchconfig_job.py"
 
