@@ -110,6 +110,12 @@ class Plane:
         """The ranks this plane holds a link to."""
         return tuple(self._links)
 
+    def link_report(self) -> list[tuple[int, str, int]]:
+        """(rank, lane, bytes sent) of each link, the ring successor's first (for heartbeats)."""
+        first = self.ring.next
+        ranks = sorted(self._links, key=lambda r: (r != first, r))
+        return [(r, self._links[r].lane_name, self._links[r].bytes_sent) for r in ranks]
+
     # -- the collectives' side -------------------------------------------------------------
 
     def link_to(self, rank: int) -> Link | None:
