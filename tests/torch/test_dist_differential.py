@@ -52,6 +52,8 @@ MUST = [
     "broadcast torch.bool strided from 1 (ringserve only) gives what it should",
     "barrier async equals gloo's",
     "object collectives equals gloo's",
+    "all_gather_single and reduce_scatter_single equals gloo's",
+    "send_object_list and recv_object_list equals gloo's",
     "isend/irecv ring shift equals gloo's",
     "batch_isend_irecv both ways equals gloo's",
     "recv and irecv from any source equals gloo's",

@@ -14,15 +14,17 @@ survivor (a torch group's members are fixed). Recovery is a new group (see the R
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ringserve.torch.distributed import ops
+from ringserve.torch.distributed import ops, sparse
 from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.rendezvous import World, join_world
 from ringserve.torch.distributed.settings import Settings
@@ -31,6 +33,7 @@ from ringserve.torch.distributed.work import Completer, RingserveWork, backend_e
 BACKEND_NAME = "ringserve"
 # A waiting caller gives up this long after a collective's own deadline (which fails it first).
 _WAIT_SLACK_S = 30.0
+_MONITORED = "monitored_barrier"  # the name of monitored_barrier's messages (torch's tags are ints)
 
 
 def _opt(opts: Any, kind: type) -> Any:
@@ -130,7 +133,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         tensor = ops.single(_tensor_list(tensors), "all_reduce")
         op = ops.core_op(opts.reduceOp, "all_reduce", tensor.dtype)
         if tensor.is_sparse:
-            return self._run("all_reduce", ops.sparse_allreduce(self._on(opts), tensor, op), opts)
+            return self._run("all_reduce", sparse.allreduce(self._on(opts), tensor, op), opts)
         return self._run("all_reduce", ops.allreduce(
             self._on(opts), tensor, op, compression=self.settings.compression, residuals=self._residuals), opts)
 
@@ -262,6 +265,46 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         work = self._completer.track("recv", [part], finish, self._limit(None))
         work.sender_of = part  # its result is the sender's group rank
         return work
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``, as gloo's does it: every other rank checks in
+        with group rank 0 and waits for its answer; rank 0 waits for each within ``timeout`` (the
+        group's when None) and raises RuntimeError naming the ranks that did not come (the first
+        one, or with ``wait_all_ranks`` all of them). torch's ``dist.monitored_barrier`` itself
+        refuses every backend but gloo; this is the process group's own method.
+        """
+        self._check("monitored_barrier")
+        seconds = self.plane.timeout_s if timeout is None else max(timeout.total_seconds(), 0.0)
+        ms = int(seconds * 1000)
+        plane = self.plane.with_timeout(max(seconds, 1e-3))
+        token = np.zeros(1, dtype=np.uint8)
+        if self.plane.rank != 0:
+            try:
+                plane.send(token, 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
+                plane.recv(np.zeros(1, dtype=np.uint8), 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
+            except Exception as exc:  # noqa: BLE001 - any failure of the exchange is the barrier's
+                raise RuntimeError(
+                    f"Rank {self.plane.rank} successfully reached monitoredBarrier, but received errors while waiting "
+                    f"for send/recv from rank 0. Please check rank 0 logs for faulty rank ({exc})."
+                ) from exc
+            return
+        start = time.monotonic()
+        if seconds <= 0:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.")
+        arrivals = {r: plane.recv(np.zeros(1, dtype=np.uint8), r, _MONITORED) for r in range(1, self.plane.size)}
+        failed: list[int] = []
+        for r, arrival in arrivals.items():
+            left = seconds if wait_all_ranks else seconds - (time.monotonic() - start)
+            try:
+                arrival.result(max(left, 0.0))
+            except Exception as exc:  # noqa: BLE001 - a rank that did not check in, however it failed
+                if not wait_all_ranks:
+                    raise RuntimeError(f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms") from exc
+                failed.append(r)
+        if failed:
+            raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
+        for r in arrivals:
+            plane.send(token, r, _MONITORED).result(seconds + _WAIT_SLACK_S)
 
     @_op("all_to_all_single")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],  # noqa: A002

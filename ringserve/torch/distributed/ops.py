@@ -270,38 +270,6 @@ def allgather_coalesced(plane: Plane, output_lists: Sequence[Sequence[torch.Tens
     return Started([part], finish)
 
 
-def sparse_allreduce(plane: Plane, tensor: torch.Tensor, op: str) -> Started:
-    """The sum of every rank's sparse COO ``tensor``, coalesced, in place of ``tensor`` (as gloo's).
-
-    Each rank's coalesced indices and values go round as one allgather of blocks of any size, and
-    every rank adds them up in group-rank order, so every rank holds the same bits.
-    """
-    if op != "sum":
-        raise InvalidArgumentError(f"all_reduce of sparse tensors works with ReduceOp.SUM only, not {op!r} (as on gloo).")
-    local = tensor.detach().to("cpu").coalesce()
-    indices, values = local.indices().contiguous(), local.values().contiguous()
-    block = np.concatenate([np.array([local._nnz()], dtype=np.int64).view(np.uint8), as_bytes(indices), as_bytes(values)])
-    dense_shape = tuple(values.shape[1:])
-    what = f"sparse {values.dtype} {tuple(local.shape)} sparse_dim={local.sparse_dim()}"
-    part = plane.allgather_blocks(block, what)
-
-    def finish(results: list[Any]) -> list[torch.Tensor]:
-        total = None
-        for data in results[0]:
-            nnz = int(data[:8].view(np.int64)[0])
-            cut = 8 + nnz * indices.shape[0] * 8
-            idx = from_bytes(data[8:cut].copy(), torch.int64, (indices.shape[0], nnz))
-            val = from_bytes(data[cut:].copy(), values.dtype, (nnz, *dense_shape))
-            one = torch.sparse_coo_tensor(idx, val, local.shape)
-            total = one if total is None else total + one
-        assert total is not None
-        with torch.no_grad():
-            tensor.copy_(total.coalesce().to(tensor.device))
-        return [tensor]
-
-    return Started([part], finish)
-
-
 def allgather_into(plane: Plane, output: torch.Tensor, tensor: torch.Tensor) -> Started:
     if output.numel() != tensor.numel() * plane.size:
         raise InvalidArgumentError(

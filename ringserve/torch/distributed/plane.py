@@ -177,16 +177,17 @@ class Plane:
 
         return self._on(call)
 
-    def _p2p_name(self, tag: int) -> str:
-        return f"{self.tag or 'torch'}.p2p.{int(tag)}"
+    def _p2p_name(self, tag: int | str) -> str:
+        """The name of the messages of ``tag``: torch's int tags, or a name of ours (never an int's)."""
+        return f"{self.tag or 'torch'}.p2p.{tag if isinstance(tag, str) else int(tag)}"
 
-    def send(self, array: np.ndarray, dst: int, tag: int) -> Future[None]:
+    def send(self, array: np.ndarray, dst: int, tag: int | str) -> Future[None]:
         """Sends ``array`` to group rank ``dst``; done once it is on the link (see worker/p2p.py)."""
         ring = p2p.pair(self.global_rank_of_self, self.global_rank(dst))
         name = self._p2p_name(tag)
         return self._start(lambda s, o: p2p.send(s, array, name=name, **o), ring)
 
-    def recv(self, array: np.ndarray, src: int | None, tag: int) -> Future[int]:
+    def recv(self, array: np.ndarray, src: int | None, tag: int | str) -> Future[int]:
         """Receives into ``array`` the next message of ``tag`` from group rank ``src`` (None: from
         whichever rank of the group sent one first); returns the sender's group rank."""
         name = self._p2p_name(tag)

@@ -346,6 +346,26 @@ def moves(rec: Recorder, p: Pair) -> None:
 
     rec.differ("object collectives", p, objects)
 
+    def singles(pg: Any) -> Any:
+        # torch 2.13's names for all_gather_into_tensor and reduce_scatter_tensor.
+        gathered, reduced = torch.zeros(p.n * 2, dtype=torch.int64), torch.zeros(2)
+        dist.all_gather_single(gathered, value(p.me, (2,), torch.int64), group=pg)
+        dist.reduce_scatter_single(reduced, value(p.me, (2 * p.n,), torch.float32), group=pg)
+        return [gathered, reduced]
+
+    rec.differ("all_gather_single and reduce_scatter_single", p, singles)
+    if p.n > 1:
+        def object_messages(pg: Any) -> Any:
+            box: list[Any] = [{"from": p.me, "t": [1, 2]}, "text"] if p.me == 0 else [None, None]
+            if p.me == 0:
+                for dst in p.members[1:]:
+                    dist.send_object_list(box, dst=dst, group=pg)
+            else:
+                dist.recv_object_list(box, src=p.members[0], group=pg)
+            return box
+
+        rec.differ("send_object_list and recv_object_list", p, object_messages)
+
 
 def point_to_point(rec: Recorder, p: Pair) -> None:
     if p.n < 2:
