@@ -44,6 +44,7 @@ MUST = [
     "all_gather_coalesced of 1 torch.float32 equals gloo's",
     "all_gather_coalesced of 3 torch.int64 equals gloo's",
     "all_gather_coalesced into transposed views equals gloo's",
+    "all_gather_coalesced of {n} of one shape equals gloo's",
     "gather to 1 equals gloo's",
     "scatter from 1 async equals gloo's",
     "all_to_all_single with split sizes async equals gloo's",
@@ -89,7 +90,7 @@ def test_every_family_of_calls_was_compared_on_every_rank_and_subgroup(ranks: di
                                                                       n: int) -> None:
     for r, got in enumerate(ranks[n]):
         names = set(got["passed"])
-        missing = [m for m in MUST + (ENDS if r < 2 else []) if m not in names]
+        missing = [m.format(n=n) for m in MUST + (ENDS if r < 2 else []) if m.format(n=n) not in names]
         assert not missing, f"rank {r} of {n} did not check {missing}"
         for members in GROUPS[n]:
             if r not in members:

@@ -261,6 +261,16 @@ def coalesced_gathers(rec: Recorder, p: Pair) -> None:
 
             rec.differ(f"all_gather_coalesced of {count} {dtype}", p, call)
 
+    def same_shapes(pg: Any) -> Any:
+        # The case: as many inputs as ranks, all of one shape (the transpose of the right
+        # answer looks right to every check of sizes).
+        ins = [torch.full((2,), float(100 * p.me + i)) for i in range(p.n)]
+        outs = [[torch.zeros(2) for _ in range(p.n)] for _ in range(p.n)]
+        dist.all_gather_coalesced(outs, ins, group=pg)
+        return outs
+
+    rec.differ(f"all_gather_coalesced of {p.n} of one shape", p, same_shapes)
+
     def strided(pg: Any) -> Any:
         outs = [[torch.zeros(3, 2).t()] for _ in range(p.n)]
         dist.all_gather_coalesced(outs, [value(p.me, (2, 3), torch.float32)], group=pg)
