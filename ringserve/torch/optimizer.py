@@ -43,10 +43,11 @@ import torch
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UnsupportedError, UsageError
-from ringserve.torch import _tensors, adasum, basics, collectives, ops, sparse
+from ringserve.torch import _tensors, adasum, basics, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch._wrapping import Wrapping
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.torch.handles import Handle
 from ringserve.worker.ops import adasum as adasum_math
 
 log = logging.getLogger("ringserve.torch")
@@ -156,7 +157,7 @@ class DistributedOptimizer(Wrapping):
         self._op = reduce_op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
-        self._sparse: dict[int, collectives.Handle[torch.Tensor]] = {}
+        self._sparse: dict[int, Handle[torch.Tensor]] = {}
         self.backward_passes_per_step = backward_passes_per_step
         self._fusion_bytes = fusion
         self._groups = groups if groups is not None else (num_groups or None)
@@ -326,7 +327,8 @@ class DistributedOptimizer(Wrapping):
     def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
         if bucket.residual is None:
             bucket.residual = np.zeros(array.size, dtype=sum_dtype(array.dtype))
-        return bucket.residual
+        residual: np.ndarray = bucket.residual
+        return residual
 
     def _finish(self, bucket: Bucket) -> None:
         result, bucket.done_at = basics.wait(bucket.future)

@@ -26,6 +26,7 @@ from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import adasum, collectives, grouped
 from ringserve.worker.ops import join as joining
 from ringserve.worker.ops import process_sets as sets
+from ringserve.worker.ops.arguments import non_finite_error
 from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
 from ringserve.worker.ops.set_policy import root_position
 
@@ -173,7 +174,7 @@ class Facade:
             result = await adasum.allreduce(session, a, name=name, out=out,
                                             parts=None if parts is None else list(parts), **self._opts())
             if check_finite and not np.isfinite(result).all():
-                raise collectives._non_finite_error(name or "adasum")
+                raise non_finite_error(name or "adasum")
             return result
         if parts is not None:
             raise InvalidArgumentError("parts is for op adasum only.")

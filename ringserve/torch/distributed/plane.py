@@ -33,13 +33,16 @@ import numpy as np
 
 from ringserve.api import Context
 from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import collectives, p2p
+from ringserve.worker.ops import collectives, p2p, refusal
 
 if TYPE_CHECKING:
     from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
+# The descriptor of an all_to_all of bytes (collectives.alltoall's, for uint8 rows of nothing).
+_ALLTOALL_BYTES = Descriptor("alltoall", dtype="uint8", rows=())
 Future = concurrent.futures.Future
 Call = Callable[[Session, dict[str, Any]], Coroutine[Any, Any, T]]
 
@@ -134,7 +137,7 @@ class Plane:
         """The bytes every rank of the group sent this one, in group-rank order: ``array`` (1-D
         uint8) is split into ``send_counts[d]`` bytes for group rank d, and ``recv_counts[o]``
         bytes must come from group rank o. ``problem``: what is wrong with this rank's arguments;
-        the op then fails on every rank of the group at once (collectives.refuse), not by a deadline.
+        the op then fails on every rank of the group at once (refusal.refuse), not by a deadline.
 
         Raises (from the future):
             InvalidArgumentError: ``problem``, or what came differs from ``recv_counts`` (the ranks'
@@ -144,7 +147,7 @@ class Plane:
 
         async def call(session: Session, options: dict[str, Any]) -> np.ndarray:
             if problem:
-                await collectives.refuse(session, tag, "alltoall uint8 (*, )", problem, options["timeout_s"])
+                await refusal.refuse(session, tag, _ALLTOALL_BYTES, problem, options["timeout_s"])
             data, counts = await collectives.alltoall(session, array, splits=list(send_counts), name=tag, **options)
             if counts.tolist() != expected:
                 raise InvalidArgumentError(

@@ -23,6 +23,7 @@ import numpy as np
 
 from ringserve.errors import InvalidArgumentError
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks
 
@@ -38,8 +39,8 @@ def pair(src: int, dst: int) -> tuple[int, int]:
     return (int(src), int(dst))
 
 
-def _descriptor(flat: np.ndarray) -> str:
-    return f"message {flat.dtype} x{flat.size}"
+def _descriptor(flat: np.ndarray) -> Descriptor:
+    return Descriptor("message", dtype=flat.dtype.name, count=flat.size)
 
 
 def _check(session: Session, position: int, what: str) -> None:
