@@ -56,7 +56,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     StateLostError,
 )
-from ringserve.worker.elastic_hooks import no_view_within
+from ringserve.worker.faces.elastic import no_view_within
 from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")

@@ -97,7 +97,7 @@ class Plane:
 
         async def run(worker: Worker) -> T:
             # The worker's session over a member tuple (the sub-ring its process sets use too).
-            session = worker._session(ring)  # noqa: SLF001 - the sub-ring seam of the worker
+            session = worker.collectives.session(ring)
             config = worker.config
             return await call(session, {"chunk_bytes": config.chunk_bytes, "timeout_s": config.collective_timeout_s})
 
