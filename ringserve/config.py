@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 
 MiB = 1 << 20
@@ -332,7 +333,7 @@ class WorkerConfig(SecuritySettings):
     tune_malloc: bool = True
     metrics_port: int = -1
     timeline: str = ""
-    elastic_timeout_s: float = 600.0
+    elastic_timeout_s: float = ELASTIC_TIMEOUT_S
     join_timeout_s: float = 3600.0
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16

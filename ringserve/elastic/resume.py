@@ -22,6 +22,7 @@ import numpy as np
 
 from ringserve import api, commits
 from ringserve.commits import Commit
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.elastic.checkpoint import COORDINATOR, CheckpointStore, CoordinatorStore
 from ringserve.errors import HostsUpdatedInterrupt, RingserveError, StateLostError
 
@@ -59,7 +60,7 @@ def agree_root(state: Synced) -> int:
             gone (or none came back within holder_wait_s), and no durable copy exists.
     """
     ctx = api.context()
-    mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + 10.0)
+    mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
     row = np.array([state.lineage, state.commits, *known], dtype=np.int64)
@@ -95,7 +96,7 @@ def _await_holders(state: Synced, lost: commits.Lost, mark: commits.Mark) -> tup
             state.loss_seen = (lost.mark, now)
         since = state.loss_seen[1]
         bound = cfg.holder_wait_bound_s
-        budget = max(0.0, bound - (now - since)) + 2 * cfg.rpc_timeout_s + 10.0
+        budget = max(0.0, bound - (now - since)) + 2 * cfg.rpc_timeout_s + THREAD_WAIT_SLACK_S
         verdict, mark = ctx.call(lambda w: _look_for_holders(w, lost.mark, mark, since, bound), timeout_s=budget)
         if isinstance(verdict, commits.Readmit):
             news = ("readmit", mark, ", ".join(h.describe() for h in verdict.holders))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ringserve.constants import REMOTE_START_TIMEOUT_S
 from ringserve.launch.remote import MARK
 
 # Not forwarded to other hosts: the login session's own identity and terminal (the remote login
@@ -127,7 +128,7 @@ class SshSettings:
     port: int | None = None
     identity_file: str = ""
     config_file: str = ""
-    start_timeout_s: float = 30.0
+    start_timeout_s: float = REMOTE_START_TIMEOUT_S
     ping_interval_s: float = 2.0
     ping_timeout_s: float = 20.0
     python: str = sys.executable

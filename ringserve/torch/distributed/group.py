@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringserve.constants import WORK_WAIT_SLACK_S
 from ringserve.torch.distributed import ops
 from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.rendezvous import World, join_world
@@ -27,8 +28,6 @@ from ringserve.torch.distributed.settings import Settings
 from ringserve.torch.distributed.work import Completer, RingserveWork, backend_error
 
 BACKEND_NAME = "ringserve"
-# A waiting caller gives up this long after a collective's own deadline (which fails it first).
-_WAIT_SLACK_S = 30.0
 
 
 def _opt(opts: Any, kind: type) -> Any:
@@ -67,7 +66,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self.plane = plane
         self.settings = settings
         self._world = world
-        self._completer = Completer(plane.context.config.collective_timeout_s + _WAIT_SLACK_S)
+        self._completer = Completer(plane.context.config.collective_timeout_s + WORK_WAIT_SLACK_S)
         self._residuals = ops.Residuals() if settings.error_feedback else None
         self._closed = False
         self._group_name = ""
