@@ -52,3 +52,11 @@ COORDINATOR_STOP_WAIT_S = 10.0
 # How often the launcher looks at its workers' exit codes (a failure ends the run within it), and
 # rank 0's coordinator at whether the other workers have left.
 POLL_S = 0.05
+
+# -- the coordinator -------------------------------------------------------------------------
+
+# The longest the coordinator waits for a suspect's health answer (at most half a heartbeat
+# timeout): a dead process refuses the probe at once, so the wait only matters for a stopped or
+# cut off one, which heartbeats catch anyway; much shorter, and a loaded machine's live worker
+# would fail its probe and be dropped for nothing.
+PROBE_TIMEOUT_MAX_S = 2.5

@@ -18,7 +18,8 @@ from ringserve import _malloc
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership
-from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
+from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService
+from ringserve.coordinator.views import view_bytes
 from ringserve.security import Security
 from ringserve.transport import server_options
 
