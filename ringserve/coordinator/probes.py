@@ -64,7 +64,7 @@ class Prober:
                 alive = answer.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             alive = False
-        except Exception as exc:  # noqa: BLE001 - a worker whose address cannot even be dialled is not answering
+        except Exception as exc:  # a worker whose address cannot even be dialled is not answering
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
             alive = False
         log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")

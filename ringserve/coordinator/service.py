@@ -247,12 +247,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield await queue.get()
         finally:
             self._watchers.discard(queue)
-            if self.watches.release(worker_id):
-                if membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
-                    # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
-                    # its elastic loop handles one, a kill), or it watches again, hears it is unknown
-                    # and rejoins: dropped now, no commit admits a dead process into its members' sync.
-                    self.apply(membership.Leave(worker_id))
+            last = self.watches.release(worker_id)
+            if last and membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
+                # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
+                # its elastic loop handles one, a kill), or it watches again, hears it is unknown
+                # and rejoins: dropped now, no commit admits a dead process into its members' sync.
+                self.apply(membership.Leave(worker_id))
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(

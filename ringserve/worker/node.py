@@ -200,7 +200,7 @@ class Node:
             case ViewHeard(view):
                 try:
                     self._install(view)
-                except Exception as exc:  # noqa: BLE001 - whatever it is, the worker cannot go on
+                except Exception as exc:  # whatever it is, the worker cannot go on
                     await self._give_up(view.view_id, exc)
             case Answered(pending):
                 self.pending_workers = pending

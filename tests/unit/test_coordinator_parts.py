@@ -63,10 +63,10 @@ def test_watch_streams_are_capped_in_all_and_per_worker_and_the_last_release_is_
     caps = WatchCaps(cap=3, per_worker=2)
     caps.admit("a")
     caps.admit("a")
-    with pytest.raises(WatchRefusedError, match="'a' already holds 2 WatchView streams.*max_watches_per_worker"):
+    with pytest.raises(WatchRefusedError, match=r"'a' already holds 2 WatchView streams.*max_watches_per_worker"):
         caps.admit("a")
     caps.admit("b")
-    with pytest.raises(WatchRefusedError, match="already serves 3 WatchView streams.*max_watch_streams"):
+    with pytest.raises(WatchRefusedError, match=r"already serves 3 WatchView streams.*max_watch_streams"):
         caps.admit("c")
     assert caps.open == 3
     assert caps.release("a") is False and caps.release("a") is True and caps.release("b") is True

@@ -105,7 +105,8 @@ def imports(module: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> 
                 prefix = node.module or ""
             # ``from ringserve.worker import runtime`` imports the module runtime, not the package.
             targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
-        for target in targets:
+        for named in targets:
+            target = named
             while target not in known and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target in known and target != module:

@@ -193,7 +193,7 @@ class Collectives:
                                                **self._opts())
 
     async def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
-                                     compression: str | None | list[str | None] = None,
+                                     compression: str | list[str | None] | None = None,
                                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
         """reduce_scatter of each array of a list, in one collective per dtype (and codec: one for
         every floating point array, or one per array)."""

@@ -36,6 +36,7 @@ as they are (see programs.alltoall_ring).
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ class _Run:
         # Every rank's values of this rank's segment, as copies this rank combines in place.
         vectors = [np.array(b if b is not None else flat[:0], copy=True) for b in exchange.blocks]
         edges = np.cumsum([0, *self.parts]).tolist()
-        local = [(max(lo, s0) - s0, max(min(hi, s1), s0) - s0) for lo, hi in zip(edges, edges[1:], strict=False)]
+        local = [(max(lo, s0) - s0, max(min(hi, s1), s0) - s0) for lo, hi in itertools.pairwise(edges)]
         level, stage = 1, 1
         while level < n:
             firsts = list(range(0, n, 2 * level))

@@ -97,7 +97,7 @@ async def grouped_allgather(session: Session, arrays: list[Any], *, name: str | 
 
 
 async def grouped_reduce_scatter(session: Session, arrays: list[Any], *, op: str, name: str | None, chunk_bytes: int,
-                                 timeout_s: float, compression: str | None | list[str | None] = None) -> list[np.ndarray]:
+                                 timeout_s: float, compression: str | list[str | None] | None = None) -> list[np.ndarray]:
     """Reduces each array and returns this rank's rows of each result, one collective per dtype.
 
     ``compression`` names a wire codec for the floating point arrays (integer ones travel as they
