@@ -62,6 +62,7 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
+from ringserve.powersgd import PowerSGD
 from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
@@ -77,6 +78,7 @@ __all__ = [
     "MismatchError",
     "NotInitializedError",
     "PeerUnavailableError",
+    "PowerSGD",
     "ProcessSet",
     "ProtocolError",
     "RecoverableError",
