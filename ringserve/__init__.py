@@ -42,6 +42,7 @@ from ringserve.api import (
 )
 from ringserve.config import CoordinatorConfig, WorkerConfig
 from ringserve.coordinator import Coordinator
+from ringserve.diloco import DiLoCo
 from ringserve.errors import (
     CollectiveTimeoutError,
     CoordinatorUnreachableError,
@@ -73,6 +74,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorUnreachableError",
+    "DiLoCo",
     "ExcludedError",
     "InvalidArgumentError",
     "MismatchError",

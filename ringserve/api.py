@@ -47,6 +47,19 @@ class Context:
         """Starts a call on the loop and returns its future (for async handles)."""
         return self._thread.submit(call(self.worker))
 
+    def wait(self, future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
+        """The result of a submitted call, waiting at most a collective's deadline plus a slack.
+
+        Raises:
+            CollectiveTimeoutError: the call did not finish in time; it is cancelled.
+        """
+        wait = self.config.collective_timeout_s + _WAIT_SLACK_S if timeout_s is None else timeout_s
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise CollectiveTimeoutError(f"A call on the ringserve worker did not finish within {wait:g} s.") from None
+
     def call(self, call: Callable[[Worker], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
         """Runs a worker call and waits for it: by default a collective's deadline plus a slack.
 
