@@ -43,7 +43,9 @@ def start(bucket: Bucket, compressor: PowerSGDCompressor, iteration: int,
     flat = host.numpy()
     shapes = [tuple(p.shape) for p in bucket.params]
     core = compressor.core
-    rnd = core.begin(bucket.name, flat, shapes, exact=flat.size - bucket.numel, iteration=iteration)
+    # The average goes straight into a CPU bucket (begin copies the gradients out of it first).
+    rnd = core.begin(bucket.name, flat, shapes, exact=flat.size - bucket.numel, iteration=iteration,
+                     out=flat if host is bucket.buffer else None)
     name = bucket.name
 
     async def reduce(worker: Any) -> tuple[Any, float]:
@@ -54,9 +56,10 @@ def start(bucket: Bucket, compressor: PowerSGDCompressor, iteration: int,
         return second, time.perf_counter()
 
     def finish(second: Any) -> torch.Tensor:
-        out = torch.from_numpy(rnd.finish(second))
-        with torch.no_grad():
-            bucket.buffer.copy_(out)
+        out = rnd.finish(second)
+        if host is not bucket.buffer:
+            with torch.no_grad():
+                bucket.buffer.copy_(torch.from_numpy(out))
         return bucket.buffer
 
     return basics.submit(reduce), finish
