@@ -21,11 +21,15 @@ Ops of one plane are matched across ranks by their order of issue, as torch requ
 group: each plane names its ops ``<tag>`` so that ringserve numbers them ``<tag>#1``, ``<tag>#2``,
 ..., apart from other groups' and from ringserve's own unnamed collectives. A call takes its
 session on the loop before its first await, so calls start there in the order they were issued.
+A reduction, broadcast or gather started inside a callback of a finished op (a DDP comm hook's
+``.then``) is named after that op instead (``<tag>.then.<label>``, see work.py): the threads that
+run callbacks start ops in no order the ranks share.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,6 +37,7 @@ import numpy as np
 
 from ringserve.api import Context
 from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.torch.distributed.work import completing
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives, p2p
 
@@ -66,6 +71,23 @@ class Plane:
             self.rank, self.size = worker.rank, worker.size
         else:
             self.rank, self.size = members.index(worker.rank), len(members)
+        self._issued = 0  # ops started outside callbacks: their labels
+        self._lock = threading.Lock()
+
+    def _issue(self) -> tuple[str | None, str]:
+        """The name an op starts under and its label (see the module's docstring)."""
+        scope = completing()
+        if scope is None:
+            with self._lock:
+                self._issued += 1
+                return self.tag, str(self._issued)
+        label = scope.child()
+        return f"{self.tag or 'torch'}.then.{label}", label
+
+    @staticmethod
+    def _labelled(future: Future[T], label: str) -> Future[T]:
+        future.ringserve_label = label  # type: ignore[attr-defined]  # read by work.Completer
+        return future
 
     def global_rank(self, rank: int) -> int:
         """The view rank of group rank ``rank``.
@@ -102,24 +124,24 @@ class Plane:
 
     def allreduce(self, array: np.ndarray, op: str, *, out: np.ndarray | None, compression: str | None,
                   residual: np.ndarray | None) -> Future[np.ndarray]:
-        tag = self.tag
-        return self._on(lambda s, o: collectives.allreduce(s, array, op=op, name=tag, out=out, compression=compression,
-                                                           residual=residual, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.allreduce(
+            s, array, op=op, name=tag, out=out, compression=compression, residual=residual, **o)), label)
 
     def broadcast(self, array: np.ndarray, root: int) -> Future[np.ndarray]:
         """Group rank ``root``'s ``array`` on every rank of the group."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.broadcast(s, array, root=root, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.broadcast(s, array, root=root, name=tag, **o)), label)
 
     def allgather(self, array: np.ndarray) -> Future[np.ndarray]:
         """Every rank's ``array`` concatenated along axis 0 in group-rank order (lengths may differ)."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o)), label)
 
     def reduce_scatter(self, array: np.ndarray, op: str) -> Future[np.ndarray]:
         """Row ``rank`` of the reduction of every rank's ``array`` (shaped (size, n))."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.reduce_scatter(s, array, op=op, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.reduce_scatter(s, array, op=op, name=tag, **o)), label)
 
     def barrier(self) -> Future[None]:
         if self.tag is None:
