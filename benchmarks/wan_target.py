@@ -370,7 +370,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="*", default=[], help="configuration keys to run (DDP-gloo always runs first)")
     p.add_argument("--target-steps", type=int, default=100, help="DDP-gloo's steps, whose held-out loss is the target")
     p.add_argument("--max-factor", type=float, default=2.0, help="step cap of the other step-synchronous runs, x target-steps")
-    p.add_argument("--diloco-max-factor", type=float, default=4.0, help="DiLoCo's step cap, x target-steps")
+    p.add_argument("--diloco-max-factor", type=float, default=3.0, help="DiLoCo's step cap, x target-steps")
     p.add_argument("--run-timeout", type=float, default=1500, help="seconds one configuration may take")
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--sync-every", type=int, default=0, help=argparse.SUPPRESS)

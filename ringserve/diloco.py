@@ -150,6 +150,21 @@ def split(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
+def _checked_groups(groups: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """Explicit fragments, checked to hold every parameter index once.
+
+    Raises:
+        InvalidArgumentError: an empty fragment, or an index missing, repeated or out of range.
+    """
+    out = [list(g) for g in groups]
+    flat = sorted(i for g in out for i in g)
+    if not out or any(not g for g in out) or flat != list(range(count)):
+        raise InvalidArgumentError(
+            f"The fragments must hold each of the {count} parameters exactly once, and none may be empty; "
+            f"they hold {len(flat)} entries in {len(out)} fragments.")
+    return out
+
+
 def outer_step(global_: np.ndarray, pseudo: np.ndarray, buf: np.ndarray | None, *, lr: float, momentum: float,
                nesterov: bool) -> None:
     """torch's SGD step on the global copy, in place, element-wise in float32 (pure): with momentum
@@ -191,7 +206,9 @@ class DiLoCoCore:
         outer_lr, outer_momentum, nesterov: the outer SGD.
         compression: the codec of the pseudo-gradients' allreduce ("int8", "fp16", "bf16", None).
         error_feedback: with a lossy codec, carry what each rank's encodings lost to its next sync.
-        fragments: F, fragments synced in turn (Streaming DiLoCo).
+        fragments: F, fragments synced in turn (Streaming DiLoCo): a count (consecutive parameters
+            of about equal size), or the groups themselves, lists of parameter indices that
+            cover every parameter once (torchft's model fragments).
         fragment_sync_delay: tau, inner steps between a fragment's sync starting and landing; None:
             0 with one fragment, 1 with several (so that the allreduce overlaps an inner step).
         fragment_update_alpha: the local copy's share when a sync lands (0: adopt the global copy).
@@ -205,7 +222,8 @@ class DiLoCoCore:
 
     def __init__(self, params: Parameters, *, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: str | None = "int8", error_feedback: bool = True,
-                 fragments: int = 1, fragment_sync_delay: int | None = None, fragment_update_alpha: float = 0.0,
+                 fragments: int | Sequence[Sequence[int]] = 1, fragment_sync_delay: int | None = None,
+                 fragment_update_alpha: float = 0.0,
                  should_quantize: bool | None = None, name: str = "ringserve.diloco",
                  process_set: ProcessSet | None = None) -> None:
         if should_quantize is not None:
@@ -223,8 +241,10 @@ class DiLoCoCore:
             raise InvalidArgumentError("nesterov=True needs outer_momentum above 0 (as torch's SGD requires).")
         if not 0 <= fragment_update_alpha <= 1:
             raise InvalidArgumentError(f"fragment_update_alpha ({fragment_update_alpha}) must be between 0 and 1.")
-        delay = fragment_sync_delay if fragment_sync_delay is not None else (0 if fragments == 1 else 1)
-        self.schedule = Schedule(sync_every, fragments, delay)
+        sizes = params.sizes()
+        groups = split(sizes, fragments) if isinstance(fragments, int) else _checked_groups(fragments, len(sizes))
+        delay = fragment_sync_delay if fragment_sync_delay is not None else (0 if len(groups) == 1 else 1)
+        self.schedule = Schedule(sync_every, len(groups), delay)
         self.params = params
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
         self.error_feedback = error_feedback and self.codec is not None
@@ -234,9 +254,8 @@ class DiLoCoCore:
         self.inner_steps = 0
         self.outer_steps = 0
         self.captured = False
-        sizes = params.sizes()
         self._fragments = []
-        for group in split(sizes, fragments):
+        for group in groups:
             bounds, at = [], 0
             for i in group:
                 bounds.append((at, at + sizes[i]))

@@ -8,7 +8,7 @@ with its inner optimizer and averages the ranks' progress (the pseudo-gradients)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,8 +71,10 @@ class DiLoCo(torch.optim.Optimizer):
         sync_every: H, inner steps between two syncs of each fragment.
         compression: "int8" (default), "fp16", "bf16", None, or hvd.Compression.int8 and the like.
         error_feedback: carry each rank's encoding loss to its next sync (with a lossy codec).
-        fragments, fragment_sync_delay, fragment_update_alpha, should_quantize: Streaming
-            DiLoCo's knobs, named as torchft's (see ringserve.diloco.DiLoCoCore).
+        fragments: a count F, or torchft's model fragments: modules whose parameters, together,
+            are every parameter given once.
+        fragment_sync_delay, fragment_update_alpha, should_quantize: Streaming DiLoCo's knobs,
+            named as torchft's (see ringserve.diloco.DiLoCoCore).
         process_set: average over that set's ranks only.
         name: the allreduces' names (two DiLoCo optimizers in one job need different ones).
 
@@ -92,7 +94,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Parameter], inner: torch.optim.Optimizer, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, sync_every: int = 50,
-                 compression: Any = "int8", error_feedback: bool = True, fragments: int = 1,
+                 compression: Any = "int8", error_feedback: bool = True,
+                 fragments: int | Sequence[torch.nn.Module] = 1,
                  fragment_sync_delay: int | None = None, fragment_update_alpha: float = 0.0,
                  should_quantize: bool | None = None, process_set: object = None,
                  name: str = "ringserve.diloco") -> None:
@@ -101,9 +104,10 @@ class DiLoCo(torch.optim.Optimizer):
         if not params:
             raise InvalidArgumentError("DiLoCo was given no parameters.")
         self._optimizer = inner  # the name broadcast_optimizer_state looks for: it steps this one alone
+        groups: int | list[list[int]] = fragments if isinstance(fragments, int) else _groups(params, fragments)
         self._core = DiLoCoCore(TensorParameters(params), sync_every=sync_every, outer_lr=outer_lr,
                                 outer_momentum=outer_momentum, nesterov=nesterov, compression=_codec(compression),
-                                error_feedback=error_feedback, fragments=fragments,
+                                error_feedback=error_feedback, fragments=groups,
                                 fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha,
                                 should_quantize=should_quantize, name=name,
                                 process_set=basics.resolve_set(process_set))
@@ -205,6 +209,20 @@ class DiLoCo(torch.optim.Optimizer):
             outer["global"] = [torch.as_tensor(g).numpy() for g in outer["global"]]
             outer["momentum"] = [None if m is None else torch.as_tensor(m).numpy() for m in outer["momentum"]]
             self._core.load_state_dict(outer)
+
+
+def _groups(params: list[torch.nn.Parameter], modules: Sequence[torch.nn.Module]) -> list[list[int]]:
+    """The indices in ``params`` of each module's parameters (DiLoCoCore checks that they cover all)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = []
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            raise InvalidArgumentError(f"DiLoCo's fragments are a count or modules, not {type(m).__name__}.")
+        missing = [n for n, p in m.named_parameters() if id(p) not in index]
+        if missing:
+            raise InvalidArgumentError(f"The fragment's parameters {missing[:3]} are not among the model's.")
+        groups.append([index[id(p)] for p in m.parameters()])
+    return groups
 
 
 def _codec(compression: Any) -> str | None:

@@ -35,7 +35,7 @@ def test_diloco_with_h1_and_a_plain_outer_sgd_of_lr_1_is_synchronous_averaging(
             assert not torch.equal(value, initial[key]), f"{key} did not train"
 
 
-@pytest.mark.parametrize("label", ["int8", "fragments", "fp16_two_fragments"])
+@pytest.mark.parametrize("label", ["int8", "fragments", "fp16_two_fragments", "module_fragments"])
 def test_the_global_copy_is_the_same_bytes_on_every_rank_after_every_step(
     ranks: list[dict[str, Any]], label: str,
 ) -> None:

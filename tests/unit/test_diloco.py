@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringserve.diloco import Schedule, blend, outer_step, split
+from ringserve.diloco import Schedule, _checked_groups, blend, outer_step, split
 from ringserve.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,3 +87,10 @@ def test_the_blend_keeps_alpha_of_the_local_copy_and_alpha_zero_is_the_global_co
     local, glob = np.full(3, 2.0, np.float32), np.full(3, 4.0, np.float32)
     assert blend(local, glob, 0.0) is glob
     np.testing.assert_array_equal(blend(local, glob, 0.25), np.full(3, 3.5, np.float32))
+
+
+def test_explicit_fragments_must_hold_every_parameter_once() -> None:
+    assert _checked_groups([[2, 3], [0, 1]], 4) == [[2, 3], [0, 1]]
+    for bad in ([[0, 1], [1, 2, 3]], [[0, 1]], [[0, 1, 2, 3], []], [[0, 1, 2, 3, 4]]):
+        with pytest.raises(InvalidArgumentError, match="each of the 4 parameters exactly once"):
+            _checked_groups(bad, 4)

@@ -30,6 +30,7 @@ TRACES: dict[str, dict[str, Any]] = {
     "fragments": dict(sync_every=6, fragments=3, fragment_sync_delay=1, fragment_update_alpha=0.5,
                       compression="int8"),
     "fp16_two_fragments": dict(sync_every=4, fragments=2, compression=hvd.Compression.fp16, outer_lr=0.5),
+    "module_fragments": dict(sync_every=6, fragments="layers", fragment_sync_delay=1),  # torchft's model fragments
 }
 TRACE_STEPS = 14
 
@@ -91,6 +92,8 @@ def h1(inner: str, steps: int = 6) -> dict[str, Any]:
 
 def trace(label: str, knobs: dict[str, Any]) -> dict[str, Any]:
     model = net()
+    if knobs.get("fragments") == "layers":
+        knobs = {**knobs, "fragments": [m for m in model if isinstance(m, torch.nn.Linear)]}
     opt = hvd.DiLoCo(model, inner=torch.optim.AdamW(model.parameters(), lr=1e-2), name=f"trace.{label}", **knobs)
     record: dict[str, Any] = {"global": [], "local": [], "outer": [], "in_flight": []}
     for step in range(TRACE_STEPS):
