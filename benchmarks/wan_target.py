@@ -255,7 +255,10 @@ def run_config(wan: Wan, args: argparse.Namespace, config: Config, tmp: pathlib.
     if config.uses_ringserve:
         coordinator = subprocess.Popen(wan.command(host0, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host",
                                                            host0.address, "--port", str(port + 1), "--min-workers",
-                                                           str(len(wan.hosts)), "--max-workers", str(len(wan.hosts))]))
+                                                           str(len(wan.hosts)), "--max-workers", str(len(wan.hosts)),
+                                                           # A benchmark, not a failure test: a rank starved of CPU
+                                                           # on a loaded machine must not be taken for dead.
+                                                           "--heartbeat-timeout", "60"]))
         wan.wait_listening(host0, port + 1, timeout_s=30)
         env = {"RINGSERVE_COORDINATOR": f"{host0.address}:{port + 1}", "RINGSERVE_SHARED_MEMORY": "0"}
     outs = [tmp / f"{config.key}.{h.index}.json" for h in wan.hosts]
