@@ -147,7 +147,7 @@ def split(sizes: Sequence[int], fragments: int) -> list[list[int]]:
             j -= 1  # the cut before is nearer the even share
         cuts.append(j)
     cuts.append(len(sizes))
-    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
 
 
 def _checked_groups(groups: Sequence[Sequence[int]], count: int) -> list[list[int]]:

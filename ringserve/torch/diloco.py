@@ -17,6 +17,7 @@ import torch
 from ringserve.diloco import DiLoCoCore
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch import basics
+from ringserve.torch._wrapping import Wrapping
 
 STATE_KEY = "ringserve.diloco"  # the outer state, inside the inner optimizer's state_dict
 
@@ -46,7 +47,7 @@ class TensorParameters:
             p.copy_(torch.from_numpy(np.ascontiguousarray(values)).view(p.shape))
 
 
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(Wrapping):
     """DiLoCo (and Streaming DiLoCo) around an inner optimizer.
 
     Each ``step()`` is an inner step. Every ``sync_every`` steps, the pseudo-gradients (the global
@@ -99,11 +100,10 @@ class DiLoCo(torch.optim.Optimizer):
                  fragment_sync_delay: int | None = None, fragment_update_alpha: float = 0.0,
                  should_quantize: bool | None = None, process_set: object = None,
                  name: str = "ringserve.diloco") -> None:
-        # Optimizer.__init__ is skipped on purpose: the inner optimizer holds the parameter groups.
         params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
         if not params:
             raise InvalidArgumentError("DiLoCo was given no parameters.")
-        self._optimizer = inner  # the name broadcast_optimizer_state looks for: it steps this one alone
+        super().__init__(inner)  # self._optimizer: the name broadcast_optimizer_state looks for
         groups: int | list[list[int]] = fragments if isinstance(fragments, int) else _groups(params, fragments)
         self._core = DiLoCoCore(TensorParameters(params), sync_every=sync_every, outer_lr=outer_lr,
                                 outer_momentum=outer_momentum, nesterov=nesterov, compression=_codec(compression),
@@ -113,37 +113,7 @@ class DiLoCo(torch.optim.Optimizer):
                                 process_set=basics.resolve_set(process_set))
         self._shapes = [p.shape for p in params]
 
-    # -- delegation to the inner optimizer ---------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("_optimizer")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._optimizer.defaults = value
+    # -- delegation to the inner optimizer: Wrapping's -------------------------------------
 
     def __repr__(self) -> str:
         s = self._core.schedule
@@ -152,7 +122,7 @@ class DiLoCo(torch.optim.Optimizer):
 
     # -- DiLoCo ------------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """One inner step, then the syncs due after it (see ringserve.diloco).
 
         Raises:
