@@ -338,14 +338,17 @@ def main(args: argparse.Namespace) -> None:
         signal.signal(signum, _interrupt)
     check_environment()
     chosen = [c for c in configs(args.powersgd_rank) if not args.only or c.key in args.only]
-    if chosen[0].key != "ddp-gloo":
+    given = not math.isnan(args.target_loss)
+    if given:
+        chosen = [c for c in chosen if c.key != "ddp-gloo"]  # the target is given: no need to set it
+    elif chosen[0].key != "ddp-gloo":
         chosen.insert(0, configs(args.powersgd_rank)[0])  # it sets the target
     outcomes: list[Outcome] = []
     with Wan(args.world, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit) as wan:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            target = math.nan
+            target = args.target_loss
             for c in chosen:
                 cap = args.target_steps if c.key == "ddp-gloo" else int(
                     args.target_steps * (args.diloco_max_factor if c.method == "diloco" else args.max_factor))
@@ -362,7 +365,7 @@ def main(args: argparse.Namespace) -> None:
     fp16 = next((o for o in outcomes if o.config.key == "ddp-fp16" and not o.error and o.reached(target)), None)
     fp16_time = fp16.time_at(fp16.reached(target)["step"]) if fp16 else None  # type: ignore[index]
     print(f"\n{args.world} hosts, {args.rate_mbit:g} Mbit/s uplink, {args.delay_ms:g} ms one way; target: held-out loss "
-          f"{target:.4f} (DDP-gloo after {args.target_steps} steps); AdamW lr {LR}, batch 64 per rank, "
+          f"{target:.4f} ({'given' if given else 'DDP-gloo'} after {args.target_steps} steps); AdamW lr {LR}, batch 64 per rank, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end")
     print(table(rows(outcomes, target, fp16_time),
                 [("config", "config"), ("time", "s to target"), ("ratio", "vs DDP fp16"), ("steps", "steps"),
@@ -372,6 +375,8 @@ def main(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="*", default=[], help="configuration keys to run (DDP-gloo always runs first)")
     p.add_argument("--target-steps", type=int, default=100, help="DDP-gloo's steps, whose held-out loss is the target")
+    p.add_argument("--target-loss", type=float, default=math.nan,
+                   help="the target, from an earlier run's DDP-gloo (then DDP-gloo does not run)")
     p.add_argument("--max-factor", type=float, default=2.0, help="step cap of the other step-synchronous runs, x target-steps")
     p.add_argument("--diloco-max-factor", type=float, default=3.0, help="DiLoCo's step cap, x target-steps")
     p.add_argument("--run-timeout", type=float, default=1500, help="seconds one configuration may take")
