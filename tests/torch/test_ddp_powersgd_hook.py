@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ import torch
 from _dist_worlds import DIST_WORKERS, run_dist
 from test_dist_units import _completing
 
+from ringserve.torch.distributed import work
+from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.work import Completer
 
 N = 2
@@ -60,3 +63,18 @@ def test_ddps_powersgd_hook_with_its_default_buckets_trains_over_ringserve_alike
     for other in ours[1:]:
         for key, value in ours[0]["params"].items():
             assert torch.equal(value, other["params"][key]), f"{key} differs between rank 0 and rank {other['rank']}"
+
+
+def test_a_plane_with_its_own_timeout_labels_its_ops_in_its_parents_sequence_and_callbacks_after_their_op() -> None:
+    # The naming alone (no op starts): what ranks must agree on, whatever thread starts an op.
+    context = SimpleNamespace(config=SimpleNamespace(collective_timeout_s=30.0), worker=SimpleNamespace(rank=0, size=2))
+    plane = Plane(context, tag="g", view_id=1)  # type: ignore[arg-type]
+    other = plane.with_timeout(5.0)
+    assert other is not plane and other.timeout_s == 5.0
+    assert [plane._issue(), other._issue(), plane._issue()] == [("g", "1"), ("g", "2"), ("g", "3")]
+    work._local.scope = work.CallbackScope("2")
+    try:
+        assert [plane._issue(), other._issue()] == [("g.then.2.1", "2.1"), ("g.then.2.2", "2.2")]
+    finally:
+        work._local.scope = None
+    assert plane._issue() == ("g", "4")
