@@ -11,6 +11,7 @@ Synchronous numpy API for training scripts::
     rs.shutdown()
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
+Parameter-server mode: ``ringserve.ParameterServer`` and ``ringserve.ps`` (clients, optimizers).
 ``import ringserve`` never imports torch.
 """
 
@@ -55,6 +56,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    ShardUnavailableError,
     StateLostError,
     TLSHandshakeError,
     UnsupportedError,
@@ -62,6 +64,7 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
+from ringserve.ps.server import ParameterServer
 from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
@@ -76,6 +79,7 @@ __all__ = [
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",
+    "ParameterServer",
     "PeerUnavailableError",
     "ProcessSet",
     "ProtocolError",
@@ -83,6 +87,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingChangedError",
     "RingserveError",
+    "ShardUnavailableError",
     "StateLostError",
     "TLSHandshakeError",
     "UnsupportedError",

@@ -18,7 +18,9 @@ from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
+from ringserve.coordinator.directory import Directory, NoFreeShardError, ShardIndexTakenError
 from ringserve.coordinator.params import ParamsFullError, ParamStore
+from ringserve.errors import InvalidArgumentError
 from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
@@ -116,6 +118,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.mark = commits.Mark()
         self._recent_views: dict[int, membership.ViewInfo] = {}
         self._made: tuple[commits.Commit, int] | None = None  # the (commit, view) last named whole
+        # The parameter-server shards' directory (see directory.py): leases of a heartbeat timeout.
+        self.shards = Directory(lease_s=config.heartbeat_timeout_s)
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -483,3 +487,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         return answer
 
+
+    async def RegisterShard(self, request: pb.RegisterShardRequest, context: grpc.aio.ServicerContext) -> pb.RegisterShardResponse:
+        """A parameter-server shard takes or refreshes its index (see directory.py)."""
+        try:
+            got = self.shards.register(request.shard_id, request.address, shards=request.shards,
+                                       index=request.index, first=request.first, now=self._clock())
+        except InvalidArgumentError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ShardIndexTakenError, NoFreeShardError) as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if request.first:
+            log.info("parameter-server shard %d of %d at %s (incarnation %d)", got.index, got.shards,
+                     request.address, got.incarnation)
+        return pb.RegisterShardResponse(index=got.index, shards=got.shards, incarnation=got.incarnation,
+                                        refresh_s=self._config.heartbeat_interval_s,
+                                        lease_s=self._config.heartbeat_timeout_s)
+
+    async def ListShards(self, request: pb.ListShardsRequest, context: grpc.aio.ServicerContext) -> pb.ListShardsResponse:
+        now = self._clock()
+        return pb.ListShardsResponse(shards=self.shards.shards, entries=[
+            pb.ShardEntry(index=i, address=slot.address, shard_id=slot.shard_id, incarnation=slot.incarnation,
+                          alive=alive, seconds_since_seen=now - slot.seen_at)
+            for i, slot, alive in self.shards.entries(now)
+        ])
