@@ -14,9 +14,11 @@ Two ways to run them:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -40,10 +42,6 @@ POLL_S = 0.1
 STOP_GRACE_S = 10.0
 # A shard process that exits within this of its start does not get restarted at once, but after it.
 RESTART_BACKOFF_S = 1.0
-# Settings a shard process takes from its command line, not from the environment.
-_FLAGS = {"coordinator": "--coordinator", "shards": "--shards", "bind_host": "--bind-host",
-          "advertise_host": "--advertise-host", "checkpoint_dir": "--checkpoint-dir",
-          "checkpoint_updates": "--checkpoint-updates"}
 
 
 class ParameterServer:
@@ -55,12 +53,12 @@ class ParameterServer:
             print(ps.addresses)          # the shards' addresses once they have registered
     """
 
-    def __init__(self, coordinator: str | None = None, *, shards: int = 1, config: ShardConfig | None = None,
+    def __init__(self, coordinator: str | None = None, *, shards: int | None = None, config: ShardConfig | None = None,
                  processes: bool = True, max_restarts: int = 10, env: Mapping[str, str] | None = None,
                  start_timeout_s: float = 60.0) -> None:
         """Args:
             coordinator: host:port of the coordinator (default: the config's).
-            shards: S.
+            shards: S (default: the config's).
             config: the shards' settings (default: ShardConfig.from_env()); shard_index is set per shard.
             processes: one process per shard (see the module docstring), else in this process.
             max_restarts: shard processes started again in all, before the server gives up on one.
@@ -68,6 +66,7 @@ class ParameterServer:
             start_timeout_s: how long start() waits for every shard to register.
         """
         base = config or ShardConfig.from_env()
+        shards = base.shards if shards is None else shards
         if shards < 1:
             raise InvalidArgumentError(f"The number of shards ({shards}) must be at least 1.")
         overrides: dict[str, object] = {"shards": shards}
@@ -164,16 +163,21 @@ class ParameterServer:
                 time.sleep(POLL_S)
 
     def _argv(self, index: int) -> list[str]:
-        argv = [sys.executable, "-m", "ringserve.cli", "ps", "--one-shard", "--shard-index", str(index),
+        return [sys.executable, "-m", "ringserve.cli", "ps", "--one-shard", "--shard-index", str(index),
                 "--shard-id", self.shard_id(index)]
-        for name, flag in _FLAGS.items():
-            value = getattr(self.config, name)
-            if value != "":
-                argv += [flag, str(value)]
-        return argv
+
+    def _child_env(self) -> dict[str, str]:
+        """The shard processes' environment: this server's whole config as RINGSERVE_* variables
+        (what ShardConfig.from_env reads back), over the given environment."""
+        env = dict(self._env)
+        for f in dataclasses.fields(self.config):
+            value = getattr(self.config, f.name)
+            if f.name != "shard_index":
+                env[f"RINGSERVE_{f.name.upper()}"] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return env
 
     def _spawn(self, index: int) -> None:
-        self._procs[index] = subprocess.Popen(self._argv(index), env=self._env, stdin=subprocess.DEVNULL)
+        self._procs[index] = subprocess.Popen(self._argv(index), env=self._child_env(), stdin=subprocess.DEVNULL)
         self._started_at[index] = time.monotonic()
 
     def _supervise(self) -> None:
@@ -234,3 +238,52 @@ class ParameterServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def serve(config: ShardConfig, *, one_shard: bool, shard_id: str = "") -> int:
+    """``ringserve ps``: runs the shards until SIGINT or SIGTERM; returns the exit code.
+
+    One shard (``one_shard``) runs in this process; otherwise ``ParameterServer`` runs S shard
+    processes and keeps them running. A stopped shard writes its last checkpoint first.
+    """
+    from ringserve.loop import new_event_loop
+
+    if one_shard:
+        loop = new_event_loop(use_uvloop=config.use_uvloop)
+        try:
+            return loop.run_until_complete(_serve_one(config, shard_id))
+        finally:
+            loop.close()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    with ParameterServer(config=config, processes=True) as server:
+        print(f"ringserve ps: {config.shards} shards registered with the coordinator at {config.coordinator}",
+              flush=True)
+        while not stop.wait(0.2):
+            if server.failure:
+                print(f"ringserve ps: {server.failure}", file=sys.stderr, flush=True)
+                return 1
+    return 0
+
+
+async def _serve_one(config: ShardConfig, shard_id: str) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Shard(config, shard_id=shard_id) as shard:
+        resumed = f", resumed from {shard.restored_from}" if shard.restored_from else ""
+        print(f"ringserve ps: shard {shard.index} of {config.shards} serving on {shard.address}{resumed}", flush=True)
+        stopped = loop.create_task(stop.wait())
+        failed = loop.create_task(shard.wait())
+        try:
+            await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stopped, failed):
+                task.cancel()
+            await asyncio.gather(stopped, failed, return_exceptions=True)
+        if failed.done() and not failed.cancelled() and failed.exception() is not None:
+            print(f"ringserve ps: shard {shard.index}: {failed.exception()}", file=sys.stderr, flush=True)
+            return 1
+    return 0

@@ -108,6 +108,9 @@ from ringserve.torch import elastic  # noqa: E402  isort: skip
 # torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
 from ringserve.torch import distributed  # noqa: E402  isort: skip
 
+# The parameter server's binding: ringserve.torch.ps.ParameterServerOptimizer (see ringserve.ps).
+from ringserve.torch import ps  # noqa: E402  isort: skip
+
 __all__ = [
     "Adasum",
     "Average",
@@ -170,6 +173,7 @@ __all__ = [
     "mpi_threads_supported",
     "nccl_built",
     "poll",
+    "ps",
     "rank",
     "reducescatter",
     "reducescatter_async",

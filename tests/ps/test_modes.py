@@ -1,0 +1,150 @@
+"""The four modes on real shards, a real coordinator and real workers on loopback.
+
+- sync: every round applies the mean of the members' gradients, as one process stepping on the
+  mean of their losses would (the torch binding is checked against torch and allreduce in
+  test_torch_ps.py);
+- async, ssp and average train a small least-squares task to a low loss;
+- ssp keeps every worker within ``staleness`` steps of the slowest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from psworlds import PSWorld, start_ps_world
+
+from ringserve.ps import AsyncClient, Optimizer
+
+pytestmark = pytest.mark.timeout(90)
+
+DIM = 12
+TRUE_W = np.linspace(-1, 1, DIM).astype(np.float32)
+
+
+def task(rank: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    return x, (x @ TRUE_W + 0.5 + 0.01 * rng.standard_normal(n)).astype(np.float32)
+
+
+def gradients(values: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    err = x @ values["w"] + values["b"][0] - y
+    return float(np.mean(err**2)), {"w": (2 * x.T @ err / len(y)).astype(np.float32),
+                                    "b": np.array([2 * err.mean()], np.float32)}
+
+
+def loss_of(values: dict[str, np.ndarray], n: int) -> float:
+    return float(np.mean([gradients(values, *task(r))[0] for r in range(n)]))
+
+
+START = {"w": np.zeros(DIM, np.float32), "b": np.zeros(1, np.float32)}
+
+
+async def init_all(ps: PSWorld, mode: str, **kwargs: object) -> None:
+    await ps.each(lambda r, c: c.init(START, mode=mode, seed=r == 0, **kwargs))
+    await ps.each(lambda r, c: c.pull())
+
+
+async def test_sync_rounds_apply_the_mean_of_every_members_gradient() -> None:
+    ps = await start_ps_world(3, 2)
+    try:
+        lr = 0.1
+        await init_all(ps, "sync", optimizer=Optimizer(kind="sgd", lr=lr))
+        expected = {k: v.copy() for k, v in START.items()}
+        for _ in range(5):
+            grads = [gradients(c.values, *task(r))[1] for r, c in enumerate(ps.clients)]
+            outcomes = await ps.each(lambda r, c: c.push(grads[r]))
+            assert sum(o.count("applied") for o in outcomes) == 2  # the last push of each shard's round
+            await ps.each(lambda r, c: c.pull())
+            for key in expected:
+                expected[key] -= lr * np.mean([g[key] for g in grads], axis=0)
+            for c in ps.clients:
+                for key in expected:
+                    np.testing.assert_allclose(c.values[key], expected[key], rtol=1e-5, atol=1e-6)
+        assert [c.versions for c in ps.clients] == [[5, 5]] * 3
+    finally:
+        await ps.close()
+
+
+async def test_sync_with_sum_applies_the_sum_of_the_rounds_gradients() -> None:
+    ps = await start_ps_world(2, 1)
+    try:
+        await init_all(ps, "sync", optimizer=Optimizer(kind="sgd", lr=1.0), sum=True)
+        await ps.each(lambda r, c: c.push({"w": np.full(DIM, r + 1, np.float32)}))
+        await ps.each(lambda r, c: c.pull())
+        np.testing.assert_allclose(ps.clients[0].values["w"], -3.0)
+    finally:
+        await ps.close()
+
+
+async def train(client: AsyncClient, rank: int, steps: int, *, delay_s: float = 0.0, every: int = 1,
+                local_lr: float = 0.05) -> list[tuple[int, int]]:
+    """A worker's loop; returns (step, versions seen) per step. ``every`` > 1: average mode's local steps."""
+    x, y = task(rank)
+    seen = []
+    values = {k: v.copy() for k, v in client.values.items()}
+    for step in range(steps):
+        if every > 1:
+            values = {k: v - local_lr * g for k, v, g in
+                      ((k, values[k], gradients(values, x, y)[1][k]) for k in values)}
+            if (step + 1) % every:
+                continue
+            await client.push_delta(values)
+            values = {k: v.copy() for k, v in (await client.pull()).items()}
+        else:
+            _, grads = gradients(client.values, x, y)
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            await client.push(grads)
+            await client.pull()
+        seen.append((step, sum(client.versions)))
+    return seen
+
+
+@pytest.mark.parametrize(("mode", "kwargs"), [
+    ("async", {}),
+    ("ssp", {"staleness": 2}),
+    ("average", {}),
+])
+async def test_each_mode_trains_a_small_task_to_a_low_loss(mode: str, kwargs: dict) -> None:
+    n = 3
+    ps = await start_ps_world(n, 2)
+    try:
+        optimizer = Optimizer(kind="sgd", lr=1.0) if mode == "average" else Optimizer(kind="momentum", lr=0.02, momentum=0.9)
+        await init_all(ps, mode, optimizer=optimizer, **kwargs)
+        before = loss_of(ps.clients[0].values, n)
+        every = 5 if mode == "average" else 1
+        await ps.each(lambda r, c: train(c, r, 150 if mode == "average" else 60, every=every, local_lr=0.05))
+        final = await ps.clients[0].pull()
+        after = loss_of(final, n)
+        assert after < 0.01 * before, (before, after)
+        assert after < 0.01
+    finally:
+        await ps.close()
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+async def test_ssp_never_lets_a_worker_run_more_than_staleness_steps_ahead_of_the_slowest(staleness: int) -> None:
+    ps = await start_ps_world(3, 2)
+    started = [0, 0, 0]   # pushes begun: at least each worker's clock on the shards
+    leads: list[int] = []
+    try:
+        await init_all(ps, "ssp", optimizer=Optimizer(kind="sgd", lr=0.01), staleness=staleness)
+
+        async def worker(rank: int, client: AsyncClient) -> None:
+            x, y = task(rank)
+            for step in range(12):
+                await client.pull()
+                leads.append(step - min(started))   # computing step `step` now
+                if rank == 2:
+                    await asyncio.sleep(0.05)       # the straggler
+                started[rank] += 1
+                await client.push(gradients(client.values, x, y)[1])
+
+        await ps.each(worker)
+        assert max(leads) <= staleness
+        assert max(leads) == staleness, leads          # the fast workers did run ahead, as far as allowed
+    finally:
+        await ps.close()
