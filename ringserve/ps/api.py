@@ -24,7 +24,7 @@ from ringserve import api
 from ringserve.config import PSClientConfig, SecuritySettings
 from ringserve.errors import CollectiveTimeoutError
 from ringserve.loop import LoopThread
-from ringserve.ps.client import DEFAULT_OPTIMIZER, AsyncClient
+from ringserve.ps.client import DEFAULT_OPTIMIZER, AsyncClient, view_of
 from ringserve.ps.optim import Optimizer
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ class Client:
         worker = context.worker
         self.config = config or client_config(context)
         self._thread = LoopThread(use_uvloop=context.config.use_uvloop, name="ringserve-ps-client")
-        self.client = AsyncClient(self.config, worker_id=worker.worker_id, view=lambda: worker.view_id)
+        self.client = AsyncClient(self.config, worker_id=worker.worker_id, view=view_of(worker))
         try:
             self._run(self.client.init(tensors, mode=mode, optimizer=optimizer, groups=groups, staleness=staleness,
                                        sum=sum, max_lag=max_lag, seed=worker.rank == 0),

@@ -18,7 +18,7 @@ idempotent per (worker, step), so a retried push is applied once. A shard that c
 
 Example::
 
-    client = AsyncClient(PSClientConfig(coordinator=addr), worker_id=worker.worker_id, view=lambda: worker.view_id)
+    client = AsyncClient(PSClientConfig(coordinator=addr), worker_id=worker.worker_id, view=view_of(worker))
     await client.connect()
     await client.init({"w": w, "b": b}, mode="ssp", staleness=2, optimizer=Optimizer(kind="sgd", lr=0.1))
     values = await client.pull()
@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -39,7 +39,7 @@ from ringserve._proto import peer_pb2
 from ringserve._proto import ps_pb2 as pb
 from ringserve.codecs import codec as codec_named
 from ringserve.config import PSClientConfig
-from ringserve.errors import InvalidArgumentError, NotInitializedError
+from ringserve.errors import InvalidArgumentError, NotInitializedError, RingserveError
 from ringserve.ps.layout import Layout, Piece, partition, specs_of
 from ringserve.ps.links import GONE, Link, Links, translate
 from ringserve.ps.optim import Optimizer
@@ -48,6 +48,24 @@ from ringserve.ps.store import Job, piece_proto
 from ringserve.security import Security
 
 T = TypeVar("T")
+
+class _Member(Protocol):
+    @property
+    def view_id(self) -> int: ...
+
+
+def view_of(worker: _Member) -> Callable[[], int]:
+    """The view a worker (ringserve.Worker) is a member of now, 0 between views: what a client
+    sends with its pushes and pulls (a push from no view is STALE in sync, ssp and average)."""
+
+    def view() -> int:
+        try:
+            return worker.view_id
+        except RingserveError:  # between views: excluded, or waiting to be admitted again
+            return 0
+
+    return view
+
 
 DEFAULT_OPTIMIZER = Optimizer()  # frozen: plain SGD at lr 0.01, torch's default
 OUTCOMES = {pb.APPLIED: "applied", pb.ACCEPTED: "accepted", pb.DUPLICATE: "duplicate", pb.STALE: "stale"}

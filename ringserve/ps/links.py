@@ -74,10 +74,14 @@ class Links:
         self.config = config
         self.security = security
         self.links: list[Link] = []
-        self._channel = security.channel(config.coordinator, channel_options(4 << 20))
-        self._directory = cpb_grpc.CoordinatorStub(self._channel)
+        # Made on first use, in the loop that uses it (a client may be built outside it).
+        self._channel: grpc.aio.Channel | None = None
+        self._directory: cpb_grpc.CoordinatorStub | None = None
 
     async def list(self) -> cpb.ListShardsResponse:
+        if self._directory is None:
+            self._channel = self.security.channel(self.config.coordinator, channel_options(4 << 20))
+            self._directory = cpb_grpc.CoordinatorStub(self._channel)
         try:
             answer = await self._directory.ListShards(cpb.ListShardsRequest(), timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -156,7 +160,9 @@ class Links:
             if link.channel is not None:
                 await link.channel.close()
                 link.channel = None
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._directory = None
 
 
 def translate(exc: grpc.aio.AioRpcError, link: Link) -> RingserveError:

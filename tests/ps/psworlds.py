@@ -14,6 +14,7 @@ from worlds import World, start_world
 
 from ringserve.config import PSClientConfig, ShardConfig
 from ringserve.ps import AsyncClient, Optimizer, Shard
+from ringserve.ps.client import view_of
 
 FAST_SHARD = dict(connect_timeout_s=5.0, register_timeout_s=20.0, rpc_timeout_s=5.0, max_wait_s=60.0,
                   use_uvloop=False)
@@ -48,7 +49,7 @@ class PSWorld:
     def client_for(self, rank: int, **overrides: Any) -> AsyncClient:
         worker = self.world.workers[rank]
         return AsyncClient(client_config(self.address, **overrides), worker_id=worker.worker_id,
-                           view=lambda: worker.view_id)
+                           view=view_of(worker))
 
     async def start_shard(self, shards: int, **overrides: Any) -> Shard:
         shard = await Shard(shard_config(self.address, shards, **overrides)).start()

@@ -13,34 +13,12 @@ import asyncio
 
 import numpy as np
 import pytest
+from lsq import START, gradients, loss_of, task
 from psworlds import PSWorld, start_ps_world
 
 from ringserve.ps import AsyncClient, Optimizer
 
 pytestmark = pytest.mark.timeout(90)
-
-DIM = 12
-TRUE_W = np.linspace(-1, 1, DIM).astype(np.float32)
-
-
-def task(rank: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(100 + rank)
-    x = rng.standard_normal((n, DIM)).astype(np.float32)
-    return x, (x @ TRUE_W + 0.5 + 0.01 * rng.standard_normal(n)).astype(np.float32)
-
-
-def gradients(values: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-    err = x @ values["w"] + values["b"][0] - y
-    return float(np.mean(err**2)), {"w": (2 * x.T @ err / len(y)).astype(np.float32),
-                                    "b": np.array([2 * err.mean()], np.float32)}
-
-
-def loss_of(values: dict[str, np.ndarray], n: int) -> float:
-    return float(np.mean([gradients(values, *task(r))[0] for r in range(n)]))
-
-
-START = {"w": np.zeros(DIM, np.float32), "b": np.zeros(1, np.float32)}
-
 
 async def init_all(ps: PSWorld, mode: str, **kwargs: object) -> None:
     await ps.each(lambda r, c: c.init(START, mode=mode, seed=r == 0, **kwargs))
@@ -72,7 +50,7 @@ async def test_sync_with_sum_applies_the_sum_of_the_rounds_gradients() -> None:
     ps = await start_ps_world(2, 1)
     try:
         await init_all(ps, "sync", optimizer=Optimizer(kind="sgd", lr=1.0), sum=True)
-        await ps.each(lambda r, c: c.push({"w": np.full(DIM, r + 1, np.float32)}))
+        await ps.each(lambda r, c: c.push({"w": np.full(START['w'].shape, r + 1, np.float32)}))
         await ps.each(lambda r, c: c.pull())
         np.testing.assert_allclose(ps.clients[0].values["w"], -3.0)
     finally:
