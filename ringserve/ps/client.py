@@ -94,6 +94,7 @@ class AsyncClient:
         self.mode = ""
         self.values: dict[str, np.ndarray] = {}
         self.counts: Counter[str] = Counter()
+        self._busy: asyncio.Lock | None = None
 
     @property
     def links(self) -> list[Link]:
@@ -200,6 +201,12 @@ class AsyncClient:
             yield pb.PieceChunk(key=piece.key, start=piece.start, offset=offset, total_bytes=len(data),
                                 data=bytes(data[offset : offset + size]))
 
+    def _turn(self) -> asyncio.Lock:
+        """One pull or push at a time: each counts this client's steps per shard, in order."""
+        if self._busy is None:
+            self._busy = asyncio.Lock()  # made in the loop that uses it
+        return self._busy
+
     # -- calls, with recovery --------------------------------------------------------------
 
     async def _call(self, link: Link, attempt: Callable[[Link], Awaitable[T]]) -> T:
@@ -251,7 +258,8 @@ class AsyncClient:
         """
         if self.layout is None:
             raise NotInitializedError("Call init() before pull().")
-        await asyncio.gather(*(self._call(link, lambda ln: self._pull_one(ln, lookahead)) for link in self._links.links))
+        async with self._turn():
+            await asyncio.gather(*(self._call(link, lambda ln: self._pull_one(ln, lookahead)) for link in self._links.links))
         return self.values
 
     async def _pull_one(self, link: Link, lookahead: int = 0) -> None:
@@ -308,7 +316,8 @@ class AsyncClient:
             raise InvalidArgumentError(f"The push names {unknown[0]!r}, which is not a tensor of the job "
                                        f"(its keys: {', '.join(repr(k) for k in list(self.values)[:8])}).")
         arrays = {key: np.asarray(g) for key, g in grads.items()}
-        return await asyncio.gather(*(self._call(link, lambda ln: self._push_one(ln, arrays, kind, lrs or ()))
+        async with self._turn():
+            return await asyncio.gather(*(self._call(link, lambda ln: self._push_one(ln, arrays, kind, lrs or ()))
                                       for link in self._links.links))
 
     async def _push_one(self, link: Link, grads: Mapping[str, np.ndarray], kind: pb.PushKind, lrs: Sequence[float]) -> str:

@@ -32,6 +32,7 @@ model is the job's initial one: every worker starts from the values it pulls.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 from collections.abc import Callable
@@ -141,6 +142,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._inflight: collections.deque[concurrent.futures.Future[Values | None]] = collections.deque()
         self._hook = model.register_forward_pre_hook(self._before_forward)
         self._local_steps = 0
+        self._lock: asyncio.Lock | None = None
         self.rounds = 0
         self.outcomes: collections.Counter[str] = collections.Counter()
 
@@ -223,17 +225,27 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         # into them under the copy: the forward gets a copy of its own.
         return {k: v.copy() for k, v in client.values.items()} if self._depth else None
 
+    def _turn(self) -> asyncio.Lock:
+        # Rounds run one after another, in the order of the steps that started them: a client's
+        # steps per shard are counted in order (two pushes at once could overtake each other,
+        # and the later step would make the earlier one a duplicate). Made on the client's loop.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
     async def _round(self, client: AsyncClient, grads: Values, lrs: list[float]) -> Values | None:
-        for outcome in await client.push(grads, lrs=lrs):
-            self.outcomes[outcome] += 1
-        await client.pull(lookahead=self._depth)
-        return self._snapshot(client)
+        async with self._turn():
+            for outcome in await client.push(grads, lrs=lrs):
+                self.outcomes[outcome] += 1
+            await client.pull(lookahead=self._depth)
+            return self._snapshot(client)
 
     async def _average(self, client: AsyncClient, local: Values) -> Values | None:
-        for outcome in await client.push_delta(local):
-            self.outcomes[outcome] += 1
-        await client.pull()
-        return self._snapshot(client)
+        async with self._turn():
+            for outcome in await client.push_delta(local):
+                self.outcomes[outcome] += 1
+            await client.pull()
+            return self._snapshot(client)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._wait(self._depth)

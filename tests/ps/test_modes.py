@@ -33,7 +33,7 @@ async def test_sync_rounds_apply_the_mean_of_every_members_gradient() -> None:
         expected = {k: v.copy() for k, v in START.items()}
         for _ in range(5):
             grads = [gradients(c.values, *task(r))[1] for r, c in enumerate(ps.clients)]
-            outcomes = await ps.each(lambda r, c: c.push(grads[r]))
+            outcomes = await ps.each(lambda r, c, grads=grads: c.push(grads[r]))
             assert sum(o.count("applied") for o in outcomes) == 2  # the last push of each shard's round
             await ps.each(lambda r, c: c.pull())
             for key in expected:
