@@ -31,6 +31,7 @@ def run_ps_job(args: list[str], out: pathlib.Path, env: dict[str, str] | None = 
                             env={**os.environ, "RINGSERVE_USE_UVLOOP": "0", **(env or {})})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_with_ps_trains_n_workers_through_s_shard_processes(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "progress.jsonl"
@@ -39,8 +40,9 @@ def test_run_with_ps_trains_n_workers_through_s_shard_processes(tmp_path: pathli
     lines = progress(out)
     assert job.returncode == 0, output
     assert "2 parameter-server shards at" in output
-    assert sorted({line["rank"] for line in lines if line["step"] == 19}) == [0, 1, 2], output
-    losses = [line["loss"] for line in lines if line["rank"] == 0]
+    finishers = {line["pid"] for line in lines if line["step"] == 19}   # ranks change as workers leave
+    assert len(finishers) == 3, output
+    losses = [line["loss"] for line in lines if line["pid"] == min(finishers)]
     assert losses[-1] < 0.2 * losses[0]
 
 

@@ -55,7 +55,8 @@ async def info(shard: Shard) -> pb.InfoResponse:
 # -- a worker's death ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+                                  pytest.param("ssp", marks=pytest.mark.slow)])
 async def test_a_killed_worker_stops_neither_async_nor_ssp_and_sync_drops_it_at_the_next_view(
         mode: str, tmp_path: pathlib.Path) -> None:
     # min_workers 1: the world goes on below the 3 it starts with (min 3 would end it at the death).

@@ -94,7 +94,7 @@ async def test_each_mode_trains_a_small_task_to_a_low_loss(mode: str, kwargs: di
         await init_all(ps, mode, optimizer=optimizer, **kwargs)
         before = loss_of(ps.clients[0].values, n)
         every = 5 if mode == "average" else 1
-        await ps.each(lambda r, c: train(c, r, 150 if mode == "average" else 60, every=every, local_lr=0.05))
+        await ps.each(lambda r, c: train(c, r, 150 if mode == "average" else 100, every=every, local_lr=0.05))
         final = await ps.clients[0].pull()
         after = loss_of(final, n)
         assert after < 0.01 * before, (before, after)
@@ -124,5 +124,44 @@ async def test_ssp_never_lets_a_worker_run_more_than_staleness_steps_ahead_of_th
         await ps.each(worker)
         assert max(leads) <= staleness
         assert max(leads) == staleness, leads          # the fast workers did run ahead, as far as allowed
+    finally:
+        await ps.close()
+
+
+@pytest.mark.parametrize(("codec", "tolerance"), [("fp16", 2e-3), ("bf16", 1e-2), ("int8", 2e-2)])
+async def test_pushes_travel_with_a_wire_codec_in_fewer_bytes_and_land_within_its_error(codec: str, tolerance: float) -> None:
+    ps = await start_ps_world(2, 2, client={"push_codec": codec, "chunk_bytes": 40})
+    try:
+        await init_all(ps, "sync", optimizer=Optimizer(kind="sgd", lr=1.0))
+        grads = [{"w": np.linspace(-1, 1, START["w"].size).astype(np.float32) * (r + 1),
+                  "b": np.array([0.5 * (r + 1)], np.float32)} for r in range(2)]
+        await ps.each(lambda r, c: c.push(grads[r]))
+        values = (await ps.each(lambda r, c: c.pull()))[0]
+        for key in grads[0]:
+            np.testing.assert_allclose(values[key], -(grads[0][key] + grads[1][key]) / 2, atol=tolerance, rtol=tolerance)
+        raw = sum(g.nbytes for g in grads[0].values())
+        assert ps.clients[0].counts["bytes_sent"] < raw
+    finally:
+        await ps.close()
+
+
+async def test_a_pull_after_the_first_sends_only_the_pieces_changed_since_the_version_held() -> None:
+    ps = await start_ps_world(1, 1)
+    try:
+        client = ps.clients[0]
+        await client.init({"big": np.zeros(1000, np.float32), "small": np.zeros(2, np.float32)}, mode="async",
+                          optimizer=Optimizer(kind="sgd", lr=1.0))
+        await client.pull()
+        before = client.counts["bytes_received"]
+        await client.push({"small": np.ones(2, np.float32)})
+        values = await client.pull()
+        assert client.counts["bytes_received"] - before == 8       # "small" only
+        np.testing.assert_array_equal(values["small"], -1.0)
+        other = ps.client_for(0)
+        await other.init({"big": np.zeros(1000, np.float32), "small": np.zeros(2, np.float32)}, mode="async",
+                         optimizer=Optimizer(kind="sgd", lr=1.0), seed=False)
+        assert (await other.pull())["small"].tolist() == [-1.0, -1.0]   # a first pull: everything
+        assert other.counts["bytes_received"] == 4008
+        await other.close()
     finally:
         await ps.close()

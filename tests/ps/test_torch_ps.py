@@ -164,9 +164,9 @@ def label(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("mode", "kwargs"), [
-    ("async", {}),
+    pytest.param("async", {}, marks=pytest.mark.slow),
     ("ssp", {"staleness": 1}),
-    ("average", {"average_every": 4}),
+    pytest.param("average", {"average_every": 4}, marks=pytest.mark.slow),
 ])
 def test_each_mode_trains_a_small_classifier(mode: str, kwargs: dict[str, Any], job: dict[str, str]) -> None:
     coordinator = job["coordinator"]

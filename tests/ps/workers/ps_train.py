@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -36,7 +37,7 @@ def main() -> None:
         ps.pull()
         with out.open("a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "versions": ps.versions, "outcomes": outcomes,
-                                "rank": rs.rank(), "size": rs.size()}) + "\n")
+                                "rank": rs.rank(), "size": rs.size(), "pid": os.getpid()}) + "\n")
         step += 1
     ps.close()
     rs.shutdown()
