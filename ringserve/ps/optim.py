@@ -116,7 +116,8 @@ def step(opt: Optimizer, values: np.ndarray, grad: np.ndarray, state: State, lr:
             state.m += work.type(1 - opt.dampening) * g
         g = g + work.type(opt.momentum) * state.m if opt.nesterov else state.m
     state.step += 1
-    return (p - work.type(rate) * g).astype(values.dtype, copy=False)
+    new: np.ndarray = (p - work.type(rate) * g).astype(values.dtype, copy=False)
+    return new
 
 
 def _adam(opt: Optimizer, p: np.ndarray, g: np.ndarray, state: State, lr: float) -> np.ndarray:
@@ -131,4 +132,5 @@ def _adam(opt: Optimizer, p: np.ndarray, g: np.ndarray, state: State, lr: float)
     correction1 = 1 - opt.beta1**state.step
     correction2_sqrt = math.sqrt(1 - opt.beta2**state.step)
     denom = np.sqrt(state.v) / work(correction2_sqrt) + work(opt.eps)
-    return p - work(lr / correction1) * (state.m / denom)
+    new: np.ndarray = p - work(lr / correction1) * (state.m / denom)
+    return new
