@@ -8,9 +8,12 @@ throughput with 1 and 2 shards.
 **The task**: an MLP 64-64-10 on scikit-learn's digits (1,797 images, shipped with it), SGD at lr
 0.1, a batch of 32 per worker, until the cross-entropy over the whole set is at most 0.25
 (checked every 5 steps, on each worker's current model). 4 workers, each a process with one torch
-thread. A step is forward, backward, the optimizer's step, and ``--compute-ms`` (20) of sleep: a
-step bound by an accelerator, which leaves the host's CPU to communication; on this 2-core machine
-real compute in 4 processes would measure CPU contention, not the modes.
+thread. A step is forward, backward, ``--compute-ms`` (20) of sleep at the end of backward, and
+the optimizer's step: a step bound by an accelerator, which leaves the host's CPU to communication
+(on this 2-core machine real compute in 4 processes would measure CPU contention, not the modes).
+The ring's gradient allreduces start in backward and overlap the sleep, as they overlap a real
+backward; the parameter server's push starts at step(), and its pull overlaps the next step only
+where the mode allows (async, ssp).
 
 **Modes**: ``ring``, ringserve's DistributedOptimizer (allreduce-SGD), elastic (hvd.elastic.run,
 a commit every 10 steps) so that it survives a death; and through 2 shard processes ``sync``,
@@ -80,7 +83,7 @@ def _wait_for_go(tmp: pathlib.Path) -> float:
     import ringserve.api as api
 
     go = tmp / "go"
-    while not go.exists():
+    while not go.exists() or not go.read_text().strip():  # the driver renames it into place; older ones wrote it
         ctx = api.context()
         if ctx.worker.rank == 0 and ctx.worker.pending_workers:
             ctx.call(lambda w: w.admit_waiting(), 10.0)
@@ -131,8 +134,10 @@ def worker(args: argparse.Namespace) -> None:
             index = torch.randint(0, len(x_all), (BATCH,), generator=generator)
             opt.zero_grad()
             loss_fn(model(x_all[index]), y_all[index]).backward()
-            opt.step()
+            # The step's compute, as the end of backward: the ring's bucket allreduces overlap it,
+            # as DDP's overlap a real backward; the parameter server's push waits for step().
             time.sleep(compute_s)
+            opt.step()
             step += 1
             if state is not None:
                 state.steps = step
@@ -208,6 +213,12 @@ def _stop(thread: Any, coord: Any, server: Any) -> None:
     thread.stop()
 
 
+def _go(tmp: pathlib.Path, start: float) -> None:
+    """Tells the workers to start, atomically: they never read half the file."""
+    (tmp / "go.tmp").write_text(str(start))
+    (tmp / "go.tmp").rename(tmp / "go")
+
+
 def run_one(mode: str, scenario: str, args: argparse.Namespace, die_step: int) -> dict[str, Any]:
     """One training run; returns the wall time to target and the per-worker figures."""
     import subprocess
@@ -233,7 +244,7 @@ def run_one(mode: str, scenario: str, args: argparse.Namespace, die_step: int) -
                                            f"{codes}, {len(list(tmp.glob('ready.*')))} ready)")
                     time.sleep(0.05)
                 cpu0 = _shard_cpu(coord.address) if server is not None else 0.0
-                (tmp / "go").write_text(str(time.time()))
+                _go(tmp, time.time())
                 for p in procs:
                     p.wait(600)
                 cpu = _shard_cpu(coord.address) - cpu0 if server is not None else 0.0
@@ -292,13 +303,17 @@ def pusher(args: argparse.Namespace) -> None:
     ps = Client(model, mode="async", optimizer=Optimizer(kind="sgd", lr=1e-6))
     grads = {k: np.ones_like(v) for k, v in model.items()}
     start = _wait_for_go(pathlib.Path(args.tmp))
+    while time.time() < start:
+        time.sleep(0.001)
+    cpu0 = time.process_time()
     rounds = 0
     while time.time() < start + args.seconds:
         ps.push(grads)
         ps.pull()
         rounds += 1
     moved = ps.client.counts["bytes_sent"] + ps.client.counts["bytes_received"]
-    pathlib.Path(args.out).write_text(json.dumps({"rounds": rounds, "bytes": moved, "elapsed": time.time() - start}))
+    pathlib.Path(args.out).write_text(json.dumps({"rounds": rounds, "bytes": moved, "elapsed": time.time() - start,
+                                                  "cpu": time.process_time() - cpu0}))
     ps.close()
     rs.shutdown()
 
@@ -324,7 +339,7 @@ def throughput(args: argparse.Namespace) -> None:
                     while len(list(tmp.glob("ready.*"))) < WORKERS:
                         time.sleep(0.05)
                     cpu0 = _shard_cpu(coord.address)
-                    (tmp / "go").write_text(str(time.time() + 0.5))
+                    _go(tmp, time.time() + 0.5)
                     for p in procs:
                         p.wait(args.seconds + 120)
                     cpu = _shard_cpu(coord.address) - cpu0
@@ -332,10 +347,12 @@ def throughput(args: argparse.Namespace) -> None:
             finally:
                 _stop(thread, coord, server)
             rate = sum(r["bytes"] for r in results) / max(r["elapsed"] for r in results) / 1e6
-            rows.append({"shards": shards, "rate": rate, "cpu": cpu / args.seconds,
+            clients = sum(r["cpu"] for r in results) / args.seconds
+            rows.append({"shards": shards, "rate": rate, "cpu": cpu / args.seconds, "clients": clients,
                          "rounds": sum(r["rounds"] for r in results)})
-            print(f"{shards} shard(s): {rate:.0f} MB/s pushed + pulled, shards busy {cpu / args.seconds:.2f} "
-                  f"cores, {rows[-1]['rounds']} rounds", flush=True)
+            print(f"{shards} shard(s): {rate:.0f} MB/s pushed + pulled, {rows[-1]['rounds']} rounds; cores busy: "
+                  f"shards {cpu / args.seconds:.2f}, clients {clients:.2f}, load average {os.getloadavg()[0]:.1f}",
+                  flush=True)
     best = {s: max(r["rate"] for r in rows if r["shards"] == s) for s in (1, 2)}
     print(f"\n2 shards / 1 shard: {best[2] / best[1]:.2f}x on {os.cpu_count()} cores "
           f"({WORKERS} client processes and the shards share them)")
@@ -357,6 +374,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--die-step", type=int, default=100)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on a kill
     if args.role == "worker":
         return worker(args)
     if args.role == "pusher":

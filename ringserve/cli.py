@@ -256,6 +256,7 @@ def _ps_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-index", type=int, default=None,
                    help="with --one-shard: the index to take (default -1: the lowest free one)")
     p.add_argument("--shard-id", default="", help=argparse.SUPPRESS)  # ringserve ps's children keep theirs
+    p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)  # and stop when it is gone
     p.add_argument("--bind-host", default=None, help="address the shards bind (default 127.0.0.1)")
     p.add_argument("--bind-port", type=int, default=None, help="with --one-shard: port to bind (default any)")
     p.add_argument("--advertise-host", default=None, help="address workers dial ('auto': the route to the coordinator)")
@@ -274,7 +275,7 @@ def _cmd_ps(ns: argparse.Namespace) -> int:
     from ringserve.ps.server import serve
 
     config = ShardConfig.from_env(**_overrides(ns, _PS_FIELDS))
-    return serve(config, one_shard=ns.one_shard or config.shards == 1, shard_id=ns.shard_id)
+    return serve(config, one_shard=ns.one_shard or config.shards == 1, shard_id=ns.shard_id, parent=ns.parent)
 
 
 def _cmd_timeline_merge(ns: argparse.Namespace) -> int:

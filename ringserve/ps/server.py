@@ -40,6 +40,8 @@ log = logging.getLogger("ringserve.ps")
 POLL_S = 0.1
 # A shard process is asked to stop (SIGTERM, it writes its last checkpoint) and killed after this.
 STOP_GRACE_S = 10.0
+# A shard process started by a supervisor checks this often that the supervisor is still there.
+PARENT_POLL_S = 1.0
 # A shard process that exits within this of its start does not get restarted at once, but after it.
 RESTART_BACKOFF_S = 1.0
 
@@ -164,7 +166,7 @@ class ParameterServer:
 
     def _argv(self, index: int) -> list[str]:
         return [sys.executable, "-m", "ringserve.cli", "ps", "--one-shard", "--shard-index", str(index),
-                "--shard-id", self.shard_id(index)]
+                "--shard-id", self.shard_id(index), "--parent", str(os.getpid())]
 
     def _child_env(self) -> dict[str, str]:
         """The shard processes' environment: this server's whole config as RINGSERVE_* variables
@@ -240,18 +242,20 @@ class ParameterServer:
         self.stop()
 
 
-def serve(config: ShardConfig, *, one_shard: bool, shard_id: str = "") -> int:
+def serve(config: ShardConfig, *, one_shard: bool, shard_id: str = "", parent: int = 0) -> int:
     """``ringserve ps``: runs the shards until SIGINT or SIGTERM; returns the exit code.
 
     One shard (``one_shard``) runs in this process; otherwise ``ParameterServer`` runs S shard
-    processes and keeps them running. A stopped shard writes its last checkpoint first.
+    processes and keeps them running. A stopped shard writes its last checkpoint first. With
+    ``parent`` (a supervisor's pid), the shard also stops when that process is gone, so that a
+    supervisor killed outright leaves no shard behind.
     """
     from ringserve.loop import new_event_loop
 
     if one_shard:
         loop = new_event_loop(use_uvloop=config.use_uvloop)
         try:
-            return loop.run_until_complete(_serve_one(config, shard_id))
+            return loop.run_until_complete(_serve_one(config, shard_id, parent))
         finally:
             loop.close()
     stop = threading.Event()
@@ -267,7 +271,13 @@ def serve(config: ShardConfig, *, one_shard: bool, shard_id: str = "") -> int:
     return 0
 
 
-async def _serve_one(config: ShardConfig, shard_id: str) -> int:
+async def _orphaned(parent: int) -> None:
+    """Returns once the process that started this one is gone (this one was given to init)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_S)
+
+
+async def _serve_one(config: ShardConfig, shard_id: str, parent: int = 0) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -277,12 +287,15 @@ async def _serve_one(config: ShardConfig, shard_id: str) -> int:
         print(f"ringserve ps: shard {shard.index} of {config.shards} serving on {shard.address}{resumed}", flush=True)
         stopped = loop.create_task(stop.wait())
         failed = loop.create_task(shard.wait())
+        waits = [stopped, failed]
+        if parent:
+            waits.append(loop.create_task(_orphaned(parent)))
         try:
-            await asyncio.wait((stopped, failed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stopped, failed):
+            for task in waits:
                 task.cancel()
-            await asyncio.gather(stopped, failed, return_exceptions=True)
+            await asyncio.gather(*waits, return_exceptions=True)
         if failed.done() and not failed.cancelled() and failed.exception() is not None:
             print(f"ringserve ps: shard {shard.index}: {failed.exception()}", file=sys.stderr, flush=True)
             return 1
