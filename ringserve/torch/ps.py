@@ -16,9 +16,13 @@ What ``step()`` does, by mode:
 
 - **sync, async, ssp**: the shards run the optimizer (the wrapped one's kind and hyperparameters:
   ``torch.optim.SGD``, with or without momentum, or ``torch.optim.Adam``, per parameter group,
-  with each group's current learning rate sent along, so LR schedulers work). ``step()`` copies
-  the gradients and returns at once; the push and the next pull run on a background loop while
-  the caller goes on (data loading, logging), and the model's forward waits for the pull.
+  with each group's current learning rate sent along, so LR schedulers work). The push starts as
+  soon as backward has produced every gradient (``backward_passes_per_step`` times; a
+  ``register_post_accumulate_grad_hook`` per parameter counts them, as DistributedOptimizer's do),
+  or at ``step()`` for gradients that never came; it and the next pull run on a background loop
+  while the caller goes on (the rest of its step, data loading, logging), and the model's forward
+  waits for the pull. Code that changes gradients between backward and ``step()`` (clipping)
+  passes ``push_in_backward=False``: the push then starts in ``step()``.
   Where the mode allows (async, and ssp with staleness >= 1), the forward does not even wait for
   the round in flight but for the one before it: push and pull overlap with a whole step of
   compute. In ssp that pull waits one step longer for the slowest worker, so the bound holds.
@@ -97,6 +101,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         compression: the wire codec of pushes: none, fp16, bf16 or int8 (default RINGSERVE_PUSH_CODEC).
         overlap: let the forward use the values of the round before the one in flight, where the
             mode allows (default: async, and ssp with staleness >= 1); False: always the newest.
+        push_in_backward: start the push once backward has produced every gradient (default);
+            False: at step(), after whatever the caller does to the gradients (clipping).
+        backward_passes_per_step: backward passes that accumulate into one push (gradient
+            accumulation), as DistributedOptimizer's.
         config: the client's settings (default: from the worker's and RINGSERVE_*).
         context: the worker to train as (default: ringserve's default context, joined if need be).
     """
@@ -104,10 +112,13 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, mode: str = "sync",
                  staleness: int = 0, average_every: int = 1, server_lr: float = 1.0, sum: bool = False,
                  max_lag: int = 0, compression: str | None = None, overlap: bool | None = None,
+                 push_in_backward: bool = True, backward_passes_per_step: int = 1,
                  config: PSClientConfig | None = None, context: api.Context | None = None) -> None:
         check_mode(mode, staleness)
         if average_every < 1:
             raise InvalidArgumentError(f"average_every ({average_every}) must be at least 1.")
+        if backward_passes_per_step < 1:
+            raise InvalidArgumentError(f"backward_passes_per_step ({backward_passes_per_step}) must be at least 1.")
         self._optimizer = optimizer
         self._mode = mode
         self._average_every = average_every
@@ -141,6 +152,13 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._depth = 1 if allowed and overlap is not False else 0
         self._inflight: collections.deque[concurrent.futures.Future[Values | None]] = collections.deque()
         self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._passes_per_step = backward_passes_per_step
+        self._passes: dict[str, int] = {}
+        self._pushed = False  # this step's round has started (from the gradient hooks)
+        self._grad_hooks: list[Any] = []
+        if push_in_backward and mode != "average":
+            for name, p in self._params.items():
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
         self._local_steps = 0
         self._lock: asyncio.Lock | None = None
         self.rounds = 0
@@ -211,10 +229,26 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 local = {name: p.detach().cpu().numpy().copy() for name, p in self._params.items()}
                 self._start(lambda c: self._average(c, local))
             return loss
+        if not self._pushed:
+            self._push()
+        self._pushed = False
+        self._passes.clear()
+        return loss
+
+    def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._passes[name] = self._passes.get(name, 0) + 1
+            complete = len(self._passes) == len(self._params) and min(self._passes.values()) >= self._passes_per_step
+            if complete and not self._pushed:
+                self._push()   # backward has produced every gradient: no need to wait for step()
+                self._pushed = True
+
+        return hook
+
+    def _push(self) -> None:
         grads = {name: p.grad.detach().cpu().numpy().copy() for name, p in self._params.items() if p.grad is not None}
         lrs = [float(g["lr"]) for g in self._optimizer.param_groups]
         self._start(lambda c: self._round(c, grads, lrs))
-        return loss
 
     def _start(self, call: Callable[[AsyncClient], Any]) -> None:
         self._inflight.append(self._client.submit(call))
@@ -281,4 +315,6 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             self.synchronize()
         finally:
             self._hook.remove()
+            for handle in self._grad_hooks:
+                handle.remove()
             self._client.close()

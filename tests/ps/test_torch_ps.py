@@ -58,10 +58,12 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler
 
 
 @pytest.fixture
-def job() -> Iterator[dict[str, str]]:
-    """A coordinator for N workers and two shards in this process (shards serve one job in their life)."""
+def job(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """A coordinator for N workers (or ``request.param``) and two shards in this process (shards
+    serve one job in their life)."""
+    n = getattr(request, "param", N)
     thread = LoopThread(use_uvloop=False, name="test-ps-coordinator")
-    coord = thread.run(Coordinator(CoordinatorConfig(min_workers=N, max_workers=N, settle_s=0.05, tick_s=0.01,
+    coord = thread.run(Coordinator(CoordinatorConfig(min_workers=n, max_workers=n, settle_s=0.05, tick_s=0.01,
                                                      heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0)).start(), 10)
     shards = ParameterServer(coord.address, shards=2, processes=False,
                              config=ShardConfig(max_wait_s=60.0, use_uvloop=False)).start()
@@ -73,8 +75,8 @@ def job() -> Iterator[dict[str, str]]:
         thread.stop()
 
 
-def on_workers(coordinator: str, fn: Callable[[api.Context], Any]) -> list[Any]:
-    """Runs ``fn(context)`` on N threads, each with its own worker; returns the results by rank."""
+def on_workers(coordinator: str, fn: Callable[[api.Context], Any], n: int = N) -> list[Any]:
+    """Runs ``fn(context)`` on n threads, each with its own worker; returns the results by rank."""
     def one(i: int) -> tuple[int, Any]:
         ctx = api.Context(WorkerConfig(coordinator=coordinator, rank_hint=i, rendezvous_timeout_s=30,
                                        collective_timeout_s=30, **FAST)).start()
@@ -83,8 +85,8 @@ def on_workers(coordinator: str, fn: Callable[[api.Context], Any]) -> list[Any]:
         finally:
             ctx.close()
 
-    with concurrent.futures.ThreadPoolExecutor(N) as pool:
-        results = list(pool.map(one, range(N), timeout=100))
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n), timeout=100))
     return [r for _, r in sorted(results, key=lambda x: x[0])]
 
 
@@ -196,3 +198,66 @@ def test_an_optimizer_the_shards_do_not_run_is_refused_naming_it_and_pointing_to
     m = model()
     with pytest.raises(UnsupportedError, match="not RMSprop; mode='average' steps any optimizer"):
         ParameterServerOptimizer(torch.optim.RMSprop(m.parameters()), m, mode="sync")
+
+
+@pytest.mark.parametrize("job", [1], indirect=True)
+def test_by_default_the_push_starts_in_backward_before_the_gradients_can_be_changed(job: dict[str, str]) -> None:
+    def train(ctx: api.Context) -> bool:
+        m = model()
+        before = [p.detach().clone() for p in m.parameters()]
+        opt = ParameterServerOptimizer(torch.optim.SGD(m.parameters(), lr=0.5), m, mode="sync", context=ctx,
+                                       config=client_config(job["coordinator"]))
+        loss_fn(m, *batch(0, 0)).backward()
+        for p in m.parameters():
+            p.grad.zero_()                      # too late: the push began when backward ended
+        opt.step()
+        opt.synchronize()
+        opt.close()
+        return any(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+    assert on_workers(job["coordinator"], train, n=1) == [True]
+
+
+@pytest.mark.parametrize("job", [1], indirect=True)
+def test_with_push_at_step_a_zeroed_gradient_changes_nothing(job: dict[str, str]) -> None:
+    def train(ctx: api.Context) -> bool:
+        m = model()
+        before = [p.detach().clone() for p in m.parameters()]
+        opt = ParameterServerOptimizer(torch.optim.SGD(m.parameters(), lr=0.5), m, mode="sync", context=ctx,
+                                       config=client_config(job["coordinator"]), push_in_backward=False)
+        loss_fn(m, *batch(0, 0)).backward()
+        for p in m.parameters():
+            p.grad.zero_()
+        opt.step()
+        opt.synchronize()
+        opt.close()
+        return all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+    assert on_workers(job["coordinator"], train, n=1) == [True]
+
+
+@pytest.mark.parametrize("job", [1], indirect=True)
+def test_backward_passes_per_step_push_the_accumulated_gradient_once(job: dict[str, str]) -> None:
+    def train(ctx: api.Context) -> dict[str, torch.Tensor]:
+        m = model()
+        opt = ParameterServerOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, mode="sync", context=ctx,
+                                       config=client_config(job["coordinator"]), backward_passes_per_step=2)
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                loss_fn(m, *batch(micro, step)).backward()
+            opt.step()
+        opt.close()
+        assert opt.client.versions == [3, 3]
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    got = on_workers(job["coordinator"], train, n=1)[0]
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            loss_fn(m, *batch(micro, step)).backward()
+        opt.step()
+    for key, value in m.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=2e-5, atol=2e-6)
