@@ -47,7 +47,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table  # noqa: E402
+from _common import PYTHON, read_json, table
 
 WORKERS = 4
 TARGET = 0.25
@@ -80,7 +80,7 @@ def _mlp() -> Any:
 def _wait_for_go(tmp: pathlib.Path) -> float:
     """Writes this worker's ready file once the world holds every worker (rank 0 admits those
     waiting); returns the start time the driver writes once all are ready."""
-    import ringserve.api as api
+    from ringserve import api
 
     go = tmp / "go"
     while not go.exists() or not go.read_text().strip():  # the driver renames it into place; older ones wrote it
@@ -97,8 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import ringserve as rs
-    import ringserve.api as api
     import ringserve.torch as hvd
+    from ringserve import api
     from ringserve.torch.ps import ParameterServerOptimizer
 
     torch.set_num_threads(1)

@@ -22,15 +22,13 @@ import numpy as np
 
 from ringserve import api
 from ringserve.config import PSClientConfig, SecuritySettings
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.errors import CollectiveTimeoutError
 from ringserve.loop import LoopThread
 from ringserve.ps.client import DEFAULT_OPTIMIZER, AsyncClient, view_of
 from ringserve.ps.optim import Optimizer
 
 T = TypeVar("T")
-
-# Beyond a call's own deadlines, how long the caller's thread waits before it gives up.
-_WAIT_SLACK_S = 10.0
 
 
 def client_config(context: api.Context, **overrides: Any) -> PSClientConfig:
@@ -99,7 +97,7 @@ class Client:
         return self.client.versions
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        wait = (self.config.round_timeout_s if timeout_s is None else timeout_s) + _WAIT_SLACK_S
+        wait = (self.config.round_timeout_s if timeout_s is None else timeout_s) + THREAD_WAIT_SLACK_S
         future = self._thread.submit(coro)
         try:
             return future.result(wait)
@@ -131,11 +129,11 @@ class Client:
         """On rank 0, asks the coordinator to admit the workers waiting to join (a step boundary)."""
         worker = self.context.worker
         if worker.rank == 0 and worker.pending_workers:
-            self.context.call(lambda w: w.admit_waiting(), self.context.config.rpc_timeout_s + _WAIT_SLACK_S)
+            self.context.call(lambda w: w.admit_waiting(), self.context.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
 
     def _close(self) -> None:
         try:
-            self._thread.run(self.client.close(), self.config.rpc_timeout_s + _WAIT_SLACK_S)
+            self._thread.run(self.client.close(), self.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
         finally:
             self._thread.stop()
 

@@ -40,8 +40,6 @@ log = logging.getLogger("ringserve.ps")
 POLL_S = 0.1
 # A shard process is asked to stop (SIGTERM, it writes its last checkpoint) and killed after this.
 STOP_GRACE_S = 10.0
-# A shard process started by a supervisor checks this often that the supervisor is still there.
-PARENT_POLL_S = 1.0
 # A shard process that exits within this of its start does not get restarted at once, but after it.
 RESTART_BACKOFF_S = 1.0
 
@@ -272,9 +270,29 @@ def serve(config: ShardConfig, *, one_shard: bool, shard_id: str = "", parent: i
 
 
 async def _orphaned(parent: int) -> None:
-    """Returns once the process that started this one is gone (this one was given to init)."""
-    while os.getppid() == parent:
-        await asyncio.sleep(PARENT_POLL_S)
+    """Returns once the process that started this one is gone.
+
+    A pidfd of the parent becomes readable when it exits (Linux 5.3 and later), so nothing polls.
+
+    Args:
+        parent: the pid of the process that started this one.
+    """
+    try:
+        fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        return
+    try:
+        if os.getppid() != parent:  # gone before the pidfd was opened (its pid may be reused)
+            return
+        gone = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, gone.set)
+        try:
+            await gone.wait()
+        finally:
+            loop.remove_reader(fd)
+    finally:
+        os.close(fd)
 
 
 async def _serve_one(config: ShardConfig, shard_id: str, parent: int = 0) -> int:

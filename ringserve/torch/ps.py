@@ -172,7 +172,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(inner, name)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self._optimizer.param_groups
 
@@ -180,7 +180,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self._optimizer.state
 
@@ -188,7 +188,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self._optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self._optimizer.defaults
 
@@ -215,7 +215,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Pushes this step's gradients (average mode: steps locally, and every average_every
         steps pushes the change) and starts the next pull; returns the closure's loss."""
         loss = None

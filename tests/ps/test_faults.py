@@ -290,5 +290,5 @@ async def test_a_client_without_shards_fails_within_its_wait_naming_what_it_foun
 async def test_a_shard_whose_index_is_held_gives_up_within_its_register_timeout() -> None:
     async with Coordinator(coordinator_config()) as coord:
         async with Shard(shard_config(coord.address, 1, shard_index=0)):
-            with pytest.raises(RingserveError, match="could not take an index within 0.5 s"):
+            with pytest.raises(RingserveError, match=r"could not take an index within 0\.5 s"):
                 await Shard(shard_config(coord.address, 1, shard_index=0, register_timeout_s=0.5)).start()

@@ -23,7 +23,7 @@ from ringserve.testing.pki import CertFiles, CertificateAuthority
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKEN = "ps-token-51b2"  # noqa: S105 - a test token
+TOKEN = "ps-token-51b2"
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from lsq import START, gradients, task  # noqa: E402
+from lsq import START, gradients, task
 
-import ringserve as rs  # noqa: E402
-from ringserve.ps import Client, Optimizer  # noqa: E402
+import ringserve as rs
+from ringserve.ps import Client, Optimizer
 
 
 def main() -> None:
