@@ -16,8 +16,10 @@ backward; the parameter server's push starts at step(), and its pull overlaps th
 where the mode allows (async, ssp).
 
 **Modes**: ``ring``, ringserve's DistributedOptimizer (allreduce-SGD), elastic (hvd.elastic.run,
-a commit every 10 steps) so that it survives a death; and through 2 shard processes ``sync``,
-``async``, ``ssp`` (staleness 2) and ``average`` (4 local steps per average).
+a commit every 10 steps) so that it survives a death; ``ddp``, torch's DistributedDataParallel on
+gloo, the reference outside ringserve (not run when a worker is killed: gloo has no way to go on
+without it, and the others would wait out its timeout and fail); and through 2 shard processes
+``sync``, ``async``, ``ssp`` (staleness 2) and ``average`` (4 local steps per average).
 
 **Scenarios**: all equal; one worker 3x slower (it sleeps 3 x compute-ms); one killed (SIGKILL)
 halfway, at half the steps that mode needed with equal workers. The coordinator declares a worker
@@ -47,14 +49,14 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table
+from _common import PYTHON, free_port, read_json, table
 
 WORKERS = 4
 TARGET = 0.25
 LR = 0.1
 BATCH = 32
 CHECK_EVERY = 5
-MODES = ["ring", "sync", "async", "ssp", "average"]
+MODES = ["ring", "ddp", "sync", "async", "ssp", "average"]
 SCENARIOS = ["equal", "straggler", "killed"]
 HEARTBEAT_TIMEOUT_S = 5.0
 
@@ -77,9 +79,10 @@ def _mlp() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def _wait_for_go(tmp: pathlib.Path) -> float:
+def _wait_for_go(tmp: pathlib.Path, on_ranked: Any = None) -> float:
     """Writes this worker's ready file once the world holds every worker (rank 0 admits those
-    waiting); returns the start time the driver writes once all are ready."""
+    waiting), after ``on_ranked(rank)`` if given; returns the start time the driver writes once
+    all are ready."""
     from ringserve import api
 
     go = tmp / "go"
@@ -88,6 +91,9 @@ def _wait_for_go(tmp: pathlib.Path) -> float:
         if ctx.worker.rank == 0 and ctx.worker.pending_workers:
             ctx.call(lambda w: w.admit_waiting(), 10.0)
         if ctx.worker.size == WORKERS:
+            if on_ranked is not None:
+                on_ranked(ctx.worker.rank)
+                on_ranked = None
             (tmp / f"ready.{ctx.worker.worker_id}").touch()
         time.sleep(0.02)
     return float(go.read_text())
@@ -111,12 +117,24 @@ def worker(args: argparse.Namespace) -> None:
     loss_fn = torch.nn.functional.cross_entropy
     base = torch.optim.SGD(model.parameters(), lr=LR)
     rs.init()
+    forward = model
+    on_ranked = None
     if args.mode == "ring":
         opt: Any = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    elif args.mode == "ddp":
+        opt = base
+
+        def on_ranked(rank: int) -> None:  # gloo's rendezvous, before the clock starts
+            nonlocal forward
+            import datetime
+
+            torch.distributed.init_process_group("gloo", rank=rank, world_size=WORKERS,
+                                                 timeout=datetime.timedelta(seconds=60))
+            forward = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's values
     else:
         extra = {"ssp": {"staleness": 2}, "average": {"average_every": 4}}.get(args.mode, {})
         opt = ParameterServerOptimizer(base, model, mode=args.mode, **extra)
-    start = _wait_for_go(tmp)
+    start = _wait_for_go(tmp, on_ranked)
     me = api.context().worker
     rank_at_start = me.rank
     slow = args.scenario == "straggler" and rank_at_start == WORKERS - 1
@@ -133,9 +151,10 @@ def worker(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             index = torch.randint(0, len(x_all), (BATCH,), generator=generator)
             opt.zero_grad()
-            loss_fn(model(x_all[index]), y_all[index]).backward()
+            loss_fn(forward(x_all[index]), y_all[index]).backward()
             # The step's compute, as the end of backward: the ring's bucket allreduces overlap it,
             # as DDP's overlap a real backward; the parameter server's push waits for step().
+            # (DDP itself waits for its allreduces inside backward(), so its sleep overlaps nothing.)
             time.sleep(compute_s)
             opt.step()
             step += 1
@@ -152,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
                     if not done.exists():
                         done.write_text(str(result["reached"]))
                     return step
-            if args.mode != "ring" and done.exists():
+            if args.mode not in ("ring", "ddp") and done.exists():
                 return step
             if step > 20000:
                 return step
@@ -163,6 +182,10 @@ def worker(args: argparse.Namespace) -> None:
         result["steps"] = hvd.elastic.run(train_loop)(state)
         counters = me.counters
         result["bytes"] = counters.bytes_sent + counters.bytes_received
+    elif args.mode == "ddp":
+        result["steps"] = train_loop()
+        result["bytes"] = 0  # gloo does not count them
+        torch.distributed.destroy_process_group()
     else:
         result["steps"] = train_loop()
         counts = opt.client.client.counts
@@ -223,13 +246,13 @@ def run_one(mode: str, scenario: str, args: argparse.Namespace, die_step: int) -
     """One training run; returns the wall time to target and the per-worker figures."""
     import subprocess
 
-    thread, coord, server = _job(0 if mode == "ring" else 2, WORKERS)
+    thread, coord, server = _job(0 if mode in ("ring", "ddp") else 2, WORKERS)
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = pathlib.Path(tmp_name)
             me = str(pathlib.Path(__file__).resolve())
             env = {**os.environ, "RINGSERVE_COORDINATOR": coord.address, "OMP_NUM_THREADS": "1",
-                   "RINGSERVE_ELASTIC_TIMEOUT_S": "60"}
+                   "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             outs = [tmp / f"out.{i}.json" for i in range(WORKERS)]
             procs = [subprocess.Popen([PYTHON, me, "--role", "worker", "--mode", mode, "--scenario", scenario,
                                        "--tmp", tmp_name, "--out", str(o), "--die-step", str(die_step),
@@ -268,24 +291,39 @@ def training(args: argparse.Namespace) -> None:
     equal_steps: dict[str, int] = {}
     for scenario in args.scenarios:
         ring_wall: list[float] = []
+        ddp_wall: list[float] = []
         for mode in args.modes:
+            if mode == "ddp" and scenario == "killed":
+                rows.append({"scenario": scenario, "mode": mode, "wall": "fails", "ratio": "-", "vs_ddp": "-",
+                             "steps": "-", "mb": "-", "cpu": "-", "load": f"{os.getloadavg()[0]:.1f}"})
+                print(f"{scenario:9} {mode:8} not run: gloo cannot go on without a rank", flush=True)
+                continue
             walls, last = [], {}
             for _ in range(args.repeat):
-                last = run_one(mode, scenario, args, max(1, equal_steps.get(mode, 200) // 2))
+                # Halfway: half the steps this mode needed with equal workers, measured in this
+                # invocation, or --die-step when it did not run them.
+                last = run_one(mode, scenario, args, max(1, equal_steps[mode] // 2) if mode in equal_steps
+                               else args.die_step)
                 walls.append(last["wall"])
                 if scenario == "equal":
                     equal_steps[mode] = last["steps"]
             wall = min(walls)
             if mode == "ring":
                 ring_wall = [wall]
+            if mode == "ddp":
+                ddp_wall = [wall]
             ratio = f"{wall / ring_wall[0]:.2f}" if ring_wall else "-"
-            rows.append({"scenario": scenario, "mode": mode, "wall": f"{wall:.2f}", "ratio": ratio,
-                         "steps": last["steps"], "mb": f"{last['mb']:.1f}", "cpu": f"{last['cpu']:.1f}"})
+            vs_ddp = f"{wall / ddp_wall[0]:.2f}" if ddp_wall else "-"
+            mb = "-" if mode == "ddp" else f"{last['mb']:.1f}"
+            rows.append({"scenario": scenario, "mode": mode, "wall": f"{wall:.2f}", "ratio": ratio, "vs_ddp": vs_ddp,
+                         "steps": last["steps"], "mb": mb, "cpu": f"{last['cpu']:.1f}",
+                         "load": f"{os.getloadavg()[0]:.1f}"})
             print(f"{scenario:9} {mode:8} {wall:6.2f} s  x{ratio} of ring  steps {last['steps']}  "
-                  f"{last['mb']:.1f} MB/worker  shards' CPU {last['cpu']:.1f} s", flush=True)
+                  f"{mb} MB/worker  shards' CPU {last['cpu']:.1f} s  load {os.getloadavg()[0]:.1f}", flush=True)
     print()
     print(table(rows, [("scenario", "scenario"), ("mode", "mode"), ("wall", "wall s (best)"),
-                       ("ratio", "vs ring"), ("steps", "steps"), ("mb", "MB/worker"), ("cpu", "shards' CPU s")]))
+                       ("ratio", "vs ring"), ("vs_ddp", "vs DDP/gloo"), ("steps", "steps"), ("mb", "MB/worker"), ("cpu", "shards' CPU s"),
+                       ("load", "load avg")]))
 
 
 # -- throughput ----------------------------------------------------------------------------
@@ -325,6 +363,7 @@ def throughput(args: argparse.Namespace) -> None:
     for shards in (1, 2):
         for _ in range(args.repeat):
             thread, coord, server = _job(shards, WORKERS)
+            procs: list[Any] = []
             try:
                 for index, pid in server.pids().items():
                     os.sched_setaffinity(pid, {index % os.cpu_count()})  # type: ignore[operator]
@@ -336,15 +375,26 @@ def throughput(args: argparse.Namespace) -> None:
                     procs = [subprocess.Popen([PYTHON, me, "--role", "pusher", "--tmp", tmp_name, "--out", str(o),
                                                "--mb", str(args.mb), "--seconds", str(args.seconds)],
                                               env={**env, "RINGSERVE_RANK_HINT": str(i)}) for i, o in enumerate(outs)]
+                    deadline = time.monotonic() + 300
                     while len(list(tmp.glob("ready.*"))) < WORKERS:
+                        codes = [p.poll() for p in procs]
+                        if time.monotonic() > deadline or any(c is not None for c in codes):
+                            raise RuntimeError(f"{shards} shard(s): the pushers did not all get ready (exit codes "
+                                               f"{codes})")
                         time.sleep(0.05)
                     cpu0 = _shard_cpu(coord.address)
                     _go(tmp, time.time() + 0.5)
                     for p in procs:
                         p.wait(args.seconds + 120)
+                    if any(p.returncode for p in procs):
+                        raise RuntimeError(f"{shards} shard(s): pushers failed: {[p.returncode for p in procs]}")
                     cpu = _shard_cpu(coord.address) - cpu0
                     results = [read_json(o) for o in outs]
             finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
                 _stop(thread, coord, server)
             rate = sum(r["bytes"] for r in results) / max(r["elapsed"] for r in results) / 1e6
             clients = sum(r["cpu"] for r in results) / args.seconds
@@ -372,7 +422,9 @@ def main() -> None:
     p.add_argument("--scenario", default="equal")
     p.add_argument("--tmp", default="")
     p.add_argument("--out", default="")
-    p.add_argument("--die-step", type=int, default=100)
+    p.add_argument("--die-step", type=int, default=180,
+                   help="killed, without equal in the same run: the step at which the victim dies (half of the "
+                        "360 steps the modes take with equal workers)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up on a kill
     if args.role == "worker":
