@@ -46,8 +46,9 @@ LAYERS: dict[str, Layer] = {
     # The shards stand on the ground alone (tests/ps/test_layers.py holds them to it); the package's
     # synchronous client (ps/api.py) is a worker of the numpy facade's context, whose id and view it pushes as.
     "parameter servers": Layer(("ringserve.ps",), ("numpy facade",)),
-    # What the framework bindings share, with no framework in it (topology, ops, fused collectives).
-    "binding core": Layer(("ringserve.bindings",), ("elastic",)),
+    # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
+    # errors carried through graph ops).
+    "binding core": Layer(("ringserve.bindings", "ringserve.graph_ops"), ("elastic",)),
     "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator", "parameter servers")),
     "keras binding": Layer(("ringserve.keras",), ("binding core", "coordinator")),
     "tensorflow binding": Layer(("ringserve.tensorflow",), ("binding core", "coordinator")),
