@@ -114,11 +114,15 @@ async def test_a_shard_killed_and_restarted_resumes_from_its_checkpoint_and_coun
     try:
         await ps.each(lambda r, c: c.init(START, mode="sync", optimizer=SGD, seed=r == 0))
         await ps.each(lambda r, c: c.pull())
-        await ps.each(lambda r, c: steps(c, r, 10))
+        await ps.each(lambda r, c: steps(c, r, 8))
         victim = next(s for s in ps.shards if s.index == 1)
+        # A checkpoint is due K updates after the last one was taken; on a loaded machine the write
+        # of version 4 can end after version 8, and the next one is then 8 itself (no later update).
         async with asyncio.timeout(10):
             while victim.service.checkpoint_version < 8:
                 await asyncio.sleep(0.02)
+        assert victim.service.checkpoint_version == 8
+        await ps.each(lambda r, c: steps(c, r, 2))       # versions 9 and 10: the next checkpoint is due at 12
         await victim.stop(checkpoint_last=False)         # dies: versions 9 and 10 were never written
         ps.shards.remove(victim)
         training = asyncio.ensure_future(ps.each(lambda r, c: steps(c, r, 5), timeout_s=60))
