@@ -11,6 +11,7 @@ Synchronous numpy API for training scripts::
     rs.shutdown()
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
+Parameter-server mode: ``ringserve.ParameterServer`` and ``ringserve.ps`` (clients, optimizers).
 ``import ringserve`` never imports torch.
 """
 
@@ -56,6 +57,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    ShardUnavailableError,
     StateLostError,
     TLSHandshakeError,
     UnsupportedError,
@@ -64,6 +66,7 @@ from ringserve.errors import (
     WorkerFailedError,
 )
 from ringserve.powersgd import PowerSGD
+from ringserve.ps.server import ParameterServer
 from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
@@ -79,6 +82,7 @@ __all__ = [
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",
+    "ParameterServer",
     "PeerUnavailableError",
     "PowerSGD",
     "ProcessSet",
@@ -87,6 +91,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingChangedError",
     "RingserveError",
+    "ShardUnavailableError",
     "StateLostError",
     "TLSHandshakeError",
     "UnsupportedError",

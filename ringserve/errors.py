@@ -8,7 +8,8 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         │   ├── PeerUnavailableError  a ring neighbour stopped answering
         │   ├── RingChangedError      the view changed under a collective (old and new view named)
         │   ├── CollectiveTimeoutError  a collective passed its deadline
-        │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+        │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+        │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
         ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
         ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
         ├── StateLostError            every worker holding the last commit died and no durable copy
@@ -75,6 +76,16 @@ class CorruptFrameError(RecoverableError):
     def __init__(self, op_key: str, detail: str) -> None:
         self.op_key = op_key
         super().__init__(f"Collective {op_key!r} was aborted on every rank: {detail}")
+
+
+class ShardUnavailableError(RecoverableError):
+    """A parameter-server shard stopped answering and was not listed alive again within the wait."""
+
+    def __init__(self, shard: int, address: str, waited_s: float, detail: str = "") -> None:
+        self.shard = shard
+        self.address = address
+        message = f"Parameter-server shard {shard} (last at {address or 'no address yet'}) was not available within {waited_s:g} s"
+        super().__init__(f"{message}: {detail}" if detail else message + ".")
 
 
 class NonFiniteError(RingserveError):
