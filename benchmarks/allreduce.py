@@ -3,6 +3,8 @@
     python benchmarks/allreduce.py                    # worlds 2 and 4; 64 KiB, 1 MiB, 16 MiB, 64 MiB
     python benchmarks/allreduce.py --worlds 4 --sizes 1M 64M --loop asyncio
     python benchmarks/allreduce.py --worlds 2 --sizes 1M 64M --tls --no-gloo   # TLS overhead only
+    sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --rounds 5     # each rank a host (netns)
+    sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --tls --worlds 2 --sizes 64M --no-gloo
 
 For each world and size it prints seconds per op, algorithm bandwidth (S / t), bus bandwidth
 (algbw x 2(N-1)/N), the ratios to gloo, the bytes each ringserve worker sent over the ring optimum
@@ -18,6 +20,15 @@ costs on its own (``--no-stream`` skips it).
 With ``--tls`` ringserve also runs under mTLS with a job token (stream only: on one host, shared
 memory would carry the payloads around TLS), from a throwaway CA and certificate made in a
 temporary directory, and the table adds its time and its ratio to the stream-only run.
+
+``--between-hosts`` measures between hosts for real: each rank runs in a network namespace of its
+own, all joined by veth pairs to one bridge with no rate limit (_veth.py), so there is no loopback
+and no shared memory (it is turned off: the namespaces share a kernel). In each of ``--rounds``
+interleaved rounds (the order rotated each round) it runs gloo, ringserve with the TCP payload
+lane (``RINGSERVE_PAYLOAD_LANE=tcp``: a lane that failed to attach would fail the run rather than
+time the stream) and ringserve stream-only (``off``), and reports per size the median over the
+rounds of each one's bus bandwidth ratio to the same round's gloo, with the range. With ``--tls``
+it adds the lane under mTLS with a token, and its time over the plaintext lane's of the same round.
 """
 
 from __future__ import annotations
@@ -92,7 +103,7 @@ def worker_gloo(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     rank = int(__import__("os").environ["RINGSERVE_RANK_HINT"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=args.world)
     results = {}
     for size in args.sizes:
         t = torch.ones(size // 4, dtype=torch.float32)
@@ -102,11 +113,12 @@ def worker_gloo(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def tls_settings(tmp: pathlib.Path) -> dict[str, object]:
-    """mTLS and a token from a throwaway CA, as config fields (the workers get them as env)."""
+def tls_settings(tmp: pathlib.Path, names: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict[str, object]:
+    """mTLS and a token from a throwaway CA, as config fields (the workers get them as env); the
+    certificate names ``names`` (the addresses that workers and the coordinator are dialled at)."""
     from ringserve.testing.pki import CertificateAuthority
 
-    files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node")
+    files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node", names=names)
     return {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca, "tls_require_client_auth": True,
             "token": "benchmark-token"}
 
@@ -198,7 +210,11 @@ def main() -> None:
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo runs")
     p.add_argument("--no-stream", action="store_true",
                    help="skip the run with shared memory off (every payload over the gRPC stream)")
+    p.add_argument("--between-hosts", action="store_true",
+                   help="each rank in a network namespace of its own, on an unlimited bridge (needs root)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of a --between-hosts run")
     p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
+    p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default="")
@@ -208,6 +224,10 @@ def main() -> None:
         return worker_ringserve(args)
     if args.role == "gloo":
         return worker_gloo(args)
+    if args.between_hosts:
+        from _between import main as between_hosts
+
+        return between_hosts(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:

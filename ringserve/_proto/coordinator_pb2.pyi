@@ -78,14 +78,18 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("collectives_done", "bytes_sent", "bytes_received")
+    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "lane_bytes_sent", "lane_fallbacks")
     COLLECTIVES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    LANE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     collectives_done: int
     bytes_sent: int
     bytes_received: int
-    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    lane_bytes_sent: int
+    lane_fallbacks: int
+    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., lane_bytes_sent: _Optional[int] = ..., lane_fallbacks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view")

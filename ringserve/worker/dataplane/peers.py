@@ -5,7 +5,9 @@ A peer stream opens with a HELLO that names a view and the sender's rank in it. 
 not this worker's own. Only then are its frames read into the plane, routed by collective key,
 each collective checking that its frames come from the rank that precedes this one in its ring
 (``Plane.on_frame``: a frame any other stream brings is refused, and so is its stream); and only
-then is a shared-memory ring it offers mapped (see shared.py). So any rank of a view can stream to
+then is a shared-memory ring it offers mapped (see shared.py), or, where there is none, its TCP
+payload lane dialled (see tcplane.py, lanein.py): a frame that names lane bytes is read with its
+payload from the lane, in order. So any rank of a view can stream to
 any other, as sub-rings and point-to-point programs need, while the bounds of gate.py hold for the
 streams that have proved nothing.
 
@@ -16,7 +18,10 @@ without this worker, is never verified: its frames are dropped and counted, and 
 at its deadline.
 
 When a verified stream ends, its plane hears of it (``Plane.stream_ended``): the collectives that
-wait on that sender starve, and a stream that broke (no BYE) is reported to the coordinator.
+wait on that sender starve, and a stream that broke (no BYE) is reported to the coordinator. A
+payload lane that breaks ends its stream as broken (UNAVAILABLE), so that its sender's link fails
+too; where the lane is required (RINGSERVE_PAYLOAD_LANE=tcp) and does not attach, the stream is
+refused with FAILED_PRECONDITION and the sender's collectives starve with PayloadLaneError.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ import grpc
 from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
-from ringserve.errors import ProtocolError
+from ringserve.errors import PayloadLaneError, PeerUnavailableError, ProtocolError
 from ringserve.observe import Counters
 from ringserve.ring import predecessor
 from ringserve.worker.dataplane.gate import Pass, StreamGate
 from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.lanein import InboundLane
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.registry import Planes
 from ringserve.worker.dataplane.shared import InboundRing
@@ -97,6 +103,8 @@ class PeerServicer:
         admitted = self.gate.enter()
         frames = 0
         ring: InboundRing | None = None
+        lane: InboundLane | None = None
+        missing: list[PayloadLaneError] = []  # the required lane that did not attach
         plane: Plane | None = None
         clean = False
         try:
@@ -118,6 +126,8 @@ class PeerServicer:
                         ring = await self._attach(hello.shared_ring)
                         if ring is not None:
                             self._rings.add(ring)
+                    if ring is None:
+                        lane = self._dial(hello, plane, missing)
                 sender = hello.sender_rank
                 async for raw in raws:
                     header, payload = wire.decode(raw)
@@ -133,6 +143,10 @@ class PeerServicer:
                         if ring is None:
                             raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
                         payload = ring.payload(header)
+                    elif header.lane_bytes:
+                        if lane is None:
+                            raise ProtocolError("A frame names bytes on a payload lane that this stream never set up.")
+                        payload = await lane.read(header.lane_bytes)
                     if plane is None:
                         self.counters.frames_rejected += 1
                         continue
@@ -140,9 +154,20 @@ class PeerServicer:
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self._tag(), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PeerUnavailableError as exc:  # its payload lane broke: the stream breaks with it
+            log.warning("%s: %s", self._tag(), exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except TimeoutError:
             await context.abort(*self._timed_out(admitted))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not missing or task is None or task.cancelling() > 1:
+                raise  # cancelled by gRPC (the stream ended) or by the server's stop
+            task.uncancel()  # cancelled by _dial's on_missing: refuse the stream, which stops its sender
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(missing[0]))
         finally:
+            if lane is not None:
+                await lane.close()
             if ring is not None:
                 ring.close()  # unmapped once the collectives are done with its payloads
                 self._rings.discard(ring)
@@ -154,6 +179,33 @@ class PeerServicer:
                 if plane.stream_ended(hello.sender_rank, clean):
                     self._report(hello.view_id, hello.sender_rank, f"its stream to rank {plane.place.rank} broke")
         return peer_pb2.StreamSummary(frames=frames)
+
+    def _dial(self, hello: wire.FrameHeader, plane: Plane, missing: list[PayloadLaneError]) -> InboundLane | None:
+        """The payload lane the HELLO offers, being dialled (None: this stream keeps its payloads).
+
+        Where the lane is required and does not attach, ``missing`` gets the error, the collectives
+        waiting on the sender starve with it, and this stream's handler is cancelled to refuse it.
+        """
+        lanes = self.planes.lanes
+        sender = hello.sender_rank
+        address = plane.place.addresses[sender]
+        edge = f"rank {sender} ({address}) -> rank {plane.place.rank} of view {plane.view_id}"
+        handler = asyncio.current_task()
+
+        def on_missing(exc: PayloadLaneError) -> None:
+            if missing:
+                return
+            missing.append(exc)
+            plane.starve((sender,), exc)
+            if handler is not None:
+                handler.cancel()
+
+        if not hello.HasField("payload_lane"):
+            if lanes.mode == "tcp":
+                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)",
+                                on_missing)
+            return None
+        return lanes.inbound(hello.payload_lane, address=address, edge=edge, on_missing=on_missing)
 
     async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
         """The predecessor's shared ring, mapped; through its ring server in the shared directory

@@ -1,0 +1,366 @@
+"""The TCP payload lane: between hosts, payloads on a plain TCP connection beside the gRPC stream.
+
+Why: every byte that leaves a host used to go through Python gRPC, which copies a message on
+send and twice on receive, and its per-message work is in grpcio's core. ``benchmarks/
+stream_floor.py`` measured bare grpc.aio, moving bytes and nothing else, no faster than
+ringserve's whole allreduce over the stream (0.4-0.9x gloo), and plain TCP from the same Python
+process at 1.1-2.2x gloo. The lane is that TCP connection, built the way the shared-memory lane
+(shared.py) is: the stream keeps order, views, aborts, checksums, tokens and failure detection,
+and only the payload bytes move elsewhere.
+
+How:
+
+- **One port per worker** (``payload_port``, any free port by default; laneserver.py). Each link
+  (link.py) gets an ``OutboundLane`` with a random token, and its HELLO offers the port and the
+  token (``PayloadLane``). The receiver, once the HELLO is verified (peers.py), dials that port at
+  the host of the sender's address in the view, never at a host the HELLO names, and presents the
+  token (lanein.py). The token went only to the verified receiver, over the authenticated stream,
+  so it binds the lane to the stream's peer; with TLS, the lane also speaks the job's TLS.
+- **The receiver dials, not the sender**: the HELLO is what the sender says to the receiver, and a
+  gRPC client stream cannot answer it, so the sender offers and the receiver takes, as with the
+  shared-memory ring. For a firewall it is the same: every worker's one payload port must be
+  reachable from its peers.
+- **From then on** a DATA frame's header names ``lane_bytes`` and travels on the stream; its
+  payload is the next that many bytes of the lane. The two are not synchronised: both keep the
+  order of the link's frames, and the receiver reads the payload when it reads the header.
+- **Send straight from the array**: ``put`` hands the kernel what it takes of the payload now
+  (one copy, the kernel's), and queues a view of the rest, which a writer task sends as the
+  kernel takes it: no copy in user space. The caller's memory is then the lane's until it is
+  sent, so a collective's program waits for ``flushed`` before it returns (executor.py): after
+  that, the caller may write its buffers, as it may after the stream's encoding or the ring's
+  copy. Within a collective, a buffer sent on is written again only with data that came back
+  through the ring after the send was received (the causality every ring program has), or in a
+  later stage, which comes after a flush too. Under TLS the payload is encrypted at once into
+  bytes of the lane's own. The receiver reads with ``recv_into`` into a pooled buffer, which the
+  reduction reads from (lanein.py).
+- **Never a new way to fail.** Until the lane attaches, payloads travel in their frames, as they
+  do while the shared ring is unattached; an edge whose lane cannot connect and authenticate
+  within ``payload_connect_timeout_s`` keeps the stream (``auto``), logged once per edge and
+  counted (``lane_fallbacks``, in the metrics and in ``ringserve status``). With ``tcp`` the lane
+  is required: such an edge fails with PayloadLaneError, naming the port. A lane that breaks
+  fails the link as a broken stream does (PeerUnavailableError, the coordinator hears of the
+  peer), and its receiver's stream ends as broken; payloads are checked by the frame checksum as
+  on the stream. Shared memory still wins on one host: a receiver that maps the ring never dials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from ringserve._proto import peer_pb2
+from ringserve.config import WorkerConfig
+from ringserve.errors import PayloadLaneError, PeerUnavailableError
+from ringserve.observe import Counters
+from ringserve.security import Security
+from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.laneserver import LaneServer, client_context, server_context
+from ringserve.worker.dataplane.lanesock import ATTACHED, TOKEN_BYTES, LaneSocket
+
+log = logging.getLogger("ringserve.worker")
+
+WINDOW = 32  # payloads that may wait for the kernel, as the link's SEND_WINDOW frames may
+OnFailure = Callable[[BaseException, str], None]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _ignore(exc: BaseException, why: str) -> None:
+    pass
+
+
+def as_bytes(payload: np.ndarray | memoryview | bytes) -> memoryview:
+    """A flat byte view of a payload, without a copy when it is contiguous."""
+    if isinstance(payload, np.ndarray):
+        return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class OutboundLane:
+    """The sender's side of one edge's lane: offered in its link's HELLO, attached when the
+    receiver presents the token on the payload port, then the way of the link's payloads.
+
+    It holds the connection's writes: ``put`` sends what the kernel takes now and queues a view of
+    the rest, and a writer task (owned here, started on the first partial send) drains the queue.
+    """
+
+    def __init__(self, counters: Counters, *, port: int, tls: bool, max_bytes: int,
+                 withdraw: Callable[[OutboundLane], None], window: int = WINDOW) -> None:
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.port = port
+        self.tls = tls
+        self.counters = counters
+        self.max_bytes = max_bytes
+        self.window = window
+        self.conn: LaneSocket | None = None
+        self.on_room: Callable[[], None] = _nothing  # a queued payload went to the kernel
+        self.on_failure: OnFailure = _ignore
+        self._withdraw = withdraw
+        self._queue: deque[memoryview] = deque()  # bytes the kernel has not taken, oldest first
+        self._wake: asyncio.Future[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._closed = False
+        self._queued_total = 0  # items ever queued, and of those, items sent: for flushed()
+        self._sent_total = 0
+        self._flushes: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def offer(self) -> peer_pb2.PayloadLane:
+        """What goes into the HELLO."""
+        return peer_pb2.PayloadLane(port=self.port, token=self.token, tls=self.tls)
+
+    @property
+    def attached(self) -> bool:
+        return self.conn is not None and not self._closed
+
+    def attach(self, conn: LaneSocket) -> bool:
+        """Takes the connection of the receiver that presented this lane's token (laneserver.py);
+        False if the lane takes none any more (closed, or attached already)."""
+        if self._closed or self.conn is not None:
+            return False
+        self.conn = conn
+        self._withdraw(self)  # a token is good once
+        self._emit(conn.seal(ATTACHED), owned=True)
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Payloads (and the answer) that the kernel has not taken all of yet."""
+        return len(self._queue)
+
+    @property
+    def has_room(self) -> bool:
+        """Whether another payload may be put: at most ``window`` wait for the kernel."""
+        return len(self._queue) < self.window
+
+    def put(self, payload: np.ndarray | memoryview | bytes) -> int:
+        """Sends ``payload`` on the lane when it is attached; returns its size in bytes, or 0 when
+        the lane does not take it (the frame carries it then). The payload's memory is the
+        lane's until ``flushed`` returns."""
+        conn = self.conn
+        if conn is None or self._closed:
+            return 0
+        view = as_bytes(payload)
+        nbytes = view.nbytes
+        if nbytes == 0 or nbytes > self.max_bytes:
+            return 0
+        self._emit(conn.seal(view), owned=conn.tls is not None)
+        self.counters.lane_bytes_sent += nbytes
+        return nbytes
+
+    def _emit(self, data: bytes | memoryview, *, owned: bool) -> None:
+        """Writes ``data`` after what is queued: what the kernel takes now, the rest queued (a view
+        of the caller's memory unless ``owned``, bytes of the lane's own: see ``flushed``)."""
+        conn = self.conn
+        assert conn is not None
+        view = memoryview(data)
+        if not self._queue:
+            try:
+                view = view[conn.try_send(view):]
+            except OSError as exc:
+                self._broken(exc)
+                return
+            if not view.nbytes:
+                return
+        self._queue.append(view)
+        self._queued_total += 1
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write(conn), name="ringserve-lane-writer")
+            self._writer.add_done_callback(_seen)
+        elif self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _write(self, conn: LaneSocket) -> None:
+        """Drains the queue into the kernel as it takes it, until the lane closes."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                while not self._queue:
+                    self._wake = loop.create_future()
+                    await self._wake
+                head = self._queue[0]
+                sent = conn.try_send(head)
+                if sent < head.nbytes:
+                    self._queue[0] = head[sent:]
+                    await conn.writable()
+                    continue
+                self._queue.popleft()
+                self._sent_total += 1
+                while self._flushes and self._flushes[0][0] <= self._sent_total:
+                    _resolve(self._flushes.popleft()[1])
+                self.on_room()
+        except OSError as exc:  # LaneClosed too: the connection went under us
+            self._broken(exc)
+
+    async def flushed(self) -> None:
+        """Returns once every payload put so far is in the kernel (or the lane has ended: a lane
+        that broke fails its link, and the collective with it), so that its memory is free."""
+        if self._sent_total >= self._queued_total or self._closed:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._flushes.append((self._queued_total, waiter))
+        await waiter
+
+    def _broken(self, exc: BaseException) -> None:
+        if self._closed:
+            return
+        conn = self.conn
+        peer = conn.peer if conn is not None else "?"
+        self.on_failure(PeerUnavailableError(f"The payload lane to {peer} (port {self.port}) broke: {exc}."),
+                        "its payload lane broke")
+
+    def close(self) -> None:
+        """Stops: the token is withdrawn, the writer cancelled, the connection closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._withdraw(self)
+        if self._writer is not None:
+            self._writer.cancel()
+        if self.conn is not None:
+            self.conn.close()
+        self._queue.clear()
+        while self._flushes:
+            _resolve(self._flushes.popleft()[1])
+        self.on_room = _nothing
+        self.on_failure = _ignore
+
+    async def wait_closed(self) -> None:
+        """Waits for the writer to end (after close)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await asyncio.wait([writer])
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _seen(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # reported through on_failure; not raised twice
+
+
+def split_host(address: str) -> str:
+    """The host of ``host:port`` (an IPv6 host without its brackets)."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+class Lanes:
+    """A worker's payload lanes: its payload port, the lanes its links offer, those it dials as a
+    receiver, and the fallbacks, logged once per edge."""
+
+    def __init__(self, config: WorkerConfig, counters: Counters, *, tag: Callable[[], str]) -> None:
+        self.config = config
+        self.counters = counters
+        self.mode = config.payload_lane
+        self._tag = tag
+        self._security: Security | None = None
+        self._server: LaneServer | None = None
+        self._unbound = ""  # why the payload port could not be bound (auto: no lanes are offered)
+        self._logged: set[str] = set()
+        self.buffers = LaneBuffers(config.chunk_bytes)
+
+    @property
+    def security(self) -> Security:
+        """The worker's TLS material (read from the config's files when first needed)."""
+        if self._security is None:
+            self._security = Security.load(self.config)
+        return self._security
+
+    @property
+    def server(self) -> LaneServer | None:
+        return self._server
+
+    def outbound(self) -> OutboundLane | None:
+        """A lane for a new link to offer; None when lanes are off (or the port could not be bound).
+
+        Raises:
+            PayloadLaneError: the lane is required (``tcp``) and the payload port could not be bound.
+        """
+        if self.mode == "off":
+            return None
+        server = self._listen()
+        if server is None:
+            return None
+        cfg = self.config
+        lane = OutboundLane(self.counters, port=cfg.payload_advertise_port or server.port, tls=server.tls,
+                            max_bytes=cfg.max_message_bytes, withdraw=server.withdraw)
+        server.offer(lane)
+        return lane
+
+    def _listen(self) -> LaneServer | None:
+        if self._server is not None or self._unbound:
+            return self._server
+        cfg = self.config
+        try:
+            self._server = LaneServer(cfg.bind_host, cfg.payload_port, context=server_context(self.security),
+                                      hello_timeout_s=cfg.peer_hello_timeout_s, cap=cfg.max_unverified_streams,
+                                      counters=self.counters, tag=self._tag)
+        except OSError as exc:
+            where = f"{cfg.bind_host}:{cfg.payload_port}"
+            if self.mode == "tcp":
+                raise PayloadLaneError(f"The payload port {where} (RINGSERVE_PAYLOAD_PORT) could not be bound: {exc}; "
+                                       f"RINGSERVE_PAYLOAD_LANE=tcp requires it.") from exc
+            self._unbound = str(exc)
+            log.warning("%s: the payload port %s could not be bound (%s); every payload travels over the stream",
+                        self._tag(), where, exc)
+        return self._server
+
+    def inbound(self, offer: peer_pb2.PayloadLane, *, address: str, edge: str,
+                on_missing: Callable[[PayloadLaneError], None]) -> InboundLane | None:
+        """Dials the lane a HELLO offers (at the host of the sender's ``address``); None when this
+        worker keeps the stream for it (lanes off, or a TLS mismatch: refused with a reason).
+
+        ``on_missing``: told once, in ``tcp`` mode, that the lane could not attach.
+        """
+        if self.mode == "off":
+            return None
+        host = split_host(address)
+        context = client_context(self.security)
+        where = f"{host}:{offer.port}"
+        if offer.tls != (context is not None):
+            if context is not None:
+                why = (f"it offers a plaintext lane at {where} and this worker runs with TLS: a TLS job's payloads "
+                       "never travel in plaintext")
+            else:
+                why = f"its lane at {where} speaks TLS and this worker has no TLS settings (tls_ca)"
+            self.fell_back(edge, why, on_missing)
+            return None
+        return InboundLane(host=host, port=offer.port, token=offer.token, context=context,
+                           server_name=self.security.server_name or host, timeout_s=self.config.payload_connect_timeout_s,
+                           buffers=self.buffers, max_bytes=self.config.max_message_bytes,
+                           fell_back=lambda why: self.fell_back(edge, why, on_missing),
+                           attached_late=lambda: log.info("%s: the payload lane of %s attached after all",
+                                                          self._tag(), edge))
+
+    def fell_back(self, edge: str, why: str, on_missing: Callable[[PayloadLaneError], None]) -> None:
+        """An edge keeps the stream (``auto``), or fails (``tcp``): counted, and logged once per edge."""
+        self.counters.lane_fallbacks += 1
+        if self.mode == "tcp":
+            on_missing(PayloadLaneError(f"The payload lane of {edge} could not attach: {why}; "
+                                        f"RINGSERVE_PAYLOAD_LANE=tcp requires it (open that TCP port between the "
+                                        f"workers, pin it with RINGSERVE_PAYLOAD_PORT, or set auto)."))
+            return
+        key = edge.split(" of view ")[0]  # the pair of workers, whatever the view
+        if key in self._logged:
+            log.debug("%s: payloads of %s take the stream: %s", self._tag(), edge, why)
+            return
+        self._logged.add(key)
+        log.warning("%s: payloads of %s take the gRPC stream: %s (logged once per edge; counted in lane_fallbacks)",
+                    self._tag(), edge, why)
+
+    async def close(self) -> None:
+        """Closes the payload port (the lanes close with their links)."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.close()
+
