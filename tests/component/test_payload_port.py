@@ -64,7 +64,8 @@ async def port() -> AsyncIterator[Port]:
         yield made
     finally:
         for inbound in made.inbound:
-            await inbound.close()
+            inbound.close()
+            await inbound.wait_closed()
         for lane in made.lanes:
             lane.close()
             await lane.wait_closed()

@@ -86,6 +86,7 @@ class InboundLane:
         self._attached_late = attached_late
         self.conn: LaneSocket | None = None
         self.failure = ""  # why the lane did not attach ("" while it may)
+        self.required = False  # set by a stream that waits for it (``ready``): it reports the failure
         loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[LaneSocket] = loop.create_future()
         self._task = loop.create_task(self._connect(), name="ringserve-lane-dial")
@@ -159,11 +160,28 @@ class InboundLane:
         self.failure = why
         if self.conn is not None:
             self.conn.close()
-        if not logged:
+        if not logged and not self.required:
             self._fell_back(why)
         self._ready.set_exception(ProtocolError(
             f"A frame names bytes on the payload lane at {self.where}, which did not attach: {why}."))
         self._ready.exception()  # retrieved by read() if a frame ever needs it
+
+    async def ready(self) -> None:
+        """Waits until the lane has attached, within the connect deadline; for a stream that requires
+        it (RINGSERVE_PAYLOAD_LANE=tcp).
+
+        Raises:
+            ConnectionError: it did not attach (its ``failure`` says why).
+        """
+        self.required = True
+        try:
+            async with asyncio.timeout(self.timeout_s + 0.5):  # the dial's own deadline fires first
+                await asyncio.shield(self._ready)
+        except TimeoutError:
+            self.failure = self.failure or f"it did not answer the token within {self.timeout_s:g} s"
+            raise ConnectionError(self.failure) from None
+        except ProtocolError:
+            raise ConnectionError(self.failure) from None
 
     async def read(self, nbytes: int) -> memoryview:
         """The next ``nbytes`` of the lane, in a pooled buffer, read-only.
@@ -184,11 +202,14 @@ class InboundLane:
         view.flags.writeable = False
         return memoryview(view)  # type: ignore[arg-type]
 
-    async def close(self) -> None:
-        """Stops dialling and closes the connection."""
+    def close(self) -> None:
+        """Stops dialling and closes the connection (``wait_closed`` then waits for the dial task)."""
         self._task.cancel()
-        await asyncio.wait([self._task])
         if self.conn is not None:
             self.conn.close()
         if not self._ready.done():
             self._ready.cancel()
+
+    async def wait_closed(self) -> None:
+        """Waits for the dial task to end, after ``close``."""
+        await asyncio.wait([self._task])

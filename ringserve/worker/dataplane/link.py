@@ -330,7 +330,10 @@ class StreamLink(Link):
                 return
             refused = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
             self._fail(peer_error(exc, self.address), "" if refused else f"the stream to it failed: {exc.code().name}")
-        except asyncio.InvalidStateError:
+        except asyncio.InvalidStateError:  # the peer ended the call while we wrote: with what status?
+            if await call.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._fail(PayloadLaneError(f"The peer at {self.address} refused the stream: {await call.details()}"))
+                return
             self._fail(PeerUnavailableError(f"The stream to {self.address} closed."), "its stream closed")
         finally:
             call.cancel()

@@ -104,7 +104,6 @@ class PeerServicer:
         frames = 0
         ring: InboundRing | None = None
         lane: InboundLane | None = None
-        missing: list[PayloadLaneError] = []  # the required lane that did not attach
         plane: Plane | None = None
         clean = False
         try:
@@ -127,7 +126,7 @@ class PeerServicer:
                         if ring is not None:
                             self._rings.add(ring)
                     if ring is None:
-                        lane = self._dial(hello, plane, missing)
+                        lane = await self._dial(hello, plane)
                 sender = hello.sender_rank
                 async for raw in raws:
                     header, payload = wire.decode(raw)
@@ -159,15 +158,14 @@ class PeerServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except TimeoutError:
             await context.abort(*self._timed_out(admitted))
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not missing or task is None or task.cancelling() > 1:
-                raise  # cancelled by gRPC (the stream ended) or by the server's stop
-            task.uncancel()  # cancelled by _dial's on_missing: refuse the stream, which stops its sender
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(missing[0]))
+        except PayloadLaneError as exc:  # required, and not there: the sender's collectives fail with it
+            log.error("%s: %s", self._tag(), exc)
+            if plane is not None and admitted.hello is not None:
+                plane.starve((admitted.hello.sender_rank,), exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
             if lane is not None:
-                await lane.close()
+                lane.close()
             if ring is not None:
                 ring.close()  # unmapped once the collectives are done with its payloads
                 self._rings.discard(ring)
@@ -178,34 +176,33 @@ class PeerServicer:
                 self._count(hello, -1)
                 if plane.stream_ended(hello.sender_rank, clean):
                     self._report(hello.view_id, hello.sender_rank, f"its stream to rank {plane.place.rank} broke")
+            if lane is not None:
+                await lane.wait_closed()  # last: a second cancellation here loses nothing above
         return peer_pb2.StreamSummary(frames=frames)
 
-    def _dial(self, hello: wire.FrameHeader, plane: Plane, missing: list[PayloadLaneError]) -> InboundLane | None:
+    async def _dial(self, hello: wire.FrameHeader, plane: Plane) -> InboundLane | None:
         """The payload lane the HELLO offers, being dialled (None: this stream keeps its payloads).
+        Where the lane is required (RINGSERVE_PAYLOAD_LANE=tcp), it waits until the lane attaches.
 
-        Where the lane is required and does not attach, ``missing`` gets the error, the collectives
-        waiting on the sender starve with it, and this stream's handler is cancelled to refuse it.
+        Raises:
+            PayloadLaneError: the lane is required and does not attach (or is not offered).
         """
         lanes = self.planes.lanes
         sender = hello.sender_rank
         address = plane.place.addresses[sender]
         edge = f"rank {sender} ({address}) -> rank {plane.place.rank} of view {plane.view_id}"
-        handler = asyncio.current_task()
-
-        def on_missing(exc: PayloadLaneError) -> None:
-            if missing:
-                return
-            missing.append(exc)
-            plane.starve((sender,), exc)
-            if handler is not None:
-                handler.cancel()
-
         if not hello.HasField("payload_lane"):
             if lanes.mode == "tcp":
-                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)",
-                                on_missing)
+                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)")
             return None
-        return lanes.inbound(hello.payload_lane, address=address, edge=edge, on_missing=on_missing)
+        lane = lanes.inbound(hello.payload_lane, address=address, edge=edge)
+        if lane is not None and lanes.mode == "tcp":
+            try:
+                await lane.ready()
+            except ConnectionError as exc:
+                lane.close()
+                lanes.fell_back(f"{edge} (port {lane.where})", str(exc))
+        return lane
 
     async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
         """The predecessor's shared ring, mapped; through its ring server in the shared directory

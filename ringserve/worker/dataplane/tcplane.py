@@ -315,12 +315,12 @@ class Lanes:
                         self._tag(), where, exc)
         return self._server
 
-    def inbound(self, offer: peer_pb2.PayloadLane, *, address: str, edge: str,
-                on_missing: Callable[[PayloadLaneError], None]) -> InboundLane | None:
+    def inbound(self, offer: peer_pb2.PayloadLane, *, address: str, edge: str) -> InboundLane | None:
         """Dials the lane a HELLO offers (at the host of the sender's ``address``); None when this
         worker keeps the stream for it (lanes off, or a TLS mismatch: refused with a reason).
 
-        ``on_missing``: told once, in ``tcp`` mode, that the lane could not attach.
+        Raises:
+            PayloadLaneError: the lane is required (``tcp``) and the TLS settings disagree.
         """
         if self.mode == "off":
             return None
@@ -333,23 +333,25 @@ class Lanes:
                        "never travel in plaintext")
             else:
                 why = f"its lane at {where} speaks TLS and this worker has no TLS settings (tls_ca)"
-            self.fell_back(edge, why, on_missing)
+            self.fell_back(edge, why)
             return None
         return InboundLane(host=host, port=offer.port, token=offer.token, context=context,
                            server_name=self.security.server_name or host, timeout_s=self.config.payload_connect_timeout_s,
                            buffers=self.buffers, max_bytes=self.config.max_message_bytes,
-                           fell_back=lambda why: self.fell_back(edge, why, on_missing),
+                           fell_back=lambda why: self.fell_back(edge, why),
                            attached_late=lambda: log.info("%s: the payload lane of %s attached after all",
                                                           self._tag(), edge))
 
-    def fell_back(self, edge: str, why: str, on_missing: Callable[[PayloadLaneError], None]) -> None:
-        """An edge keeps the stream (``auto``), or fails (``tcp``): counted, and logged once per edge."""
+    def fell_back(self, edge: str, why: str) -> None:
+        """An edge keeps the stream: counted, and logged once per edge (``tcp``: raised as
+        ``missing`` by the stream, see peers.py).
+
+        Raises:
+            PayloadLaneError: the lane is required (``tcp``).
+        """
         self.counters.lane_fallbacks += 1
         if self.mode == "tcp":
-            on_missing(PayloadLaneError(f"The payload lane of {edge} could not attach: {why}; "
-                                        f"RINGSERVE_PAYLOAD_LANE=tcp requires it (open that TCP port between the "
-                                        f"workers, pin it with RINGSERVE_PAYLOAD_PORT, or set auto)."))
-            return
+            raise self.missing(edge, why)
         key = edge.split(" of view ")[0]  # the pair of workers, whatever the view
         if key in self._logged:
             log.debug("%s: payloads of %s take the stream: %s", self._tag(), edge, why)
@@ -357,6 +359,12 @@ class Lanes:
         self._logged.add(key)
         log.warning("%s: payloads of %s take the gRPC stream: %s (logged once per edge; counted in lane_fallbacks)",
                     self._tag(), edge, why)
+
+    def missing(self, edge: str, why: str) -> PayloadLaneError:
+        """The error of an edge whose lane is required and did not attach."""
+        return PayloadLaneError(f"The payload lane of {edge} could not attach: {why}; RINGSERVE_PAYLOAD_LANE=tcp "
+                                f"requires it (open that TCP port between the workers, pin it with "
+                                f"RINGSERVE_PAYLOAD_PORT, or set auto).")
 
     async def close(self) -> None:
         """Closes the payload port (the lanes close with their links)."""
