@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from worlds import World, free_port
+from worlds import World, free_port, warm_lanes
 
 from ringserve import PayloadLaneError, PeerUnavailableError, RingChangedError, Worker, cli
 from ringserve._proto import coordinator_pb2 as cpb
@@ -40,24 +40,9 @@ def totals(world: World) -> list[tuple[int, int]]:
     return [(w.counters.bytes_sent, w.counters.lane_bytes_sent) for w in world.workers]
 
 
-async def warm(world: World, senders: tuple[int, ...] | None = None) -> None:
-    """Allreduces until the lane of every rank in ``senders`` (all by default) carries its payloads:
-    a lane attaches a moment after its view's first HELLO, and until then payloads take the stream."""
-    senders = tuple(range(world.size)) if senders is None else senders
-    async with asyncio.timeout(10):
-        for k in range(1000):
-            before = totals(world)
-            await world.map("allreduce", [np.ones(64 << 10, dtype=np.float32)] * world.size, op="sum", name=f"warm/{k}")
-            after = totals(world)
-            # Every payload of the op on the lane: what the stream carried is headers only.
-            if all((after[r][0] - before[r][0]) - (after[r][1] - before[r][1]) < 0.02 * (after[r][0] - before[r][0])
-                   for r in senders):
-                return
-
-
 async def test_without_shared_memory_every_payload_goes_on_the_lane_and_only_headers_on_the_stream(world_factory) -> None:
     world = await world_factory(3, **LANE)
-    await warm(world)
+    await warm_lanes(world)
     before = totals(world)
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(300_000).astype(np.float32) for _ in range(3)]
@@ -283,7 +268,7 @@ async def relayed_world(world_factory, relays: list[LaneRelay], *, flip_at: int 
 
 async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_next_view_goes_on(world_factory, relayed) -> None:
     world = await relayed_world(world_factory, relayed, coordinator={"heartbeat_timeout_s": 2.0})
-    await warm(world)
+    await warm_lanes(world)
     relay = relayed[0]
     first_view = world.workers[0].view_id
     big = [np.full(8 << 20, r + 1.0, dtype=np.float32) for r in range(2)]  # 32 MiB: 512 chunks of 64 KiB
@@ -311,7 +296,7 @@ async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_
 
 async def test_a_damaged_lane_payload_is_caught_by_the_checksum_and_aborts_the_collective_on_every_rank(world_factory, relayed) -> None:
     world = await relayed_world(world_factory, relayed, flip_at=1 << 20, checksum=True)
-    await warm(world)
+    await warm_lanes(world)
     xs = [np.full(1 << 20, r + 1.0, dtype=np.float32) for r in range(2)]
     outcomes = await world.each_outcome(lambda w: w.allreduce(xs[w.rank], op="sum", name="damaged"), timeout_s=30)
     assert relayed[0].flipped == 1
@@ -324,7 +309,7 @@ async def test_garbage_and_silence_on_the_payload_port_never_affect_the_job(worl
     port = free_port()
     world = await world_factory(2, **LANE, peer_hello_timeout_s=1.0, max_unverified_streams=4,
                                 each=lambda i: rank_of(i, **({"payload_port": port} if i == 0 else {})))
-    await warm(world)
+    await warm_lanes(world)
     loop = asyncio.get_running_loop()
     socks = []
     for payload in (b"\x16\x03\x01garbage", b"GET / HTTP/1.0\r\n\r\n", b"RSLANE1\x00" + bytes(16), b"", b"", b"", b"", b""):
@@ -351,7 +336,7 @@ async def test_garbage_and_silence_on_the_payload_port_never_affect_the_job(worl
 
 async def test_status_and_metrics_show_the_lane_bytes_and_the_fallbacks(world_factory, capsys) -> None:
     world = await world_factory(2, **LANE, each=lambda i: rank_of(i, **({"payload_advertise_port": closed_port()} if i == 0 else {})))
-    await warm(world, senders=(1,))
+    await warm_lanes(world, senders=(1,))
     await world.map("allreduce", [np.ones(200_000)] * 2, op="sum", name="x")
     w0, w1 = world.workers
     metrics = {m.name: m.samples[0].value for m in WorkerCollector(w1.counters, lambda: (1, w1.view_id)).collect()
