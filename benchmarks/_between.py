@@ -80,6 +80,11 @@ def _slowest(out: pathlib.Path, world: int, size: int) -> float:
     return max(read_json(pathlib.Path(f"{out}.{i}.json"))[str(size)]["t"] for i in range(world))
 
 
+def _cpu(out: pathlib.Path, world: int, size: int) -> float:
+    """CPU seconds per op, every rank together: what the ranks cost a shared machine."""
+    return sum(read_json(pathlib.Path(f"{out}.{i}.json"))[str(size)]["cpu"] for i in range(world))
+
+
 def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
@@ -104,6 +109,7 @@ def main(args: argparse.Namespace) -> None:
         security = tls_settings(tmp, hosts) if args.tls else {}
         for world in args.worlds:
             times: dict[str, list[dict[int, float]]] = {k: [] for k in kinds}
+            cpus: dict[str, list[dict[int, float]]] = {k: [] for k in kinds}
             with Lan(world) as lan:
                 for r in range(args.rounds):
                     load.append(os.getloadavg()[0])
@@ -115,6 +121,7 @@ def main(args: argparse.Namespace) -> None:
                             _ringserve(lan, world, size_args, out, "off" if kind == "stream" else "tcp",
                                        security if kind == "mtls" else {})
                         times[kind].append({s: _slowest(out, world, s) for s in sizes})
+                        cpus[kind].append({s: _cpu(out, world, s) for s in sizes})
                     print(f"world {world}, round {r + 1}/{args.rounds} done (load {load[-1]:.2f})", flush=True)
             factor = 2 * (world - 1) / world
             for s in sizes:
@@ -123,6 +130,7 @@ def main(args: argparse.Namespace) -> None:
                     ts = [t[s] for t in times[kind]]
                     row[f"{kind}_ms"] = f"{statistics.median(ts) * 1e3:.2f}"
                     row[f"{kind}_bw"] = f"{factor * s / statistics.median(ts) / 1e9:.2f}"
+                    row[f"{kind}_cpu"] = f"{statistics.median(c[s] for c in cpus[kind]) * 1e3:.1f}"
                     if "gloo" in times and kind != "gloo":
                         row[f"{kind}_ratio"] = _spread([g[s] / t[s] for g, t in zip(times["gloo"], times[kind], strict=True)])
                 if args.tls:
@@ -133,6 +141,7 @@ def main(args: argparse.Namespace) -> None:
     for kind in kinds:
         columns.append((f"{kind}_ms", f"{names[kind]} ms/op"))
         columns.append((f"{kind}_bw", f"{names[kind]} busbw GB/s"))
+        columns.append((f"{kind}_cpu", f"{names[kind]} CPU ms/op, all ranks"))
         if "gloo" in kinds and kind != "gloo":
             columns.append((f"{kind}_ratio", f"{names[kind]} busbw / gloo, median [range]"))
     if args.tls:

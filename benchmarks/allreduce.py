@@ -57,8 +57,9 @@ def iterations(size: int) -> int:
     return max(4, min(60, (256 << 20) // size))
 
 
-def time_ops(run_once, barrier, size: int) -> list[float]:
-    """Per-op times of a few timed batches, after a warm-up."""
+def time_ops(run_once, barrier, size: int, cpu: list[float] | None = None) -> list[float]:
+    """Per-op times of a few timed batches, after a warm-up; ``cpu`` gets this process's CPU
+    seconds per op (every thread, user and system) over the same batches."""
     n = iterations(size)
     for _ in range(2):
         run_once()
@@ -68,9 +69,13 @@ def time_ops(run_once, barrier, size: int) -> list[float]:
     for _ in range(batches):
         barrier()
         t0 = time.perf_counter()
+        c0 = time.process_time()
         for _ in range(per_batch):
             run_once()
         samples.append((time.perf_counter() - t0) / per_batch)
+        c1 = time.process_time()
+        if cpu is not None:
+            cpu.append((c1 - c0) / per_batch)
     return samples
 
 
@@ -86,11 +91,12 @@ def worker_ringserve(args: argparse.Namespace) -> None:
         a = np.ones(size // 4, dtype=np.float32)
         sent0, ops0 = counters.bytes_sent, counters.collectives_done
         # In place, as gloo's all_reduce is: no result buffer is allocated per op.
-        samples = time_ops(lambda a=a: rs.allreduce(a, op="sum", name="bench", out=a), rs.barrier, size)
+        cpu: list[float] = []
+        samples = time_ops(lambda a=a: rs.allreduce(a, op="sum", name="bench", out=a), rs.barrier, size, cpu)
         ops = counters.collectives_done - ops0
         barriers = 3
         sent = (counters.bytes_sent - sent0) / max(1, ops - barriers)
-        results[size] = {"t": statistics.median(samples), "sent": sent,
+        results[size] = {"t": statistics.median(samples), "sent": sent, "cpu": statistics.median(cpu),
                          "peak_over_tensor": (peak_rss_bytes() - before_tensor) / size}
         del a
     pathlib.Path(args.out).write_text(json.dumps(results))
@@ -107,8 +113,9 @@ def worker_gloo(args: argparse.Namespace) -> None:
     results = {}
     for size in args.sizes:
         t = torch.ones(size // 4, dtype=torch.float32)
-        samples = time_ops(lambda t=t: dist.all_reduce(t), dist.barrier, size)
-        results[size] = {"t": statistics.median(samples)}
+        cpu: list[float] = []
+        samples = time_ops(lambda t=t: dist.all_reduce(t), dist.barrier, size, cpu)
+        results[size] = {"t": statistics.median(samples), "cpu": statistics.median(cpu)}
     pathlib.Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -2,7 +2,8 @@
 127.0.0.1:0, the sender's lanes it holds, and receivers that dial it, over real sockets.
 
 What must hold: the holder of a lane's token attaches and gets every payload, in order, exact;
-the sender's memory is read until ``flushed`` and free after; and nothing without a valid token
+the sender's memory is read until ``flushed`` and free after; the end marker tells the receiver it
+has every frame, and a receiver that closes the lane fails the sender's; and nothing without a valid token
 (garbage, silence, a wrong or spent token) reaches a lane or stays open past its deadline.
 """
 
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from ringserve import wire
 from ringserve.observe import Counters
+from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
 from ringserve.worker.dataplane.laneserver import LaneServer
 from ringserve.worker.dataplane.lanesock import MAGIC
@@ -37,10 +40,12 @@ class Port:
     fallbacks: list[str] = field(default_factory=list)
     lanes: list[OutboundLane] = field(default_factory=list)
     inbound: list[InboundLane] = field(default_factory=list)
+    frames: asyncio.Queue[Received] = field(default_factory=asyncio.Queue)
+    broken: list[BaseException] = field(default_factory=list)
 
-    def offer(self, max_bytes: int = 4 * MiB) -> OutboundLane:
-        lane = OutboundLane(self.counters, port=self.server.port, tls=self.server.tls, max_bytes=max_bytes,
-                            withdraw=self.server.withdraw)
+    def offer(self) -> OutboundLane:
+        lane = OutboundLane(self.counters, port=self.server.port, tls=self.server.tls, withdraw=self.server.withdraw)
+        lane.on_failure = lambda exc, why: self.broken.append(exc)
         self.server.offer(lane)
         self.lanes.append(lane)
         return lane
@@ -49,9 +54,16 @@ class Port:
              timeout_s: float = 2.0) -> InboundLane:
         inbound = InboundLane(host="127.0.0.1", port=port or self.server.port, token=token or lane.token, context=None,
                               server_name="127.0.0.1", timeout_s=timeout_s, buffers=LaneBuffers(MiB),
-                              max_bytes=4 * MiB, fell_back=self.fallbacks.append, attached_late=lambda: None)
+                              max_bytes=4 * MiB, fell_back=self.fallbacks.append, attached_late=lambda: None,
+                              on_frame=self.frames.put_nowait, on_broken=self.broken.append)
         self.inbound.append(inbound)
         return inbound
+
+
+def send(lane: OutboundLane, payload: np.ndarray, chunk: int = 0) -> int:
+    """A DATA frame carrying ``payload`` on the lane, as Link.send makes it."""
+    header = wire.FrameHeader(kind=wire.DATA, view_id=1, chunk=chunk, lane_bytes=payload.nbytes)
+    return lane.frame(wire.encode(header), payload)
 
 
 @pytest.fixture
@@ -84,33 +96,70 @@ async def test_the_holder_of_the_token_attaches_and_gets_every_payload_in_order_
     await until(lambda: lane.attached)
     rng = np.random.default_rng(0)
     payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 17, 300_000, 2 * MiB, 5, MiB + 3)]
-    assert [lane.put(p) for p in payloads] == [p.nbytes for p in payloads]
-    got = [bytes(await inbound.read(p.nbytes)) for p in payloads]
-    assert got == [p.tobytes() for p in payloads]
+    assert [send(lane, p, k) for k, p in enumerate(payloads)] == [p.nbytes for p in payloads]
+    lane.frame(wire.encode(wire.FrameHeader(kind=wire.ABORT, view_id=1, reason="a control frame")))
+    got = [await port.frames.get() for _ in range(len(payloads) + 1)]
+    assert [f.header.chunk for f in got[:-1]] == list(range(len(payloads)))
+    assert [bytes(f.payload) for f in got[:-1]] == [p.tobytes() for p in payloads]
+    assert got[-1].header.kind == wire.ABORT and got[-1].payload.nbytes == 0
     assert port.counters.lane_bytes_sent == sum(p.nbytes for p in payloads)
-    assert port.fallbacks == [] and inbound.attached
+    assert port.fallbacks == [] and inbound.attached and inbound.frames == len(payloads) + 1
 
 
-async def test_until_it_attaches_the_lane_takes_no_payload_so_the_frame_carries_it(port: Port) -> None:
+async def test_the_end_marker_tells_the_receiver_it_has_every_frame(port: Port) -> None:
     lane = port.offer()
-    assert lane.put(np.ones(10)) == 0
-    assert port.counters.lane_bytes_sent == 0
+    inbound = port.dial(lane)
+    await until(lambda: lane.attached)
+    send(lane, np.arange(500_000, dtype=np.int32))
+    lane.end()
+    assert not lane.attached  # nothing more goes on it
+    assert await inbound.finished(5) is True
+    assert (await port.frames.get()).payload.nbytes == 2_000_000
+    lane.close()  # the receiver may close first, or the sender: neither is a failure after the end
+    assert port.broken == []
+
+
+async def test_a_link_that_ended_before_its_receiver_came_answers_with_the_end_marker(port: Port) -> None:
+    lane = port.offer()
+    lane.end()
+    inbound = port.dial(lane)
+    assert await inbound.finished(5) is True and port.frames.empty()
+
+
+async def test_a_receiver_that_closes_the_lane_fails_the_senders_at_once(port: Port) -> None:
+    lane = port.offer()
+    inbound = port.dial(lane)
+    await until(lambda: lane.attached)
+    inbound.close()
+    await until(lambda: bool(port.broken))
+    assert "The payload lane to" in str(port.broken[0]) and "the receiver closed it" in str(port.broken[0])
+
+
+async def test_a_sender_that_breaks_the_lane_mid_frame_breaks_the_receivers(port: Port) -> None:
+    lane = port.offer()
+    inbound = port.dial(lane)
+    await until(lambda: lane.attached)
+    for _ in range(4):
+        send(lane, np.ones(500_000))  # 16 MB: more than the kernel's buffers take at once
+    lane.close()
+    assert await inbound.finished(5) is False
+    assert "The payload lane from 127.0.0.1" in str(port.broken[0]) and "broke" in str(port.broken[0])
 
 
 async def test_the_senders_array_is_read_until_flushed_and_is_free_after(port: Port) -> None:
     lane = port.offer()
-    inbound = port.dial(lane)
+    port.dial(lane)
     await until(lambda: lane.attached)
-    # More than the kernel's buffers hold while nobody reads: most of it waits in the lane, as a
-    # view of the sender's arrays, not a copy.
+    # 16 MiB at once, more than the kernel's buffers hold before the receiver's loop runs: the
+    # rest waits in the lane, as views of the sender's arrays, not copies.
     arrays = [np.full(2 * MiB, k, dtype=np.uint8) for k in range(8)]
     for a in arrays:
-        lane.put(a)
+        send(lane, a)
     assert lane.waiting > 0
     flushed = asyncio.ensure_future(lane.flushed())
     received = []
-    for a in arrays:
-        received.append(np.frombuffer(await inbound.read(a.nbytes), dtype=np.uint8).copy())
+    for _ in arrays:
+        received.append(np.frombuffer((await port.frames.get()).payload, dtype=np.uint8).copy())
     await asyncio.wait_for(flushed, 5)
     for a in arrays:
         a[:] = 255  # the caller's again: nothing more of it may be sent

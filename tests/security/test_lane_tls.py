@@ -16,10 +16,11 @@ import pytest
 from _secure import TOKEN, Pki, client
 from worlds import free_port, warm_lanes
 
-from ringserve import PayloadLaneError
+from ringserve import PayloadLaneError, wire
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.observe import Counters
+from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
 from ringserve.worker.dataplane.laneserver import LaneServer, client_context, server_context
 from ringserve.worker.dataplane.lanesock import MAGIC
@@ -119,15 +120,16 @@ async def test_a_plaintext_client_on_a_tls_lane_is_refused_with_a_named_reason_a
 async def offered(security_server, counters: Counters) -> tuple[LaneServer, OutboundLane]:
     server = LaneServer("127.0.0.1", 0, context=server_context(security_server), hello_timeout_s=2, cap=4,
                         counters=counters, tag=lambda: "test worker")
-    lane = OutboundLane(counters, port=server.port, tls=server.tls, max_bytes=1 << 20, withdraw=server.withdraw)
+    lane = OutboundLane(counters, port=server.port, tls=server.tls, withdraw=server.withdraw)
     server.offer(lane)
     return server, lane
 
 
-async def dial(context: ssl.SSLContext | None, port: int, token: bytes, fallbacks: list[str]) -> InboundLane:
+async def dial(context: ssl.SSLContext | None, port: int, token: bytes, fallbacks: list[str],
+               frames: asyncio.Queue[Received] | None = None) -> InboundLane:
     return InboundLane(host="127.0.0.1", port=port, token=token, context=context, server_name="127.0.0.1",
                        timeout_s=2, buffers=LaneBuffers(1 << 20), max_bytes=1 << 20, fell_back=fallbacks.append,
-                       attached_late=lambda: None)
+                       attached_late=lambda: None, on_frame=(frames or asyncio.Queue()).put_nowait)
 
 
 @pytest.mark.parametrize("who", ["no certificate", "another CA"])
@@ -144,12 +146,16 @@ async def test_under_mtls_a_lane_refuses_a_client_without_a_certificate_of_the_j
                 await asyncio.sleep(0.01)
         assert not lane.attached and counters.lane_refused == 1
         # The job's own certificate gets in.
-        member = await dial(client_context(client(ca=pki.node.ca, cert=pki.node)), server.port, lane.token, fallbacks)
+        frames: asyncio.Queue[Received] = asyncio.Queue()
+        member = await dial(client_context(client(ca=pki.node.ca, cert=pki.node)), server.port, lane.token, fallbacks,
+                            frames)
         async with asyncio.timeout(5):
             while not lane.attached:
                 await asyncio.sleep(0.01)
-        assert lane.put(np.arange(1000, dtype=np.float64)) == 8000
-        assert bytes(await member.read(8000)) == np.arange(1000, dtype=np.float64).tobytes()
+        data = np.arange(100_000, dtype=np.float64)
+        lane.frame(wire.encode(wire.FrameHeader(kind=wire.DATA, view_id=1, lane_bytes=data.nbytes)), data)
+        async with asyncio.timeout(5):
+            assert bytes((await frames.get()).payload) == data.tobytes()
         member.close()
     finally:
         inbound.close()

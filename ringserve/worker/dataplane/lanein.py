@@ -1,20 +1,20 @@
 """The receiver's side of a TCP payload lane (tcplane.py): dialling the sender's payload port, and
-reading payloads into pooled buffers that the reduction reads from.
+reading its frames, payloads into pooled buffers that the reduction reads from.
 
 A verified stream whose HELLO offers a lane gets an ``InboundLane``, which dials at once, in a task
-of its own, while the stream's frames go on being read (their payloads are in them until the
-sender hears the token). Within ``timeout_s`` it must connect, finish TLS and send its token; past
-that, or on any failure before the token is sent, the edge keeps the stream (``fell_back``), and
-the sender, which never saw the token, never uses the lane. Once the token is sent the receiver
-never closes the lane on its own: the sender may already be writing to it. If the sender's answer
-takes longer than the deadline, the fallback is logged, and the lane still attaches if the answer
-comes (a sender whose loop was held up); if the sender closes instead, it refused the token.
+of its own, while the stream's frames go on being read (the sender sends on the stream until it
+hears the token). Within ``timeout_s`` it must connect, finish TLS and send its token; past that,
+or on any failure before the token is sent, the edge keeps the stream (``fell_back``), and the
+sender, which never saw the token, never uses the lane. Once the token is sent the receiver never
+closes the lane on its own: the sender may already be writing to it. If the sender's answer takes
+longer than the deadline, the fallback is logged, and the lane still attaches if the answer comes
+(a sender whose loop was held up); if the sender closes instead, it refused the token.
 
-``read(n)`` is called by the stream for each header that names lane bytes, in order: it fills a
-pooled buffer with the next ``n`` bytes (``recv_into``, or TLS decrypting into it) and returns a
-read-only view. The buffer goes back to the pool when the last view of it is dropped (a weak
-reference, as the shared ring frees its slots), so a buffer is never written while a collective
-still reads it.
+Attached, the same task reads frame after frame and hands each to ``on_frame``, which routes it as
+the stream would, until the sender's end marker (``finished``) or a break (``on_broken``). A
+payload goes into a pooled buffer, returned to the pool when the last view of it is dropped (a
+weak reference, as the shared ring frees its slots), so a buffer is never written while a
+collective still reads it.
 """
 
 from __future__ import annotations
@@ -28,11 +28,18 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ringserve import wire
 from ringserve.errors import PeerUnavailableError, ProtocolError
-from ringserve.worker.dataplane.lanesock import ATTACHED, MAGIC, LaneClosed, LaneSocket, tune
+from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.lanesock import ATTACHED, MAGIC, PREFIX, FrameReader, LaneClosed, LaneSocket, tune
 
 POOLED_MIN = 256 << 10  # smaller payloads take a fresh buffer: cheap, and no chunk-sized block held
 KEEP = 8  # free buffers the pool keeps
+MAX_HEADER = 64 << 10  # an encoded frame header: a few hundred bytes (an abort's descriptors, a few KiB)
+
+
+def _drop(_: object) -> None:
+    pass
 
 
 def _why(exc: BaseException) -> str:
@@ -70,11 +77,13 @@ class LaneBuffers:
 
 
 class InboundLane:
-    """One stream's lane from its sender: dialled at creation, read by the stream in order."""
+    """One stream's lane from its sender: dialled at creation; once attached, its frames are read
+    in order and handed to ``on_frame``, until the sender's end marker or a break (``on_broken``)."""
 
     def __init__(self, *, host: str, port: int, token: bytes, context: ssl.SSLContext | None, server_name: str,
                  timeout_s: float, buffers: LaneBuffers, max_bytes: int, fell_back: Callable[[str], None],
-                 attached_late: Callable[[], None]) -> None:
+                 attached_late: Callable[[], None], on_frame: Callable[[Received], None] = _drop,
+                 on_broken: Callable[[BaseException], None] = _drop) -> None:
         self.host, self.port = host, port
         self._token = token
         self._context = context
@@ -84,12 +93,16 @@ class InboundLane:
         self._max_bytes = max_bytes
         self._fell_back = fell_back
         self._attached_late = attached_late
+        self._on_frame = on_frame
+        self._on_broken = on_broken
         self.conn: LaneSocket | None = None
         self.failure = ""  # why the lane did not attach ("" while it may)
         self.required = False  # set by a stream that waits for it (``ready``): it reports the failure
+        self.frames = 0  # frames read from the lane
         loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[LaneSocket] = loop.create_future()
-        self._task = loop.create_task(self._connect(), name="ringserve-lane-dial")
+        self._over: asyncio.Future[bool] = loop.create_future()  # True: the end marker came; False: it broke
+        self._task = loop.create_task(self._run(), name="ringserve-lane-reader")
 
     @property
     def where(self) -> str:
@@ -99,22 +112,43 @@ class InboundLane:
     def attached(self) -> bool:
         return self._ready.done() and not self._ready.cancelled() and self._ready.exception() is None
 
-    async def _connect(self) -> None:
+    async def _run(self) -> None:
+        try:
+            conn = await self._connect()
+        finally:
+            if not self._ready.done():  # cancelled while dialling
+                self._ready.cancel()
+        if conn is None:
+            self._finish(True)  # nothing came on the lane, nothing is owed
+            return
+        try:
+            await self._read(FrameReader(conn))
+        except (OSError, ssl.SSLError, LaneClosed) as exc:
+            self._break(PeerUnavailableError(f"The payload lane from {self.where} broke: {_why(exc)}."))
+        except ProtocolError as exc:
+            self._break(exc)
+
+    async def _connect(self) -> LaneSocket | None:
+        """The connection once the sender answered the token; None if the lane did not attach."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         try:
             async with asyncio.timeout_at(deadline):
                 conn = await self._dial()
         except TimeoutError:
-            return self._fail(f"it did not connect and take the token within {self.timeout_s:g} s "
-                              "(RINGSERVE_PAYLOAD_CONNECT_TIMEOUT_S): a firewall or a NAT drops the port")
+            self._fail(f"it did not connect and take the token within {self.timeout_s:g} s "
+                       "(RINGSERVE_PAYLOAD_CONNECT_TIMEOUT_S): a firewall or a NAT drops the port")
+            return None
         except ssl.SSLCertVerificationError as exc:
-            return self._fail(f"its TLS certificate was refused ({exc.verify_message})")
+            self._fail(f"its TLS certificate was refused ({exc.verify_message})")
+            return None
         except ssl.SSLError as exc:
-            return self._fail(f"TLS failed ({exc.reason or exc}): the lane may not speak TLS, or refused this "
-                              "worker's certificate")
+            self._fail(f"TLS failed ({exc.reason or exc}): the lane may not speak TLS, or refused this "
+                       "worker's certificate")
+            return None
         except (OSError, LaneClosed) as exc:
-            return self._fail(f"the connection failed ({_why(exc)})")
+            self._fail(f"the connection failed ({_why(exc)})")
+            return None
         # The token is out: from here on the sender may write to the lane at any moment.
         answer = bytearray(1)
         reading = loop.create_task(conn.read_exact(memoryview(answer)))
@@ -123,19 +157,23 @@ class InboundLane:
             done, _ = await asyncio.wait([reading], timeout=max(0.0, deadline - loop.time()))
             if not done:
                 late = True
-                self._fell_back(f"it did not answer the token within {self.timeout_s:g} s; the lane attaches "
-                                "if the answer comes")
+                if not self.required:
+                    self._fell_back(f"it did not answer the token within {self.timeout_s:g} s; the lane attaches "
+                                    "if the answer comes")
             await reading
         except (OSError, ssl.SSLError, LaneClosed) as exc:
-            return self._fail(f"it closed the connection on the token ({exc}): a wrong or spent token, or "
-                              "not a ringserve payload lane", logged=late)
+            self._fail(f"it closed the connection on the token ({exc}): a wrong or spent token, or "
+                       "not a ringserve payload lane", logged=late)
+            return None
         finally:
             reading.cancel()
         if bytes(answer) != ATTACHED:
-            return self._fail(f"it answered the token with {bytes(answer)!r}, not a lane's answer", logged=late)
+            self._fail(f"it answered the token with {bytes(answer)!r}, not a lane's answer", logged=late)
+            return None
         if late:
             self._attached_late()
         self._ready.set_result(conn)
+        return conn
 
     async def _dial(self) -> LaneSocket:
         loop = asyncio.get_running_loop()
@@ -162,9 +200,45 @@ class InboundLane:
             self.conn.close()
         if not logged and not self.required:
             self._fell_back(why)
-        self._ready.set_exception(ProtocolError(
-            f"A frame names bytes on the payload lane at {self.where}, which did not attach: {why}."))
-        self._ready.exception()  # retrieved by read() if a frame ever needs it
+        self._ready.set_exception(ConnectionError(why))
+        self._ready.exception()  # retrieved: ``ready`` raises its own error
+
+    async def _read(self, reader: FrameReader) -> None:
+        """Hands every frame to ``on_frame``, in order, until the end marker."""
+        while True:
+            size = int.from_bytes(await reader.exactly(PREFIX), "little")
+            if not 0 < size <= MAX_HEADER:
+                raise ProtocolError(f"A frame on the payload lane from {self.where} has a header of {size} bytes.")
+            raw = bytes(await reader.exactly(size))
+            header, _ = wire.decode(raw)
+            if header.kind == wire.BYE:
+                self._finish(True)
+                return
+            nbytes = header.lane_bytes
+            if nbytes > self._max_bytes:
+                raise ProtocolError(f"A frame on the payload lane from {self.where} names {nbytes} bytes; a "
+                                    f"payload holds at most {self._max_bytes} (a chunk and its header).")
+            if nbytes:
+                buf = self._buffers.take(nbytes)
+                await reader.into(memoryview(buf))  # type: ignore[arg-type]
+                buf.flags.writeable = False
+                payload = memoryview(buf)  # type: ignore[arg-type]
+            else:
+                payload = memoryview(b"")
+            self.frames += 1
+            self._on_frame(Received(header, payload, raw))
+            del payload
+
+    def _break(self, exc: BaseException) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if not self._over.done():
+            self._on_broken(exc)
+        self._finish(False)
+
+    def _finish(self, clean: bool) -> None:
+        if not self._over.done():
+            self._over.set_result(clean)
 
     async def ready(self) -> None:
         """Waits until the lane has attached, within the connect deadline; for a stream that requires
@@ -180,36 +254,23 @@ class InboundLane:
         except TimeoutError:
             self.failure = self.failure or f"it did not answer the token within {self.timeout_s:g} s"
             raise ConnectionError(self.failure) from None
-        except ProtocolError:
-            raise ConnectionError(self.failure) from None
 
-    async def read(self, nbytes: int) -> memoryview:
-        """The next ``nbytes`` of the lane, in a pooled buffer, read-only.
-
-        Raises:
-            ProtocolError: the size is out of bounds, or the lane never attached.
-            PeerUnavailableError: the lane broke (or ended) before the payload was complete.
-        """
-        if not 0 < nbytes <= self._max_bytes:
-            raise ProtocolError(f"A frame names {nbytes} bytes on the payload lane; a payload holds at most "
-                                f"{self._max_bytes} (a chunk and its header).")
-        conn = await self._ready
-        view = self._buffers.take(nbytes)
+    async def finished(self, timeout_s: float) -> bool:
+        """Waits for the lane's end: True once the sender's end marker came (or the lane never
+        attached: nothing was owed), False if it broke or did not end within ``timeout_s``."""
         try:
-            await conn.read_exact(memoryview(view))  # type: ignore[arg-type]
-        except (OSError, ssl.SSLError, LaneClosed) as exc:
-            raise PeerUnavailableError(f"The payload lane from {self.where} broke: {exc}.") from None
-        view.flags.writeable = False
-        return memoryview(view)  # type: ignore[arg-type]
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(self._over)
+        except TimeoutError:
+            return False
 
     def close(self) -> None:
-        """Stops dialling and closes the connection (``wait_closed`` then waits for the dial task)."""
+        """Stops dialling or reading and closes the connection (``wait_closed`` waits for the task)."""
         self._task.cancel()
         if self.conn is not None:
             self.conn.close()
-        if not self._ready.done():
-            self._ready.cancel()
+        self._finish(False)
 
     async def wait_closed(self) -> None:
-        """Waits for the dial task to end, after ``close``."""
+        """Waits for the reading task to end, after ``close``."""
         await asyncio.wait([self._task])

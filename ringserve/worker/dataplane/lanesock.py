@@ -3,14 +3,14 @@ with TLS as a filter over it (``ssl.SSLObject`` on memory BIOs) when the job run
 
 Why not asyncio's transports, or ``loop.sock_sendall``:
 
-- **A payload must be free once it is handed over.** The lane sends straight from the caller's
-  array (a collective's input, or its result buffer), and the caller may write that memory as soon
-  as ``Link.send`` returns. ``try_send`` gives the kernel what it takes now (its copy is the one the
-  lane pays anyway), and the caller copies whatever is left. uvloop's ``transport.write`` and
-  ``sock_sendall`` keep a reference to the caller's buffer for what they could not send, so a
-  result written by the next collective could go out in place of this one's.
+- **The lane decides what it holds.** It sends straight from the caller's array (a collective's
+  input, or its result buffer) and keeps a view of what the kernel did not take, until a flush
+  (tcplane.py); ``try_send`` gives the kernel what it takes now, a frame's header and payload in
+  one ``sendmsg``. A transport would copy the rest (asyncio) or keep it where the lane could not
+  account for it (uvloop).
 - **The receiver reads straight into its own buffer**: ``recv_into`` for plaintext, and
-  ``SSLObject.read(n, buffer)`` under TLS, which decrypts into it.
+  ``SSLObject.read(n, buffer)`` under TLS, which decrypts into it. ``FrameReader`` reads a frame's
+  header from a staging buffer and its payload into the buffer it is given.
 - **The same code under TLS and without it.** TLS is a filter: ``seal`` encrypts a payload into
   bytes of the lane's own (so nothing of the caller's is kept), and ``read_exact`` decrypts. A
   ``ssl.SSLSocket`` would need blocking sockets and threads, which the worker's one loop avoids.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from ringserve.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
@@ -33,7 +34,9 @@ MAGIC = b"RSLANE1\0"  # what a receiver sends first, before its token: the lane'
 TOKEN_BYTES = 16
 ATTACHED = b"A"  # the sender's answer to a good token; a bad one is closed without an answer
 TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
+PREFIX = 4  # a frame on the lane: its encoded header's length (little-endian), the header, the payload
 _SCRATCH = 256 << 10  # ciphertext read at once under TLS
+_STAGING = 256 << 10  # what a FrameReader reads ahead: many small frames, or a header and a payload's start
 
 
 class LaneClosed(ConnectionError):
@@ -154,6 +157,32 @@ class LaneSocket:
         except (BlockingIOError, InterruptedError):
             return 0
 
+    def try_send_parts(self, parts: Sequence[bytes | memoryview]) -> int:
+        """``try_send`` of several buffers in one system call (``sendmsg``), in order."""
+        try:
+            return self.sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def watch(self, closed: Callable[[], None]) -> None:
+        """Calls ``closed`` (once) if the peer closes or resets the connection, or sends anything:
+        for a sender, which reads nothing after the token (a TLS peer sends nothing either)."""
+        fd = self._fd
+
+        def readable() -> None:
+            if self._fd != fd:
+                return
+            try:
+                self.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                pass
+            self._loop.remove_reader(fd)
+            closed()
+
+        self._loop.add_reader(fd, readable)
+
     async def send_all(self, data: bytes | memoryview) -> None:
         """Sends every byte of ``data`` (bytes of the lane's own: it may wait for room)."""
         view = memoryview(data)
@@ -181,6 +210,38 @@ class LaneSocket:
         assert self._out is not None
         self.tls.write(data)  # into a memory BIO, which takes everything at once
         return self._out.read()
+
+    def seal_parts(self, *parts: bytes | memoryview) -> bytes:
+        """The TLS records of ``parts`` one after the other (under TLS only): one buffer, no joining copy."""
+        assert self.tls is not None and self._out is not None
+        for part in parts:
+            if len(part):
+                self.tls.write(part)
+        return self._out.read()
+
+    async def read_some(self, view: memoryview) -> int:
+        """Reads what has arrived (at least a byte, waiting for it) into ``view``, decrypted under TLS.
+
+        Raises:
+            LaneClosed: the lane ended.
+        """
+        if self.tls is None:
+            n = await self.recv_into(view)
+            if n == 0:
+                raise LaneClosed("the lane closed")
+            return n
+        while True:
+            try:
+                n = cast(int, self.tls.read(view.nbytes, view))
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                raise LaneClosed("the lane's TLS session ended") from None
+            if n == 0:
+                raise LaneClosed("the lane's TLS session ended")
+            return n
 
     async def read_exact(self, view: memoryview) -> None:
         """Fills ``view`` with the next ``len(view)`` bytes of the lane.
@@ -240,3 +301,42 @@ class LaneSocket:
             self._in.write_eof()
             raise LaneClosed("the peer closed the lane during TLS")
         self._in.write(self._scratch[:n])
+
+
+class FrameReader:
+    """Reads frames from a lane: through a staging buffer for headers (and small payloads, which
+    arrive with them), straight into the caller's buffer for the rest of a payload."""
+
+    def __init__(self, conn: LaneSocket, size: int = _STAGING) -> None:
+        self.conn = conn
+        self._buf = memoryview(bytearray(size))
+        self._start = self._end = 0
+
+    async def exactly(self, n: int) -> memoryview:
+        """The next ``n`` bytes (at most the staging size), valid until the next read.
+
+        Raises:
+            LaneClosed: the lane ended first.
+        """
+        if self._end - self._start < n:
+            if self._start:  # keep what is buffered at the front: room for the rest after it
+                kept = self._end - self._start
+                self._buf[:kept] = self._buf[self._start : self._end]
+                self._start, self._end = 0, kept
+            while self._end < n:
+                self._end += await self.conn.read_some(self._buf[self._end :])
+        view = self._buf[self._start : self._start + n]
+        self._start += n
+        return view
+
+    async def into(self, target: memoryview) -> None:
+        """Fills ``target`` with the next bytes: what is buffered first, then straight from the lane.
+
+        Raises:
+            LaneClosed: the lane ended first.
+        """
+        have = min(self._end - self._start, target.nbytes)
+        target[:have] = self._buf[self._start : self._start + have]
+        self._start += have
+        if have < target.nbytes:
+            await self.conn.read_exact(target[have:])

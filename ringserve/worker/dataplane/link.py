@@ -5,8 +5,8 @@ per rank it sends to. The executor hands it DATA frames (new ones, and frames fo
 came); the plane hands it ABORT frames. The link encodes them, puts a
 payload into the shared-memory lane when the lane is attached and has a free slot (the header then
 names the slot, see shared.py), and moves the frames, in the order they were given, to the peer,
-where they arrive at that peer's ``Plane.on_frame``. Between hosts a payload goes on the TCP payload
-lane instead when that lane is attached (tcplane.py; the header then names ``lane_bytes``). A new way to move frames (fd passing between
+where they arrive at that peer's ``Plane.on_frame``. Between hosts, once the TCP payload lane is
+attached, frames go on it instead, each with its payload (tcplane.py). A new way to move frames (fd passing between
 containers, a faster lane between hosts) is one new subclass: it implements ``_run``, which takes
 frames with ``_next`` until it returns None, then ends the stream cleanly.
 
@@ -19,8 +19,8 @@ Backpressure: at most ``window`` DATA frames (``SEND_WINDOW`` by default) wait i
 and one more is being written. The executor asks ``has_room`` before it sends and waits on
 ``room()`` when there is none, so a rank never runs more than ``window`` chunks ahead of its link:
 a link's memory is bounded by ``window + 1`` frames of at most ``chunk_bytes`` and a header each
-(with a lane attached, a queued frame is its header only; the TCP lane holds at most ``window``
-payloads of its own that the kernel has not taken, see tcplane.py). ABORT frames and the clean end never
+(with the shared ring attached, a queued frame is its header only; the TCP lane holds at most
+``window`` buffers that the kernel has not taken, see tcplane.py). ABORT frames and the clean end never
 wait: they are a few hundred bytes at most, once per collective, and are sent from the receive
 path, which must never block. A full queue cannot deadlock the ring: the receiving side routes
 every frame to its collective's inbox as it arrives, whatever that collective is waiting for.
@@ -122,14 +122,14 @@ class Link:
 
         ``whole``: the frame already encoded with its payload, if it was (a frame forwarded).
         """
+        if self.tcp is not None and self.tcp.attached:
+            header.lane_bytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
+            frame = wire.encode(header)
+            self.counters.bytes_sent += len(frame) + self.tcp.frame(frame, payload)
+            return
         slot = self.lane.put(payload) if self.lane is not None else None
         if slot is None:
-            lane_bytes = self.tcp.put(payload) if self.tcp is not None else 0
-            if lane_bytes:
-                header.lane_bytes = lane_bytes
-                self._push(wire.encode(header), True, lane_bytes)
-            else:
-                self._push(whole or wire.encode(header, payload), True)
+            self._push(whole or wire.encode(header, payload), True)
             return
         nbytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
         header.shm_slot = slot
@@ -140,9 +140,10 @@ class Link:
     def forward(self, header: wire.FrameHeader, payload: memoryview, raw: bytes) -> None:
         """Queues a received frame as it is: the same header, the same payload.
 
-        A frame that came whole goes on as the same bytes, unless a lane is attached and has
-        room (one copy into the lane beats the stream's copies); one whose payload came in the
-        predecessor's shared ring or on its TCP lane goes into ours, or into the frame.
+        A frame that came whole goes on as the same bytes, unless a lane is attached (the TCP lane
+        takes every frame; the ring, a payload it has room for: one copy into it beats the
+        stream's copies); one whose payload came in the predecessor's shared ring or on its TCP
+        lane goes on a lane of ours, or into the frame.
         """
         beside = header.HasField("shm_slot") or header.lane_bytes
         if (not beside and (self.lane is None or not self.lane.attached)
@@ -167,11 +168,17 @@ class Link:
 
     def control(self, frame: bytes) -> None:
         """Queues an encoded control frame (an ABORT); it never waits for room."""
+        if self.tcp is not None and self.tcp.attached and not self._closed:
+            self.counters.bytes_sent += len(frame)
+            self.tcp.frame(frame)
+            return
         self._push(frame, False)
 
     def end(self) -> None:
-        """No more frames: the link ends cleanly once the queue is empty."""
+        """No more frames: the link ends cleanly once the queue is empty (and the TCP lane's)."""
         self._ending = True
+        if self.tcp is not None:
+            self.tcp.end()
         self._wake_pump()
 
     def close(self) -> None:

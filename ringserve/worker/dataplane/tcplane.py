@@ -1,12 +1,11 @@
-"""The TCP payload lane: between hosts, payloads on a plain TCP connection beside the gRPC stream.
+"""The TCP payload lane: between hosts, a link's frames on a plain TCP connection beside its stream.
 
 Why: every byte that leaves a host used to go through Python gRPC, which copies a message on
 send and twice on receive, and its per-message work is in grpcio's core. ``benchmarks/
 stream_floor.py`` measured bare grpc.aio, moving bytes and nothing else, no faster than
 ringserve's whole allreduce over the stream (0.4-0.9x gloo), and plain TCP from the same Python
-process at 1.1-2.2x gloo. The lane is that TCP connection, built the way the shared-memory lane
-(shared.py) is: the stream keeps order, views, aborts, checksums, tokens and failure detection,
-and only the payload bytes move elsewhere.
+process at 1.1-2.2x gloo. The lane is that TCP connection, set up the way the shared-memory lane
+(shared.py) is: offered in the stream's HELLO, bound to the stream by a token.
 
 How:
 
@@ -20,32 +19,44 @@ How:
   gRPC client stream cannot answer it, so the sender offers and the receiver takes, as with the
   shared-memory ring. For a firewall it is the same: every worker's one payload port must be
   reachable from its peers.
-- **From then on** a DATA frame's header names ``lane_bytes`` and travels on the stream; its
-  payload is the next that many bytes of the lane. The two are not synchronised: both keep the
-  order of the link's frames, and the receiver reads the payload when it reads the header.
-- **Send straight from the array**: ``put`` hands the kernel what it takes of the payload now
-  (one copy, the kernel's), and queues a view of the rest, which a writer task sends as the
-  kernel takes it: no copy in user space. The caller's memory is then the lane's until it is
-  sent, so a collective's program waits for ``flushed`` before it returns (executor.py): after
-  that, the caller may write its buffers, as it may after the stream's encoding or the ring's
-  copy. Within a collective, a buffer sent on is written again only with data that came back
-  through the ring after the send was received (the causality every ring program has), or in a
-  later stage, which comes after a flush too. Under TLS the payload is encrypted at once into
-  bytes of the lane's own. The receiver reads with ``recv_into`` into a pooled buffer, which the
-  reduction reads from (lanein.py).
-- **Never a new way to fail.** Until the lane attaches, payloads travel in their frames, as they
+- **Whole frames on the lane.** Once attached, every frame the link sends (DATA with its payload,
+  ABORT) goes on the lane as ``[length][encoded header][payload]``, in the link's order, and the
+  receiver routes it exactly as a frame of the stream (the same checks, the same inboxes); the
+  stream keeps the HELLO, the frames sent before the lane attached, and the BYE, which counts
+  once the lane's end marker has come, so a clean end still means every frame was routed. The
+  issue that asked for the lane kept headers on the stream; measured, a gRPC message costs about
+  100 us of CPU (both ends) and 150-400 us of latency per hop, which is most of a small
+  collective's time and the main cost per chunk left after the payload copies, so headers follow
+  their payloads. Frames of one collective are delivered by key, so the frames still on the
+  stream when the lane attaches may arrive after later ones from the lane: nothing depends on
+  order across keys, and a late frame of a finished collective is dropped as it always was.
+- **Send straight from the array**: ``frame`` hands the kernel the header and what it takes of
+  the payload now, in one ``sendmsg`` (one copy, the kernel's), and queues views of the rest,
+  which a writer task sends as the kernel takes it: no copy in user space. The caller's memory
+  is then the lane's until it is sent, so a collective's program waits for ``flushed`` before it
+  returns (executor.py): after that, the caller may write its buffers, as it may after the
+  stream's encoding or the ring's copy. Within a collective, a buffer sent on is written again
+  only with data that came back through the ring after the send was received (the causality
+  every ring program has), or in a later stage, which comes after a flush too. Under TLS a frame
+  is encrypted at once into bytes of the lane's own. The receiver reads a frame's header through
+  a staging buffer and its payload with ``recv_into`` into a pooled buffer, which the reduction
+  reads from (lanein.py).
+- **Never a new way to fail.** Until the lane attaches, frames travel on the stream, as payloads
   do while the shared ring is unattached; an edge whose lane cannot connect and authenticate
   within ``payload_connect_timeout_s`` keeps the stream (``auto``), logged once per edge and
   counted (``lane_fallbacks``, in the metrics and in ``ringserve status``). With ``tcp`` the lane
   is required: such an edge fails with PayloadLaneError, naming the port. A lane that breaks
   fails the link as a broken stream does (PeerUnavailableError, the coordinator hears of the
-  peer), and its receiver's stream ends as broken; payloads are checked by the frame checksum as
-  on the stream. Shared memory still wins on one host: a receiver that maps the ring never dials.
+  peer), at either end at once (the sender watches for the receiver closing it), and its
+  receiver starves the collectives that wait on the sender; a damaged payload fails the frame's
+  checksum as on the stream. Shared memory still wins on one host: a receiver that maps the
+  ring never dials.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 from collections import deque
@@ -53,22 +64,31 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.security import Security
+from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
 from ringserve.worker.dataplane.laneserver import LaneServer, client_context, server_context
-from ringserve.worker.dataplane.lanesock import ATTACHED, TOKEN_BYTES, LaneSocket
+from ringserve.worker.dataplane.lanesock import ATTACHED, PREFIX, TOKEN_BYTES, LaneClosed, LaneSocket
 
 log = logging.getLogger("ringserve.worker")
 
-WINDOW = 32  # payloads that may wait for the kernel, as the link's SEND_WINDOW frames may
+WINDOW = 32  # buffers that may wait for the kernel, as the link's SEND_WINDOW frames may
+_BATCH = 64  # buffers the writer hands the kernel in one sendmsg (IOV_MAX is 1024)
+_FRAME_END = wire.encode(wire.FrameHeader(kind=wire.BYE))
+_END = len(_FRAME_END).to_bytes(PREFIX, "little") + _FRAME_END  # the last frame on a lane that ended
 OnFailure = Callable[[BaseException, str], None]
 
 
 def _nothing() -> None:
+    pass
+
+
+def _drop(_: object) -> None:
     pass
 
 
@@ -86,28 +106,29 @@ def as_bytes(payload: np.ndarray | memoryview | bytes) -> memoryview:
 
 class OutboundLane:
     """The sender's side of one edge's lane: offered in its link's HELLO, attached when the
-    receiver presents the token on the payload port, then the way of the link's payloads.
+    receiver presents the token on the payload port, then the way of the link's frames.
 
-    It holds the connection's writes: ``put`` sends what the kernel takes now and queues a view of
-    the rest, and a writer task (owned here, started on the first partial send) drains the queue.
+    It holds the connection's writes: ``frame`` sends what the kernel takes now and queues views
+    of the rest, and a writer task (owned here, started on the first partial send) drains the
+    queue. It watches the connection too: a receiver that closes it fails the link at once.
     """
 
-    def __init__(self, counters: Counters, *, port: int, tls: bool, max_bytes: int,
-                 withdraw: Callable[[OutboundLane], None], window: int = WINDOW) -> None:
+    def __init__(self, counters: Counters, *, port: int, tls: bool, withdraw: Callable[[OutboundLane], None],
+                 window: int = WINDOW) -> None:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.port = port
         self.tls = tls
         self.counters = counters
-        self.max_bytes = max_bytes
         self.window = window
         self.conn: LaneSocket | None = None
-        self.on_room: Callable[[], None] = _nothing  # a queued payload went to the kernel
+        self.on_room: Callable[[], None] = _nothing  # a queued frame went to the kernel
         self.on_failure: OnFailure = _ignore
         self._withdraw = withdraw
         self._queue: deque[memoryview] = deque()  # bytes the kernel has not taken, oldest first
         self._wake: asyncio.Future[None] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closed = False
+        self._ended = False  # the link ended: the end marker is (or goes, once attached) on the lane
         self._queued_total = 0  # items ever queued, and of those, items sent: for flushed()
         self._sent_total = 0
         self._flushes: deque[tuple[int, asyncio.Future[None]]] = deque()
@@ -118,7 +139,8 @@ class OutboundLane:
 
     @property
     def attached(self) -> bool:
-        return self.conn is not None and not self._closed
+        """Whether frames go on the lane now: attached, and neither ended nor closed."""
+        return self.conn is not None and not self._closed and not self._ended
 
     def attach(self, conn: LaneSocket) -> bool:
         """Takes the connection of the receiver that presented this lane's token (laneserver.py);
@@ -127,50 +149,64 @@ class OutboundLane:
             return False
         self.conn = conn
         self._withdraw(self)  # a token is good once
-        self._emit(conn.seal(ATTACHED), owned=True)
+        self._emit(conn.seal(ATTACHED), b"")
+        if self._ended:  # the link ended before the receiver came: nothing will follow
+            self._emit(conn.seal(_END), b"")
+        conn.watch(self._receiver_closed)
         return True
 
     @property
     def waiting(self) -> int:
-        """Payloads (and the answer) that the kernel has not taken all of yet."""
+        """Buffers (of frames, and the answer) that the kernel has not taken all of yet."""
         return len(self._queue)
 
     @property
     def has_room(self) -> bool:
-        """Whether another payload may be put: at most ``window`` wait for the kernel."""
+        """Whether another frame may be sent: at most ``window`` buffers wait for the kernel."""
         return len(self._queue) < self.window
 
-    def put(self, payload: np.ndarray | memoryview | bytes) -> int:
-        """Sends ``payload`` on the lane when it is attached; returns its size in bytes, or 0 when
-        the lane does not take it (the frame carries it then). The payload's memory is the
-        lane's until ``flushed`` returns."""
+    def frame(self, frame: bytes, payload: np.ndarray | memoryview | bytes = b"") -> int:
+        """Sends an encoded frame (its header naming ``lane_bytes``) and its payload on the lane;
+        returns the payload's size. Only while ``attached``. The payload's memory is the lane's
+        until ``flushed`` returns."""
         conn = self.conn
-        if conn is None or self._closed:
-            return 0
+        assert conn is not None and self.attached, "frames go on the lane only once it is attached"
         view = as_bytes(payload)
-        nbytes = view.nbytes
-        if nbytes == 0 or nbytes > self.max_bytes:
-            return 0
-        self._emit(conn.seal(view), owned=conn.tls is not None)
-        self.counters.lane_bytes_sent += nbytes
-        return nbytes
+        head = len(frame).to_bytes(PREFIX, "little") + frame
+        if conn.tls is not None:
+            self._emit(conn.seal_parts(head, view), b"")
+        else:
+            self._emit(head, view)
+        self.counters.lane_bytes_sent += view.nbytes
+        return view.nbytes
 
-    def _emit(self, data: bytes | memoryview, *, owned: bool) -> None:
-        """Writes ``data`` after what is queued: what the kernel takes now, the rest queued (a view
-        of the caller's memory unless ``owned``, bytes of the lane's own: see ``flushed``)."""
+    def end(self) -> None:
+        """The link ends: an end marker follows its last frame, so the receiver knows it has all."""
+        if self._ended or self._closed:
+            return
+        self._ended = True
+        if self.conn is not None:
+            self._emit(self.conn.seal(_END), b"")
+
+    def _emit(self, head: bytes | memoryview, payload: bytes | memoryview) -> None:
+        """Writes ``head`` (bytes of the lane's own) and ``payload`` after what is queued: what the
+        kernel takes now, the rest queued (``payload`` as a view of the caller's memory)."""
         conn = self.conn
         assert conn is not None
-        view = memoryview(data)
+        parts = [memoryview(head), memoryview(payload)] if len(payload) else [memoryview(head)]
         if not self._queue:
             try:
-                view = view[conn.try_send(view):]
+                sent = conn.try_send_parts(parts)
             except OSError as exc:
                 self._broken(exc)
                 return
-            if not view.nbytes:
+            while parts and sent >= parts[0].nbytes:
+                sent -= parts.pop(0).nbytes
+            if not parts:
                 return
-        self._queue.append(view)
-        self._queued_total += 1
+            parts[0] = parts[0][sent:]
+        self._queue.extend(parts)
+        self._queued_total += len(parts)
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write(conn), name="ringserve-lane-writer")
             self._writer.add_done_callback(_seen)
@@ -185,28 +221,35 @@ class OutboundLane:
                 while not self._queue:
                     self._wake = loop.create_future()
                     await self._wake
-                head = self._queue[0]
-                sent = conn.try_send(head)
-                if sent < head.nbytes:
-                    self._queue[0] = head[sent:]
+                sent = conn.try_send_parts(list(itertools.islice(self._queue, _BATCH)))
+                done = 0
+                while self._queue and sent >= self._queue[0].nbytes:
+                    sent -= self._queue.popleft().nbytes
+                    done += 1
+                if self._queue and sent:
+                    self._queue[0] = self._queue[0][sent:]
+                if done:
+                    self._sent_total += done
+                    while self._flushes and self._flushes[0][0] <= self._sent_total:
+                        _resolve(self._flushes.popleft()[1])
+                    self.on_room()
+                if self._queue:
                     await conn.writable()
-                    continue
-                self._queue.popleft()
-                self._sent_total += 1
-                while self._flushes and self._flushes[0][0] <= self._sent_total:
-                    _resolve(self._flushes.popleft()[1])
-                self.on_room()
         except OSError as exc:  # LaneClosed too: the connection went under us
             self._broken(exc)
 
     async def flushed(self) -> None:
-        """Returns once every payload put so far is in the kernel (or the lane has ended: a lane
+        """Returns once every frame sent so far is in the kernel (or the lane has ended: a lane
         that broke fails its link, and the collective with it), so that its memory is free."""
         if self._sent_total >= self._queued_total or self._closed:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._flushes.append((self._queued_total, waiter))
         await waiter
+
+    def _receiver_closed(self) -> None:
+        if not self._ended:  # after the end marker, the receiver closes when it has read it
+            self._broken(LaneClosed("the receiver closed it"))
 
     def _broken(self, exc: BaseException) -> None:
         if self._closed:
@@ -293,7 +336,7 @@ class Lanes:
             return None
         cfg = self.config
         lane = OutboundLane(self.counters, port=cfg.payload_advertise_port or server.port, tls=server.tls,
-                            max_bytes=cfg.max_message_bytes, withdraw=server.withdraw)
+                            withdraw=server.withdraw)
         server.offer(lane)
         return lane
 
@@ -315,9 +358,12 @@ class Lanes:
                         self._tag(), where, exc)
         return self._server
 
-    def inbound(self, offer: peer_pb2.PayloadLane, *, address: str, edge: str) -> InboundLane | None:
-        """Dials the lane a HELLO offers (at the host of the sender's ``address``); None when this
-        worker keeps the stream for it (lanes off, or a TLS mismatch: refused with a reason).
+    def inbound(self, offer: peer_pb2.PayloadLane, *, address: str, edge: str,
+                on_frame: Callable[[Received], None] = _drop, on_broken: Callable[[BaseException], None] = _drop,
+                ) -> InboundLane | None:
+        """Dials the lane a HELLO offers (at the host of the sender's ``address``), whose frames go
+        to ``on_frame`` once it is attached (``on_broken``: it broke); None when this worker keeps
+        the stream for it (lanes off, or a TLS mismatch: refused with a reason).
 
         Raises:
             PayloadLaneError: the lane is required (``tcp``) and the TLS settings disagree.
@@ -340,7 +386,8 @@ class Lanes:
                            buffers=self.buffers, max_bytes=self.config.max_message_bytes,
                            fell_back=lambda why: self.fell_back(edge, why),
                            attached_late=lambda: log.info("%s: the payload lane of %s attached after all",
-                                                          self._tag(), edge))
+                                                          self._tag(), edge),
+                           on_frame=on_frame, on_broken=on_broken)
 
     def fell_back(self, edge: str, why: str) -> None:
         """An edge keeps the stream: counted, and logged once per edge (``tcp``: raised as
