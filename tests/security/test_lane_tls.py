@@ -22,9 +22,10 @@ from ringserve.config import WorkerConfig
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.lanes import Lanes
 from ringserve.worker.dataplane.laneserver import LaneServer, client_context, server_context
 from ringserve.worker.dataplane.lanesock import MAGIC
-from ringserve.worker.dataplane.tcplane import Lanes, OutboundLane
+from ringserve.worker.dataplane.tcplane import OutboundLane
 
 pytestmark = pytest.mark.timeout(60)
 

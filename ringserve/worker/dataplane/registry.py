@@ -25,12 +25,12 @@ from ringserve.observe import Counters, Timeline
 from ringserve.worker.dataplane import policy, shared
 from ringserve.worker.dataplane.channels import ChannelCache
 from ringserve.worker.dataplane.fdpass import RingServer
+from ringserve.worker.dataplane.lanes import Lanes
 from ringserve.worker.dataplane.link import Link, StreamLink
 from ringserve.worker.dataplane.plane import OnPeerFailure, Plane
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
 from ringserve.worker.dataplane.shared import OutboundRing
-from ringserve.worker.dataplane.tcplane import Lanes
 
 log = logging.getLogger("ringserve.worker")
 
