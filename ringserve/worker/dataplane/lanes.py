@@ -55,6 +55,13 @@ class Lanes:
         return self._security
 
     @property
+    def required_within_s(self) -> float:
+        """How long a required lane (``tcp``) may take to attach: the receiver's HELLO deadline, then
+        its connect deadline; 0 when the lane is not required."""
+        cfg = self.config
+        return cfg.peer_hello_timeout_s + cfg.payload_connect_timeout_s if self.mode == "tcp" else 0.0
+
+    @property
     def server(self) -> LaneServer | None:
         return self._server
 
@@ -71,7 +78,7 @@ class Lanes:
             return None
         cfg = self.config
         lane = OutboundLane(self.counters, port=cfg.payload_advertise_port or server.port, tls=server.tls,
-                            withdraw=server.withdraw)
+                            withdraw=server.withdraw, required_within_s=self.required_within_s)
         server.offer(lane)
         return lane
 

@@ -9,8 +9,8 @@ Why not asyncio's transports, or ``loop.sock_sendall``:
   one ``sendmsg``. A transport would copy the rest (asyncio) or keep it where the lane could not
   account for it (uvloop).
 - **The receiver reads straight into its own buffer**: ``recv_into`` for plaintext, and
-  ``SSLObject.read(n, buffer)`` under TLS, which decrypts into it. ``FrameReader`` reads a frame's
-  header from a staging buffer and its payload into the buffer it is given.
+  ``SSLObject.read(n, buffer)`` under TLS, which decrypts into it (``read_nowait``, called from
+  the loop's readiness callback: lanein.py).
 - **The same code under TLS and without it.** TLS is a filter: ``seal`` encrypts a payload into
   bytes of the lane's own (so nothing of the caller's is kept), and ``read_exact`` decrypts. A
   ``ssl.SSLSocket`` would need blocking sockets and threads, which the worker's one loop avoids.
@@ -36,7 +36,6 @@ ATTACHED = b"A"  # the sender's answer to a good token; a bad one is closed with
 TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 PREFIX = 4  # a frame on the lane: its encoded header's length (little-endian), the header, the payload
 _SCRATCH = 256 << 10  # ciphertext read at once under TLS
-_STAGING = 256 << 10  # what a FrameReader reads ahead: many small frames, or a header and a payload's start
 
 
 class LaneClosed(ConnectionError):
@@ -219,29 +218,36 @@ class LaneSocket:
                 self.tls.write(part)
         return self._out.read()
 
-    async def read_some(self, view: memoryview) -> int:
-        """Reads what has arrived (at least a byte, waiting for it) into ``view``, decrypted under TLS.
+    def read_nowait(self, view: memoryview) -> int | None:
+        """Reads what has arrived into ``view``, decrypted under TLS, without waiting: the number of
+        bytes, 0 at the lane's end, None when nothing is there yet.
 
         Raises:
-            LaneClosed: the lane ended.
+            OSError, ssl.SSLError: the connection broke, or its TLS records are damaged.
         """
         if self.tls is None:
-            n = await self.recv_into(view)
-            if n == 0:
-                raise LaneClosed("the lane closed")
-            return n
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return None
+        assert self._in is not None
         while True:
             try:
-                n = cast(int, self.tls.read(view.nbytes, view))
+                return cast(int, self.tls.read(view.nbytes, view))
             except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
-                continue
+                try:
+                    n = self.sock.recv_into(self._scratch)
+                except (BlockingIOError, InterruptedError):
+                    return None
+                if n == 0:
+                    return 0
+                self._in.write(self._scratch[:n])
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                raise LaneClosed("the lane's TLS session ended") from None
-            if n == 0:
-                raise LaneClosed("the lane's TLS session ended")
-            return n
+                return 0
+
+    def on_readable(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` whenever the socket is readable, until the lane is closed."""
+        self._loop.add_reader(self._fd, callback)
 
     async def read_exact(self, view: memoryview) -> None:
         """Fills ``view`` with the next ``len(view)`` bytes of the lane.
@@ -301,42 +307,3 @@ class LaneSocket:
             self._in.write_eof()
             raise LaneClosed("the peer closed the lane during TLS")
         self._in.write(self._scratch[:n])
-
-
-class FrameReader:
-    """Reads frames from a lane: through a staging buffer for headers (and small payloads, which
-    arrive with them), straight into the caller's buffer for the rest of a payload."""
-
-    def __init__(self, conn: LaneSocket, size: int = _STAGING) -> None:
-        self.conn = conn
-        self._buf = memoryview(bytearray(size))
-        self._start = self._end = 0
-
-    async def exactly(self, n: int) -> memoryview:
-        """The next ``n`` bytes (at most the staging size), valid until the next read.
-
-        Raises:
-            LaneClosed: the lane ended first.
-        """
-        if self._end - self._start < n:
-            if self._start:  # keep what is buffered at the front: room for the rest after it
-                kept = self._end - self._start
-                self._buf[:kept] = self._buf[self._start : self._end]
-                self._start, self._end = 0, kept
-            while self._end < n:
-                self._end += await self.conn.read_some(self._buf[self._end :])
-        view = self._buf[self._start : self._start + n]
-        self._start += n
-        return view
-
-    async def into(self, target: memoryview) -> None:
-        """Fills ``target`` with the next bytes: what is buffered first, then straight from the lane.
-
-        Raises:
-            LaneClosed: the lane ended first.
-        """
-        have = min(self._end - self._start, target.nbytes)
-        target[:have] = self._buf[self._start : self._start + have]
-        self._start += have
-        if have < target.nbytes:
-            await self.conn.read_exact(target[have:])

@@ -76,6 +76,7 @@ class Link:
             tcp.window = window
             tcp.on_room = self._let_one_in
             tcp.on_failure = lambda exc, why: self._fail(exc, why)
+            tcp.spared = lambda: lane is not None and lane.attached  # the shared ring won: no TCP lane needed
         self.window = window
         self._frames: deque[tuple[bytes, bool]] = deque()
         self._queued = 0  # DATA frames in _frames

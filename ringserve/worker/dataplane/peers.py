@@ -163,6 +163,9 @@ class PeerServicer:
             log.error("%s: %s", self._tag(), exc)
             if plane is not None and admitted.hello is not None:
                 plane.starve((admitted.hello.sender_rank,), exc)
+            # Hold the stream, unread, until the sender's own deadline has failed its link with the
+            # same error (tcplane.py): refused at once, a sender still writing could see INTERNAL.
+            await asyncio.sleep(self.planes.lanes.required_within_s + self.config.rpc_timeout_s)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
             if lane is not None:

@@ -66,7 +66,7 @@ import numpy as np
 
 from ringserve import wire
 from ringserve._proto import peer_pb2
-from ringserve.errors import PeerUnavailableError
+from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.lanesock import ATTACHED, PREFIX, TOKEN_BYTES, LaneClosed, LaneSocket
 
@@ -109,8 +109,13 @@ class OutboundLane:
     """
 
     def __init__(self, counters: Counters, *, port: int, tls: bool, withdraw: Callable[[OutboundLane], None],
-                 window: int = WINDOW) -> None:
+                 window: int = WINDOW, required_within_s: float = 0.0) -> None:
         self.token = secrets.token_bytes(TOKEN_BYTES)
+        # RINGSERVE_PAYLOAD_LANE=tcp: unless it (or the shared ring: ``spared``) attaches within this
+        # long of the HELLO, the link fails with PayloadLaneError; 0: not required.
+        self.required_within_s = required_within_s
+        self.spared: Callable[[], bool] = lambda: False
+        self._deadline: asyncio.TimerHandle | None = None
         self.port = port
         self.tls = tls
         self.counters = counters
@@ -129,8 +134,20 @@ class OutboundLane:
         self._flushes: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def offer(self) -> peer_pb2.PayloadLane:
-        """What goes into the HELLO."""
+        """What goes into the HELLO (a required lane's deadline starts now)."""
+        if self.required_within_s and self._deadline is None:
+            self._deadline = asyncio.get_running_loop().call_later(self.required_within_s, self._required)
         return peer_pb2.PayloadLane(port=self.port, token=self.token, tls=self.tls)
+
+    def _required(self) -> None:
+        """The deadline of a required lane: attached by now (or spared by the shared ring), or the
+        link fails. The sender finds out by itself: the receiver's refusal of the stream may reach it
+        as INTERNAL (grpc.aio reports a write that races the server's status so: grpc/grpc#36066)."""
+        if self.conn is None and not self._closed and not self.spared():
+            self.on_failure(PayloadLaneError(
+                f"The receiver did not attach to this worker's payload lane on port {self.port} within "
+                f"{self.required_within_s:g} s of the HELLO; RINGSERVE_PAYLOAD_LANE=tcp requires it (open that TCP "
+                f"port to the workers, pin it with RINGSERVE_PAYLOAD_PORT, or set auto)."), "")
 
     @property
     def attached(self) -> bool:
@@ -260,6 +277,8 @@ class OutboundLane:
             return
         self._closed = True
         self._withdraw(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
         if self._writer is not None:
             self._writer.cancel()
         if self.conn is not None:
