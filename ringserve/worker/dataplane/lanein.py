@@ -42,7 +42,9 @@ log = logging.getLogger("ringserve.worker")
 POOLED_MIN = 256 << 10  # smaller payloads take a fresh buffer: cheap, and no chunk-sized block held
 KEEP = 8  # free buffers the pool keeps
 MAX_HEADER = 64 << 10  # an encoded frame header: a few hundred bytes (an abort's descriptors, a few KiB)
-STAGING = 256 << 10  # read at once for headers: many small frames, or a header and a payload's start
+STAGING = 256 << 10  # the staging buffer: room for the largest header and then some
+STAGED_READ = 64 << 10  # read at most this much into it at once: many small frames, and at most this
+# much of a large payload copied out of it (the rest goes straight into the payload's own buffer)
 
 
 def _drop(_: object) -> None:
@@ -320,11 +322,11 @@ class FrameParser:
             return True
         if self._parse():
             return not self._done
-        if self._start and self._end == self._stage.nbytes:  # room after what is staged
+        if self._start and self._end + STAGED_READ > self._stage.nbytes:  # room after what is staged
             kept = self._end - self._start
             self._stage[:kept] = self._stage[self._start : self._end]
             self._start, self._end = 0, kept
-        n = self.conn.read_nowait(self._stage[self._end :])
+        n = self.conn.read_nowait(self._stage[self._end : self._end + STAGED_READ])
         if n is None:
             return False
         if n == 0:
