@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -69,8 +68,6 @@ from ringserve._proto import peer_pb2
 from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.lanesock import ATTACHED, PREFIX, TOKEN_BYTES, LaneClosed, LaneSocket
-
-log = logging.getLogger("ringserve.worker")
 
 WINDOW = 32  # buffers that may wait for the kernel, as the link's SEND_WINDOW frames may
 _BATCH = 64  # buffers the writer hands the kernel in one sendmsg (IOV_MAX is 1024)
