@@ -13,9 +13,10 @@ growth of its resident set from just before the tensor was made, tensor included
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
 
 The workers share one host, so by default ringserve passes payloads through shared memory (only
-headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). A second run with shared memory
-off sends every payload over the stream, as between hosts: its columns say what the network path
-costs on its own (``--no-stream`` skips it).
+headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). Two more runs with
+shared memory off say what the network path costs on its own, over loopback: with the TCP payload
+lane, as between hosts by default, and with every payload over the gRPC stream (``--no-stream``
+skips both).
 
 With ``--tls`` ringserve also runs under mTLS with a job token (stream only: on one host, shared
 memory would carry the payloads around TLS), from a throwaway CA and certificate made in a
@@ -150,9 +151,11 @@ def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path
         thread.stop()
 
 
-# Every payload over the gRPC stream, as between hosts: the figure for a network, and the base of
-# the TLS ratio (shared memory would carry the payloads around TLS on one host).
-STREAM_ONLY = {"shared_memory": False}
+# Every payload over the gRPC stream: what a network path cost before the TCP payload lane, and
+# the base of the TLS ratio (shared memory would carry the payloads around TLS on one host).
+STREAM_ONLY = {"shared_memory": False, "payload_lane": "off"}
+# Shared memory off, the TCP payload lane on (the default between hosts), over loopback.
+LANE_ONLY = {"shared_memory": False}
 
 
 def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls: bool = False,
@@ -161,6 +164,7 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
     me = str(pathlib.Path(__file__).resolve())
     run_ringserve(world, sizes_arg, loop, tmp, "rs", {})
     if stream:
+        run_ringserve(world, sizes_arg, loop, tmp, "lane", {}, LANE_ONLY)
         run_ringserve(world, sizes_arg, loop, tmp, "stream", {}, STREAM_ONLY)
     if tls:
         run_ringserve(world, sizes_arg, loop, tmp, "tls", tls_settings(tmp), STREAM_ONLY)
@@ -176,6 +180,7 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
         gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world)) if gloo else float("nan")
         tls_t = max(read_json(tmp / f"tls{world}.{i}.json")[key]["t"] for i in range(world)) if tls else float("nan")
         st_t = max(read_json(tmp / f"stream{world}.{i}.json")[key]["t"] for i in range(world)) if stream else float("nan")
+        ln_t = max(read_json(tmp / f"lane{world}.{i}.json")[key]["t"] for i in range(world)) if stream else float("nan")
         sent = max(read_json(tmp / f"rs{world}.{i}.json")[key]["sent"] for i in range(world))
         peak = max(read_json(tmp / f"rs{world}.{i}.json")[key]["peak_over_tensor"] for i in range(world))
         factor = 2 * (world - 1) / world
@@ -191,6 +196,8 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
             "busbw_ratio": f"{gl_t / rs_t:.2f}",
             "sent_over_opt": f"{sent / optimum:.4f}",
             "peak_mem": f"{peak:.2f}x" if size == max(sizes) else "-",
+            "lane_ms": f"{ln_t * 1e3:.2f}" if stream else "-",
+            "lane_busbw_ratio": f"{gl_t / ln_t:.2f}" if stream else "-",
             "stream_ms": f"{st_t * 1e3:.2f}" if stream else "-",
             "stream_busbw_ratio": f"{gl_t / st_t:.2f}" if stream else "-",
             "tls_ms": f"{tls_t * 1e3:.2f}" if tls else "-",
@@ -204,7 +211,8 @@ COLUMNS = [
     ("time_ratio", "time / gloo"), ("rs_busbw", "ringserve busbw GB/s"), ("gloo_busbw", "gloo busbw GB/s"),
     ("busbw_ratio", "busbw / gloo"), ("sent_over_opt", "bytes sent / optimum"), ("peak_mem", "peak mem / tensor"),
 ]
-STREAM_COLUMNS = [("stream_ms", "stream-only ms/op"), ("stream_busbw_ratio", "stream-only busbw / gloo")]
+STREAM_COLUMNS = [("lane_ms", "payload lane ms/op"), ("lane_busbw_ratio", "payload lane busbw / gloo"),
+                  ("stream_ms", "stream-only ms/op"), ("stream_busbw_ratio", "stream-only busbw / gloo")]
 TLS_COLUMNS = [("tls_ms", "mTLS+token ms/op"), ("tls_ratio", "mTLS / stream-only")]
 
 
