@@ -121,17 +121,17 @@ class Lanes:
                        "never travel in plaintext")
             else:
                 why = f"its lane at {where} speaks TLS and this worker has no TLS settings (tls_ca)"
-            self.fell_back(edge, why)
+            self.fell_back(edge, why, peer=address)
             return None
         return InboundLane(host=host, port=offer.port, token=offer.token, context=context,
                            server_name=self.security.server_name or host, timeout_s=self.config.payload_connect_timeout_s,
                            buffers=self.buffers, max_bytes=self.config.max_message_bytes,
-                           fell_back=lambda why: self.fell_back(edge, why),
+                           fell_back=lambda why: self.fell_back(edge, why, peer=address),
                            attached_late=lambda: log.info("%s: the payload lane of %s attached after all",
                                                           self._tag(), edge),
                            on_frame=on_frame, on_broken=on_broken)
 
-    def fell_back(self, edge: str, why: str) -> None:
+    def fell_back(self, edge: str, why: str, *, peer: str = "") -> None:
         """An edge keeps the stream: counted, and logged once per edge (``tcp``: raised as
         ``missing`` by the stream, see peers.py).
 
@@ -141,7 +141,7 @@ class Lanes:
         self.counters.lane_fallbacks += 1
         if self.mode == "tcp":
             raise self.missing(edge, why)
-        key = edge.split(" of view ")[0]  # the pair of workers, whatever the view
+        key = peer or edge  # the sending worker, whatever its rank and view: one line per edge
         if key in self._logged:
             log.debug("%s: payloads of %s take the stream: %s", self._tag(), edge, why)
             return

@@ -198,7 +198,8 @@ class PeerServicer:
         edge = f"rank {sender} ({address}) -> rank {plane.place.rank} of view {plane.view_id}"
         if not hello.HasField("payload_lane"):
             if lanes.mode == "tcp":
-                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)")
+                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)",
+                                peer=address)
             return None
 
         def on_frame(frame: Received) -> None:
@@ -220,7 +221,7 @@ class PeerServicer:
                 await lane.ready()
             except ConnectionError as exc:
                 lane.close()
-                lanes.fell_back(f"{edge} (port {lane.where})", str(exc))
+                lanes.fell_back(f"{edge} (port {lane.where})", str(exc), peer=address)
         return lane
 
     async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
