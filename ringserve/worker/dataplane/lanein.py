@@ -189,17 +189,21 @@ class InboundLane:
         sock = socket.socket(family, kind, proto)
         try:
             tune(sock)
-            self.conn = LaneSocket(sock)
-            await loop.sock_connect(sock, address)
-            if self._context is not None:
-                self.conn = LaneSocket.wrap(sock, self._context, server_side=False, server_hostname=self._server_name)
-                await self.conn.handshake()
-            await self.conn.send_all(self.conn.seal(MAGIC + self._token))
         except BaseException:
-            self.conn = None
             sock.close()
             raise
-        return self.conn
+        conn = self.conn = LaneSocket(sock)
+        try:
+            await loop.sock_connect(sock, address)
+            if self._context is not None:
+                conn.start_tls(self._context, server_side=False, server_hostname=self._server_name)
+                await conn.handshake()
+            await conn.send_all(MAGIC + self._token)
+        except BaseException:
+            self.conn = None
+            conn.close()
+            raise
+        return conn
 
     def _fail(self, why: str, *, logged: bool = False) -> None:
         self.failure = why

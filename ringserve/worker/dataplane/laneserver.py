@@ -201,9 +201,9 @@ class LaneServer:
                           "a worker of a TLS job needs tls_ca (and tls_cert/tls_key under mTLS)")
             conn.close()
             return None
-        tls = LaneSocket.wrap(sock, self.context, server_side=True)
-        await tls.handshake()
-        return tls
+        conn.start_tls(self.context, server_side=True)
+        await conn.handshake()
+        return conn
 
     def _match(self, token: bytes) -> OutboundLane | None:
         found = None

@@ -37,10 +37,10 @@ How:
   returns (executor.py): after that, the caller may write its buffers, as it may after the
   stream's encoding or the ring's copy. Within a collective, a buffer sent on is written again
   only with data that came back through the ring after the send was received (the causality
-  every ring program has), or in a later stage, which comes after a flush too. Under TLS a frame
-  is encrypted at once into bytes of the lane's own. The receiver reads a frame's header through
-  a staging buffer and its payload with ``recv_into`` into a pooled buffer, which the reduction
-  reads from (lanein.py).
+  every ring program has), or in a later stage, which comes after a flush too. Under TLS,
+  OpenSSL encrypts from the same views as it sends. The receiver reads a frame's header through
+  a staging buffer and its payload with ``recv_into`` (decrypting under TLS) into a pooled
+  buffer, which the reduction reads from (lanein.py).
 - **Never a new way to fail.** Until the lane attaches, frames travel on the stream, as payloads
   do while the shared ring is unattached; an edge whose lane cannot connect and authenticate
   within ``payload_connect_timeout_s`` keeps the stream (``auto``), logged once per edge and
@@ -158,9 +158,9 @@ class OutboundLane:
             return False
         self.conn = conn
         self._withdraw(self)  # a token is good once
-        self._emit(conn.seal(ATTACHED), b"")
+        self._emit(ATTACHED, b"")
         if self._ended:  # the link ended before the receiver came: nothing will follow
-            self._emit(conn.seal(_END), b"")
+            self._emit(_END, b"")
         conn.watch(self._receiver_closed)
         return True
 
@@ -182,10 +182,7 @@ class OutboundLane:
         assert conn is not None and self.attached, "frames go on the lane only once it is attached"
         view = as_bytes(payload)
         head = len(frame).to_bytes(PREFIX, "little") + frame
-        if conn.tls is not None:
-            self._emit(conn.seal_parts(head, view), b"")
-        else:
-            self._emit(head, view)
+        self._emit(head, view)
         self.counters.lane_bytes_sent += view.nbytes
         return view.nbytes
 
@@ -195,11 +192,12 @@ class OutboundLane:
             return
         self._ended = True
         if self.conn is not None:
-            self._emit(self.conn.seal(_END), b"")
+            self._emit(_END, b"")
 
-    def _emit(self, head: bytes | memoryview, payload: bytes | memoryview) -> None:
+    def _emit(self, head: bytes, payload: bytes | memoryview) -> None:
         """Writes ``head`` (bytes of the lane's own) and ``payload`` after what is queued: what the
-        kernel takes now, the rest queued (``payload`` as a view of the caller's memory)."""
+        kernel takes now (TLS encrypts it from there), the rest queued (``payload`` as a view of the
+        caller's memory)."""
         conn = self.conn
         assert conn is not None
         parts = [memoryview(head), memoryview(payload)] if len(payload) else [memoryview(head)]
