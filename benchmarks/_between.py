@@ -101,6 +101,8 @@ def main(args: argparse.Namespace) -> None:
     kinds = [k for k in KINDS if not (k == "gloo" and args.no_gloo) and not (k == "stream" and args.no_stream)]
     if args.tls:
         kinds.append("mtls")
+        if not args.no_stream:
+            kinds.append("mtls-stream")
     rows = []
     load = []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -118,8 +120,8 @@ def main(args: argparse.Namespace) -> None:
                         if kind == "gloo":
                             _gloo(lan, world, size_args, out)
                         else:
-                            _ringserve(lan, world, size_args, out, "off" if kind == "stream" else "tcp",
-                                       security if kind == "mtls" else {})
+                            _ringserve(lan, world, size_args, out, "off" if kind.endswith("stream") else "tcp",
+                                       security if kind.startswith("mtls") else {})
                         times[kind].append({s: _slowest(out, world, s) for s in sizes})
                         cpus[kind].append({s: _cpu(out, world, s) for s in sizes})
                     print(f"world {world}, round {r + 1}/{args.rounds} done (load {load[-1]:.2f})", flush=True)
@@ -135,9 +137,13 @@ def main(args: argparse.Namespace) -> None:
                         row[f"{kind}_ratio"] = _spread([g[s] / t[s] for g, t in zip(times["gloo"], times[kind], strict=True)])
                 if args.tls:
                     row["mtls_over_lane"] = _spread([m[s] / t[s] for m, t in zip(times["mtls"], times["lane"], strict=True)])
+                if "mtls-stream" in times:
+                    row["mtls_lane_over_stream"] = _spread(
+                        [m[s] / t[s] for m, t in zip(times["mtls"], times["mtls-stream"], strict=True)])
                 rows.append(row)
     columns = [("world", "world"), ("size", "size")]
-    names = {"gloo": "gloo", "lane": "ringserve, lane", "stream": "ringserve, stream-only", "mtls": "ringserve, lane, mTLS"}
+    names = {"gloo": "gloo", "lane": "ringserve, lane", "stream": "ringserve, stream-only", "mtls": "ringserve, lane, mTLS",
+             "mtls-stream": "ringserve, stream-only, mTLS"}
     for kind in kinds:
         columns.append((f"{kind}_ms", f"{names[kind]} ms/op"))
         columns.append((f"{kind}_bw", f"{names[kind]} busbw GB/s"))
@@ -146,6 +152,8 @@ def main(args: argparse.Namespace) -> None:
             columns.append((f"{kind}_ratio", f"{names[kind]} busbw / gloo, median [range]"))
     if args.tls:
         columns.append(("mtls_over_lane", "mTLS time / plaintext lane, median [range]"))
+    if "mtls-stream" in kinds:
+        columns.append(("mtls_lane_over_stream", "mTLS lane time / mTLS stream's, median [range]"))
     print(f"\nallreduce of float32 sums between hosts (a network namespace per rank, veth, no rate limit), "
           f"{args.rounds} interleaved rounds; load average at the rounds' starts: "
           f"{min(load):.2f} - {max(load):.2f}")

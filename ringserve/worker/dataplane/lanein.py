@@ -10,14 +10,13 @@ closes the lane on its own: the sender may already be writing to it. If the send
 longer than the deadline, the fallback is logged, and the lane still attaches if the answer comes
 (a sender whose loop was held up); if the sender closes instead, it refused the token.
 
-Attached, the lane is read from the loop's readiness callback (``FrameParser``): each time the
-socket is readable, it reads what has come, headers through a staging buffer (many small frames
-in one read), a payload straight into its own buffer, and hands every complete frame to
-``on_frame``, which routes it as the stream would, until the sender's end marker (``finished``)
-or a break (``on_broken``). No task wakes per frame, and the socket stays registered. A payload
-goes into a pooled buffer, returned to the pool when the last view of it is dropped (a weak
-reference, as the shared ring frees its slots), so a buffer is never written while a collective
-still reads it.
+Attached, the lane is read on a thread of its own (lanethreads.py's ``Reader``) by a
+``FrameParser`` (laneframes.py): headers through a staging buffer (many small frames in one
+read), a payload straight into a pooled buffer, every complete frame handed to the loop, where
+``on_frame`` routes it as the stream would, until the sender's end marker (``finished``) or a
+break (``on_broken``). A pooled buffer returns to the pool when the last view of it is dropped
+(a weak reference, as the shared ring frees its slots), so a buffer is never written while a
+collective still reads it.
 """
 
 from __future__ import annotations
@@ -27,25 +26,17 @@ import logging
 import os
 import socket
 import ssl
-import weakref
 from collections.abc import Callable
 
-import numpy as np
-
-from ringserve import wire
 from ringserve.errors import PeerUnavailableError, ProtocolError
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.lanesock import ATTACHED, MAGIC, PREFIX, LaneClosed, LaneSocket, tune
+from ringserve.worker.dataplane.laneframes import POOLED_MIN, FrameParser, LaneBuffers
+from ringserve.worker.dataplane.lanesock import ATTACHED, MAGIC, LaneClosed, LaneSocket, tune
+from ringserve.worker.dataplane.lanethreads import Reader, read_into
 
 log = logging.getLogger("ringserve.worker")
 
-POOLED_MIN = 256 << 10  # smaller payloads take a fresh buffer: cheap, and no chunk-sized block held
-KEEP = 8  # free buffers the pool keeps
-MAX_HEADER = 64 << 10  # an encoded frame header: a few hundred bytes (an abort's descriptors, a few KiB)
-STAGING = 256 << 10  # the staging buffer: room for the largest header and then some
-STAGED_READ = 64 << 10  # read at most this much into it at once: many small frames, and at most this
-# much of a large payload copied out of it (the rest goes straight into the payload's own buffer)
-
+__all__ = ["POOLED_MIN", "InboundLane", "LaneBuffers"]
 
 def _drop(_: object) -> None:
     pass
@@ -56,33 +47,6 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, LaneClosed):
         return os.strerror(exc.errno)
     return str(exc)
-
-
-class LaneBuffers:
-    """Chunk-sized receive buffers, reused once no view of them is left."""
-
-    def __init__(self, size: int, *, keep: int = KEEP) -> None:
-        self.size = size
-        self.keep = keep
-        self._free: list[np.ndarray] = []
-        self.made = 0  # buffers allocated (for tests)
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A writable array of ``nbytes`` bytes; its buffer comes back once it and its views die."""
-        if nbytes < POOLED_MIN or nbytes > self.size:
-            return np.empty(nbytes, dtype=np.uint8)
-        buf = self._free.pop() if self._free else self._new()
-        view = buf[:nbytes]
-        weakref.finalize(view, self._give_back, buf)
-        return view
-
-    def _new(self) -> np.ndarray:
-        self.made += 1
-        return np.empty(self.size, dtype=np.uint8)
-
-    def _give_back(self, buf: np.ndarray) -> None:
-        if len(self._free) < self.keep:
-            self._free.append(buf)
 
 
 class InboundLane:
@@ -105,6 +69,7 @@ class InboundLane:
         self._on_frame = on_frame
         self._on_broken = on_broken
         self.conn: LaneSocket | None = None
+        self._reader: Reader | None = None  # the thread that reads the attached lane (lanethreads.py)
         self.failure = ""  # why the lane did not attach ("" while it may)
         self.required = False  # set by a stream that waits for it (``ready``): it reports the failure
         self.frames = 0  # frames read from the lane
@@ -130,10 +95,35 @@ class InboundLane:
         if conn is None:
             self._finish(True)  # nothing came on the lane, nothing is owed
             return
-        parser = FrameParser(conn, self._buffers, self._max_bytes, self.where, self._delivered, self._break,
-                             lambda: self._finish(True))
-        conn.on_readable(parser.pump)
-        asyncio.get_running_loop().call_soon(parser.pump)  # what TLS decrypted already signals nothing
+        loop = asyncio.get_running_loop()
+        reader = self._reader = Reader(conn.sock, lambda deliver: self._parse(conn, loop, deliver), loop=loop,
+                                       on_frame=self._delivered)
+        try:
+            await asyncio.wait([reader.done])  # the thread reads until the end, a break or close()
+        finally:
+            if not reader.done.done():  # cancelled (the loop ends): stop the thread before the socket goes
+                reader.close()
+                await asyncio.wait([reader.done])
+            conn.close()
+
+    def _parse(self, conn: LaneSocket, loop: asyncio.AbstractEventLoop, deliver: Callable[[Received], None]) -> None:
+        """On the reader's thread: every frame of the lane to ``deliver``, until its end or a break,
+        either told to the loop."""
+        sock, waitall = conn.sock, 0 if conn.tls else socket.MSG_WAITALL
+
+        def closing() -> bool:
+            return self._reader is not None and self._reader.closing
+
+        def read(view: memoryview, whole: bool) -> int:
+            return read_into(sock, view, waitall if whole else 0, closing)
+
+        def broken(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(self._break, exc)
+
+        def ended() -> None:
+            loop.call_soon_threadsafe(self._finish, True)
+
+        FrameParser(read, self._buffers, self._max_bytes, self.where, deliver, broken, ended).pump()
 
     async def _connect(self) -> LaneSocket | None:
         """The connection once the sender answered the token; None if the lane did not attach."""
@@ -256,127 +246,16 @@ class InboundLane:
             return False
 
     def close(self) -> None:
-        """Stops dialling or reading and closes the connection (``wait_closed`` waits for the task)."""
+        """Stops dialling or reading; the connection closes once the reader's thread is out of it
+        (``wait_closed`` waits for that)."""
+        self._finish(False)
+        if self._reader is not None:
+            self._reader.close()  # the task ends with the thread, and closes the socket
+            return
         self._task.cancel()
         if self.conn is not None:
             self.conn.close()
-        self._finish(False)
 
     async def wait_closed(self) -> None:
         """Waits for the reading task to end, after ``close``."""
         await asyncio.wait([self._task])
-
-
-class FrameParser:
-    """The frames of an attached lane, read as they come: called by the loop whenever the socket is
-    readable, it reads what is there, hands on each frame it completes, and returns when the
-    socket has no more (``pump``)."""
-
-    def __init__(self, conn: LaneSocket, buffers: LaneBuffers, max_bytes: int, where: str,
-                 deliver: Callable[[Received], None], broken: Callable[[BaseException], None],
-                 ended: Callable[[], None]) -> None:
-        self.conn = conn
-        self._buffers = buffers
-        self._max_bytes = max_bytes
-        self._where = where
-        self._deliver = deliver
-        self._broken = broken
-        self._ended = ended
-        self._stage = memoryview(bytearray(STAGING))
-        self._start = self._end = 0  # the staged bytes not parsed yet
-        self._header: wire.FrameHeader | None = None  # of the frame whose payload is being read
-        self._raw = b""
-        self._payload: np.ndarray | None = None
-        self._got = 0
-        self._done = False
-
-    def pump(self) -> None:
-        """Reads and hands on every frame the socket holds now."""
-        if self._done:
-            return
-        try:
-            while self._step():
-                pass
-        except (OSError, ssl.SSLError, LaneClosed, ProtocolError) as exc:
-            self._done = True
-            self._broken(exc)
-        except Exception as exc:  # a bug on the receiving side: the lane stops, the stream's end says so
-            log.exception("the payload lane from %s failed", self._where)
-            self._done = True
-            self._broken(ProtocolError(f"The payload lane from {self._where} failed: {type(exc).__name__}: {exc}"))
-
-    def _step(self) -> bool:
-        """One step: a frame parsed from what is staged, or more bytes read; False once the
-        socket has nothing more for now (or the lane ended).
-
-        Raises:
-            LaneClosed: the lane ended in the middle of a frame.
-            ProtocolError: a frame is malformed or too large.
-        """
-        if self._payload is not None:
-            view = memoryview(self._payload)[self._got:]  # type: ignore[arg-type]
-            n = self.conn.read_nowait(view)
-            if n is None:
-                return False
-            if n == 0:
-                raise LaneClosed(f"the lane closed {view.nbytes} bytes short of a payload")
-            self._got += n
-            if self._got == self._payload.nbytes:
-                self._hand_on()
-            return True
-        if self._parse():
-            return not self._done
-        if self._start and self._end + STAGED_READ > self._stage.nbytes:  # room after what is staged
-            kept = self._end - self._start
-            self._stage[:kept] = self._stage[self._start : self._end]
-            self._start, self._end = 0, kept
-        n = self.conn.read_nowait(self._stage[self._end : self._end + STAGED_READ])
-        if n is None:
-            return False
-        if n == 0:
-            if self._end > self._start:
-                raise LaneClosed("the lane closed in the middle of a frame's header")
-            raise LaneClosed("the lane closed without its end marker")
-        self._end += n
-        return True
-
-    def _parse(self) -> bool:
-        """Starts the next frame if its header is staged; False if more bytes are needed."""
-        staged = self._end - self._start
-        if staged < PREFIX:
-            return False
-        size = int.from_bytes(self._stage[self._start : self._start + PREFIX], "little")
-        if not 0 < size <= MAX_HEADER:
-            raise ProtocolError(f"A frame on the payload lane from {self._where} has a header of {size} bytes.")
-        if staged < PREFIX + size:
-            if PREFIX + size > self._stage.nbytes - self._start:  # make room for the whole header
-                self._stage[: staged] = self._stage[self._start : self._end]
-                self._start, self._end = 0, staged
-            return False
-        raw = bytes(self._stage[self._start + PREFIX : self._start + PREFIX + size])
-        self._start += PREFIX + size
-        header, _ = wire.decode(raw)
-        if header.kind == wire.BYE:
-            self._done = True
-            self._ended()
-            return True
-        nbytes = header.lane_bytes
-        if nbytes > self._max_bytes:
-            raise ProtocolError(f"A frame on the payload lane from {self._where} names {nbytes} bytes; a payload "
-                                f"holds at most {self._max_bytes} (a chunk and its header).")
-        self._header, self._raw = header, raw
-        self._payload = self._buffers.take(nbytes)
-        have = min(self._end - self._start, nbytes)
-        self._payload[:have] = np.frombuffer(self._stage, dtype=np.uint8, count=have, offset=self._start)
-        self._start += have
-        self._got = have
-        if have == nbytes:
-            self._hand_on()
-        return True
-
-    def _hand_on(self) -> None:
-        assert self._header is not None and self._payload is not None
-        payload, self._payload = self._payload, None
-        header, self._header = self._header, None
-        payload.flags.writeable = False
-        self._deliver(Received(header, memoryview(payload), self._raw))  # type: ignore[arg-type]

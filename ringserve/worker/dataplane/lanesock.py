@@ -1,15 +1,16 @@
-"""One end of a payload lane's connection: a non-blocking TCP socket on the worker's event loop,
-under TLS (a non-blocking ``ssl.SSLSocket``) when the job runs with TLS.
+"""One end of a payload lane's connection: a TCP socket, under TLS (an ``ssl.SSLSocket``) when the
+job runs with TLS. The loop attaches it here, non-blocking (connect, handshake, token, answer);
+an attached lane's bytes are then moved by a thread of its own (lanethreads.py).
 
 Why not asyncio's transports, or ``loop.sock_sendall``:
 
 - **The lane decides what it holds.** It sends straight from the caller's array (a collective's
   input, or its result buffer) and keeps a view of what the kernel did not take, until a flush
-  (tcplane.py); ``try_send_parts`` gives the kernel what it takes now, a frame's header and
-  payload in one ``sendmsg``. A transport would copy the rest (asyncio) or keep it where the lane
-  could not account for it (uvloop).
+  (tcplane.py); the writer gives the kernel a frame's header and payload in one ``sendmsg``. A
+  transport would copy the rest (asyncio) or keep it where the lane could not account for it
+  (uvloop).
 - **The receiver reads straight into its own buffer**: ``recv_into``, which under TLS decrypts
-  into it (``read_nowait``, called from the loop's readiness callback: lanein.py).
+  into it (lanethreads.py's ``read_into``, on the reader's thread).
 - **TLS without copies of our own.** OpenSSL reads its records from the socket and decrypts
   into the caller's buffer, and encrypts from the caller's buffer into the socket, with the GIL
   released for the crypto. (Memory BIOs, the other way Python offers, cost two more copies of
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ringserve.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
@@ -148,22 +149,6 @@ class LaneSocket:
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return 0
 
-    def try_send_parts(self, parts: Sequence[bytes | memoryview]) -> int:
-        """``try_send`` of several buffers in order: in one system call (``sendmsg``) in plaintext,
-        one after the other under TLS (records do not span them)."""
-        if not self.tls:
-            try:
-                return self.sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                return 0
-        total = 0
-        for part in parts:
-            sent = self.try_send(part)
-            total += sent
-            if sent < len(part):
-                break
-        return total
-
     async def send_all(self, data: bytes | memoryview) -> None:
         """Sends every byte of ``data`` (bytes of the lane's own: it may wait for room)."""
         view = memoryview(data)
@@ -175,21 +160,22 @@ class LaneSocket:
 
     def watch(self, closed: Callable[[], None]) -> None:
         """Calls ``closed`` (once) if the peer closes or resets the connection, or sends anything:
-        for a sender, which reads nothing after the token (a TLS peer sends nothing either)."""
+        for a sender, which reads nothing after the token, and whose writes are a thread's
+        (lanethreads.py), so the socket may be blocking. Under TLS any byte at all means the end
+        (an alert, close_notify, or the FIN): the receiver sends nothing after its token, and the
+        loop must not touch the TLS session the writer thread uses."""
         fd = self._fd
 
         def readable() -> None:
             if self._fd != fd:
                 return
-            try:
-                if self.tls:
-                    self.sock.recv(1)  # anything at all, or the end
-                else:
-                    self.sock.recv(1, socket.MSG_PEEK)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                return
-            except OSError:  # ssl.SSLError too
-                pass
+            if not self.tls:
+                try:
+                    self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    pass
             self._loop.remove_reader(fd)
             closed()
 
@@ -218,10 +204,6 @@ class LaneSocket:
             return None
         except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
             return 0
-
-    def on_readable(self, callback: Callable[[], None]) -> None:
-        """Calls ``callback`` whenever the socket is readable, until the lane is closed."""
-        self._loop.add_reader(self._fd, callback)
 
     async def read_exact(self, view: memoryview) -> None:
         """Fills ``view`` with the next ``len(view)`` bytes of the lane.

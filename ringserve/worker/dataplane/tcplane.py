@@ -56,7 +56,6 @@ How:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -68,9 +67,9 @@ from ringserve._proto import peer_pb2
 from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.lanesock import ATTACHED, PREFIX, TOKEN_BYTES, LaneClosed, LaneSocket
+from ringserve.worker.dataplane.lanethreads import Writer
 
 WINDOW = 32  # buffers that may wait for the kernel, as the link's SEND_WINDOW frames may
-_BATCH = 64  # buffers the writer hands the kernel in one sendmsg (IOV_MAX is 1024)
 _FRAME_END = wire.encode(wire.FrameHeader(kind=wire.BYE))
 _END = len(_FRAME_END).to_bytes(PREFIX, "little") + _FRAME_END  # the last frame on a lane that ended
 OnFailure = Callable[[BaseException, str], None]
@@ -100,9 +99,9 @@ class OutboundLane:
     """The sender's side of one edge's lane: offered in its link's HELLO, attached when the
     receiver presents the token on the payload port, then the way of the link's frames.
 
-    It holds the connection's writes: ``frame`` sends what the kernel takes now and queues views
-    of the rest, and a writer task (owned here, started on the first partial send) drains the
-    queue. It watches the connection too: a receiver that closes it fails the link at once.
+    Its writes are a ``Writer``'s (lanethreads.py): a thread that sends the queued buffers in order
+    while the loop goes on. The lane counts what is queued and what is out, for ``flushed`` and
+    for room, and watches the connection: a receiver that closes it fails the link at once.
     """
 
     def __init__(self, counters: Counters, *, port: int, tls: bool, withdraw: Callable[[OutboundLane], None],
@@ -118,15 +117,13 @@ class OutboundLane:
         self.counters = counters
         self.window = window
         self.conn: LaneSocket | None = None
-        self.on_room: Callable[[], None] = _nothing  # a queued frame went to the kernel
+        self.on_room: Callable[[], None] = _nothing  # queued buffers went to the kernel
         self.on_failure: OnFailure = _ignore
         self._withdraw = withdraw
-        self._queue: deque[memoryview] = deque()  # bytes the kernel has not taken, oldest first
-        self._wake: asyncio.Future[None] | None = None
-        self._writer: asyncio.Task[None] | None = None
+        self._writer: Writer | None = None
         self._closed = False
         self._ended = False  # the link ended: the end marker is (or goes, once attached) on the lane
-        self._queued_total = 0  # items ever queued, and of those, items sent: for flushed()
+        self._queued_total = 0  # buffers ever queued for the writer, and of those, buffers it sent
         self._sent_total = 0
         self._flushes: deque[tuple[int, asyncio.Future[None]]] = deque()
 
@@ -158,6 +155,8 @@ class OutboundLane:
             return False
         self.conn = conn
         self._withdraw(self)  # a token is good once
+        self._writer = Writer(conn.sock, tls=conn.tls, loop=asyncio.get_running_loop(),
+                              on_progress=self._progress, on_error=self._broken)
         self._emit(ATTACHED, b"")
         if self._ended:  # the link ended before the receiver came: nothing will follow
             self._emit(_END, b"")
@@ -167,22 +166,20 @@ class OutboundLane:
     @property
     def waiting(self) -> int:
         """Buffers (of frames, and the answer) that the kernel has not taken all of yet."""
-        return len(self._queue)
+        return self._queued_total - self._sent_total
 
     @property
     def has_room(self) -> bool:
         """Whether another frame may be sent: at most ``window`` buffers wait for the kernel."""
-        return len(self._queue) < self.window
+        return self._queued_total - self._sent_total < self.window
 
     def frame(self, frame: bytes, payload: np.ndarray | memoryview | bytes = b"") -> int:
         """Sends an encoded frame (its header naming ``lane_bytes``) and its payload on the lane;
         returns the payload's size. Only while ``attached``. The payload's memory is the lane's
         until ``flushed`` returns."""
-        conn = self.conn
-        assert conn is not None and self.attached, "frames go on the lane only once it is attached"
+        assert self.attached, "frames go on the lane only once it is attached"
         view = as_bytes(payload)
-        head = len(frame).to_bytes(PREFIX, "little") + frame
-        self._emit(head, view)
+        self._emit(len(frame).to_bytes(PREFIX, "little") + frame, view)
         self.counters.lane_bytes_sent += view.nbytes
         return view.nbytes
 
@@ -195,55 +192,18 @@ class OutboundLane:
             self._emit(_END, b"")
 
     def _emit(self, head: bytes, payload: bytes | memoryview) -> None:
-        """Writes ``head`` (bytes of the lane's own) and ``payload`` after what is queued: what the
-        kernel takes now (TLS encrypts it from there), the rest queued (``payload`` as a view of the
-        caller's memory)."""
-        conn = self.conn
-        assert conn is not None
+        """Hands ``head`` (bytes of the lane's own) and ``payload`` (a view of the caller's memory)
+        to the writer, after what is queued."""
+        assert self._writer is not None
         parts = [memoryview(head), memoryview(payload)] if len(payload) else [memoryview(head)]
-        if not self._queue:
-            try:
-                sent = conn.try_send_parts(parts)
-            except OSError as exc:
-                self._broken(exc)
-                return
-            while parts and sent >= parts[0].nbytes:
-                sent -= parts.pop(0).nbytes
-            if not parts:
-                return
-            parts[0] = parts[0][sent:]
-        self._queue.extend(parts)
-        self._queued_total += len(parts)
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write(conn), name="ringserve-lane-writer")
-            self._writer.add_done_callback(_seen)
-        elif self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        self._queued_total += len(parts) - self._writer.put(parts)
 
-    async def _write(self, conn: LaneSocket) -> None:
-        """Drains the queue into the kernel as it takes it, until the lane closes."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                while not self._queue:
-                    self._wake = loop.create_future()
-                    await self._wake
-                sent = conn.try_send_parts(list(itertools.islice(self._queue, _BATCH)))
-                done = 0
-                while self._queue and sent >= self._queue[0].nbytes:
-                    sent -= self._queue.popleft().nbytes
-                    done += 1
-                if self._queue and sent:
-                    self._queue[0] = self._queue[0][sent:]
-                if done:
-                    self._sent_total += done
-                    while self._flushes and self._flushes[0][0] <= self._sent_total:
-                        _resolve(self._flushes.popleft()[1])
-                    self.on_room()
-                if self._queue:
-                    await conn.writable()
-        except OSError as exc:  # LaneClosed too: the connection went under us
-            self._broken(exc)
+    def _progress(self, sent: int) -> None:
+        """The writer has sent ``sent`` buffers in all: their memory is free, and there is room."""
+        self._sent_total = sent
+        while self._flushes and self._flushes[0][0] <= sent:
+            _resolve(self._flushes.popleft()[1])
+        self.on_room()
 
     async def flushed(self) -> None:
         """Returns once every frame sent so far is in the kernel (or the lane has ended: a lane
@@ -267,35 +227,31 @@ class OutboundLane:
                         "its payload lane broke")
 
     def close(self) -> None:
-        """Stops: the token is withdrawn, the writer cancelled, the connection closed."""
+        """Stops: the token is withdrawn, the writer stopped, the connection closed once it is out."""
         if self._closed:
             return
         self._closed = True
         self._withdraw(self)
         if self._deadline is not None:
             self._deadline.cancel()
-        if self._writer is not None:
-            self._writer.cancel()
-        if self.conn is not None:
-            self.conn.close()
-        self._queue.clear()
+        conn, writer = self.conn, self._writer
+        if writer is not None:
+            writer.close()
+            if conn is not None:
+                writer.done.add_done_callback(lambda _: conn.close())  # the thread is out of the socket
+        elif conn is not None:
+            conn.close()
         while self._flushes:
             _resolve(self._flushes.popleft()[1])
         self.on_room = _nothing
         self.on_failure = _ignore
 
     async def wait_closed(self) -> None:
-        """Waits for the writer to end (after close)."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            await asyncio.wait([writer])
+        """Waits for the writer's thread to end (after close)."""
+        if self._writer is not None:
+            await asyncio.wait([self._writer.done])
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _seen(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()  # reported through on_failure; not raised twice
