@@ -154,13 +154,13 @@ async def test_a_root_out_of_range_raises_invalid_argument_error_naming_the_root
 @pytest.mark.parametrize("world", [2], indirect=True)
 async def test_an_unsupported_dtype_or_a_scalar_where_rows_are_needed_raises_invalid_argument_error(world) -> None:
     w = world.workers[0]
-    with pytest.raises(InvalidArgumentError, match="The dtype complex128 is not supported"):
+    with pytest.raises(InvalidArgumentError, match=r"The dtype complex128 is not supported"):
         await w.allreduce(np.ones(2, dtype=np.complex128))
-    with pytest.raises(InvalidArgumentError, match="The dtype bool is not supported"):
+    with pytest.raises(InvalidArgumentError, match=r"The dtype bool is not supported"):
         await w.broadcast(np.ones(2, dtype=bool))
-    with pytest.raises(InvalidArgumentError, match="allgather needs an array with at least one dimension"):
+    with pytest.raises(InvalidArgumentError, match=r"allgather needs an array with at least one dimension"):
         await w.allgather(np.float32(1.0))
-    with pytest.raises(InvalidArgumentError, match="reduce_scatter needs an array with at least one dimension"):
+    with pytest.raises(InvalidArgumentError, match=r"reduce_scatter needs an array with at least one dimension"):
         await w.reduce_scatter(np.float32(1.0))
 
 
@@ -171,7 +171,7 @@ async def test_collectives_on_a_worker_that_was_never_started_raise_not_initiali
         lambda: w.broadcast(np.ones(2)),
         lambda: w.allgather(np.ones(2)),
         lambda: w.reduce_scatter(np.ones(2)),
-        lambda: w.barrier(),
+        w.barrier,
         lambda: w.broadcast_object(1),
         lambda: w.allgather_object(1),
     ):
@@ -205,7 +205,7 @@ def test_the_sync_api_before_init_raises_not_initialized_error(not_initialized) 
         lambda: ringserve.broadcast(np.ones(2)),
         lambda: ringserve.allgather(np.ones(2)),
         lambda: ringserve.reduce_scatter(np.ones(2)),
-        lambda: ringserve.barrier(),
+        ringserve.barrier,
         lambda: ringserve.broadcast_object(1),
         lambda: ringserve.allgather_object(1),
         ringserve.rank,

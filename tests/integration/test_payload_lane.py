@@ -291,7 +291,7 @@ async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_
     assert failed_after < 10
     # Both workers live, so the coordinator tries the ring again in a new view, whose lanes attach anew.
     async with asyncio.timeout(20):
-        while not all(w._planes.current is not None and w.view_id > first_view for w in world.workers):
+        while not all(w.node.planes.current is not None and w.view_id > first_view for w in world.workers):
             await asyncio.sleep(0.05)
     outs = await world.map("allreduce", [np.full(100_000, r + 1.0) for r in range(2)], op="sum", name="after")
     assert all(np.array_equal(o, np.full(100_000, 3.0)) for o in outs)
@@ -341,7 +341,7 @@ async def test_status_and_metrics_show_the_lane_bytes_and_the_fallbacks(world_fa
     world = await world_factory(2, **LANE, each=lambda i: rank_of(i, **({"payload_advertise_port": closed_port()} if i == 0 else {})))
     await warm_lanes(world, senders=(1,))
     await world.map("allreduce", [np.ones(200_000)] * 2, op="sum", name="x")
-    w0, w1 = world.workers
+    w1 = world.workers[1]
     metrics = {m.name: m.samples[0].value for m in WorkerCollector(w1.counters, lambda: (1, w1.view_id)).collect()
                if m.name.startswith("ringserve_lane")}
     assert metrics["ringserve_lane_fallbacks"] == 1 and metrics["ringserve_lane_sent_bytes"] == w1.counters.lane_bytes_sent > 0

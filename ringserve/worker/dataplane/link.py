@@ -54,6 +54,11 @@ from ringserve.worker.dataplane.tcplane import OutboundLane
 log = logging.getLogger("ringserve.worker")
 
 SEND_WINDOW = 32
+# How a link's payloads travel, as its heartbeat names it to the status page (a new lane names
+# itself: the coordinator shows whatever text a worker reports).
+LANE_STREAM = "stream"
+LANE_SHARED = "shared memory"
+LANE_TCP = "tcp lane"
 STREAM_METHOD = "/ringserve.v1.Peer/Stream"
 
 Payload = np.ndarray | memoryview | bytes
@@ -75,7 +80,7 @@ class Link:
         if tcp is not None:
             tcp.window = window
             tcp.on_room = self._let_one_in
-            tcp.on_failure = lambda exc, why: self._fail(exc, why)
+            tcp.on_failure = self._fail
             tcp.spared = lambda: lane is not None and lane.attached  # the shared ring won: no TCP lane needed
         self.window = window
         self._frames: deque[tuple[bytes, bool]] = deque()
@@ -86,6 +91,14 @@ class Link:
         self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._on_failure: OnFailure = _ignore
+        self.bytes_sent = 0  # this link's share of counters.bytes_sent
+
+    @property
+    def lane_name(self) -> str:
+        """How payloads travel on this link now (the status page's lane)."""
+        if self.lane is not None and self.lane.attached:
+            return LANE_SHARED
+        return LANE_TCP if self.tcp is not None and self.tcp.attached else LANE_STREAM
 
     # -- the sending side ------------------------------------------------------------------
 
@@ -126,7 +139,9 @@ class Link:
         if self.tcp is not None and self.tcp.attached:
             header.lane_bytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
             frame = wire.encode(header)
-            self.counters.bytes_sent += len(frame) + self.tcp.frame(frame, payload)
+            sent = len(frame) + self.tcp.frame(frame, payload)
+            self.counters.bytes_sent += sent
+            self.bytes_sent += sent
             return
         slot = self.lane.put(payload) if self.lane is not None else None
         if slot is None:
@@ -171,6 +186,7 @@ class Link:
         """Queues an encoded control frame (an ABORT); it never waits for room."""
         if self.tcp is not None and self.tcp.attached and not self._closed:
             self.counters.bytes_sent += len(frame)
+            self.bytes_sent += len(frame)
             self.tcp.frame(frame)
             return
         self._push(frame, False)
@@ -254,6 +270,7 @@ class Link:
         if self._closed:
             return
         self.counters.bytes_sent += len(frame) + beside
+        self.bytes_sent += len(frame) + beside
         self._frames.append((frame, data))
         if data:
             self._queued += 1
