@@ -27,6 +27,7 @@ from worlds import World, free_port, warm_lanes
 
 from ringserve import PayloadLaneError, PeerUnavailableError, RingChangedError, Worker, cli
 from ringserve._proto import coordinator_pb2 as cpb
+from ringserve.coordinator.statusview import snapshot
 from ringserve.errors import CorruptFrameError
 from ringserve.metrics import WorkerCollector
 
@@ -352,6 +353,9 @@ async def test_status_and_metrics_show_the_lane_bytes_and_the_fallbacks(world_fa
             if by_rank[1].lane_fallbacks == 1 and by_rank[1].lane_bytes_sent > 0:
                 break
             await asyncio.sleep(0.05)
+    page = snapshot(status, [])  # the status page's JSON: each edge names its lane
+    assert {(e["from"], e["to"]): e["lane"] for e in page["edges"]} == {(1, 0): "tcp lane", (0, 1): "stream"}
+    assert [(m["rank"], m["lane_fallbacks"]) for m in page["members"]] == [(0, 0), (1, 1)]
     assert await asyncio.to_thread(cli.main, ["status", "--coordinator", world.coordinator.address]) == 0
     out = capsys.readouterr().out
     assert "lane fallbacks" in out
