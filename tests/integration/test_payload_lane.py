@@ -41,7 +41,7 @@ def totals(world: World) -> list[tuple[int, int]]:
     return [(w.counters.bytes_sent, w.counters.lane_bytes_sent) for w in world.workers]
 
 
-async def test_without_shared_memory_every_payload_goes_on_the_lane_and_only_headers_on_the_stream(world_factory) -> None:
+async def test_without_shared_memory_every_payload_byte_goes_on_the_lane(world_factory) -> None:
     world = await world_factory(3, **LANE)
     await warm_lanes(world)
     before = totals(world)
@@ -52,7 +52,7 @@ async def test_without_shared_memory_every_payload_goes_on_the_lane_and_only_hea
     np.testing.assert_allclose(outs[0], (xs[0] + xs[1]) + xs[2], rtol=1e-5, atol=1e-5)
     for (sent0, lane0), (sent1, lane1) in zip(before, totals(world), strict=True):
         assert lane1 - lane0 == 2 * 2 * 300_000 * 4 // 3  # 2(N-1)/N of the tensor, all of it on the lane
-        assert (sent1 - sent0) - (lane1 - lane0) < 0.02 * (sent1 - sent0)  # headers only on the stream
+        assert (sent1 - sent0) - (lane1 - lane0) < 0.02 * (sent1 - sent0)  # the rest: headers
     assert all(w.counters.lane_fallbacks == 0 for w in world.workers)
 
 
