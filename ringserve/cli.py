@@ -204,12 +204,14 @@ def _format_status(status: object) -> str:
             f"heartbeats of the {len(beats)} listed: newest {beats[0]:.1f} s ago, "
             f"median {beats[len(beats) // 2]:.1f} s, oldest {beats[-1]:.1f} s"
         )
-    header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
+    header = (f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} "
+              f"{'received':>12} {'lane sent':>12} {'lane fallbacks':>14}")
     lines.append(header)
     lines.extend(
         f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
         f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
-        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
+        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12} "
+        f"{_human(m.counters.lane_bytes_sent):>12} {m.counters.lane_fallbacks:>14}"
         for m in status.members
     )
     if len(status.members) < size:

@@ -25,6 +25,9 @@ ADVERTISE_AUTO = "auto"
 # worker/dataplane/shared.py, whose layout this must match; a unit test checks that it does).
 MAX_SHARED_SLOTS = 4032
 
+# WorkerConfig.payload_lane values: fall back per edge, require, or never use the TCP payload lane.
+PAYLOAD_LANES = ("auto", "tcp", "off")
+
 
 def route_host(coordinator: str) -> str:
     """This machine's address on the route to ``coordinator`` (host:port), as ``auto`` advertises it
@@ -312,6 +315,22 @@ class WorkerConfig(SecuritySettings):
             are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        payload_lane: the TCP payload lane between hosts (see worker/dataplane/tcplane.py):
+            each worker listens on one payload port, and a DATA frame's payload travels on a
+            plain TCP (or, with TLS, a TLS) connection beside the gRPC stream, which still carries
+            its header. ``auto`` (the default): an edge whose lane cannot connect and
+            authenticate within payload_connect_timeout_s sends its payloads over the stream,
+            logged once and counted (``lane_fallbacks``); ``tcp``: the lane is required, and an
+            edge without it fails with PayloadLaneError naming the port; ``off``: every payload
+            between hosts travels over the stream. Shared memory still wins on one host.
+        payload_port: the port the payload lane listens on, on bind_host; 0 (the default) takes
+            any free port. Pin it where a firewall, a NAT or a container must open a known port.
+        payload_advertise_port: the payload port peers dial, where a NAT or a container maps
+            payload_port to another; 0 (the default) advertises the bound port. Peers dial it at
+            the host of this worker's advertised address.
+        payload_connect_timeout_s: how long a receiver may take to connect to a sender's
+            payload lane, finish TLS and present its token, before it falls back to the stream
+            for that edge (in ``auto``).
         hierarchical: allreduce by host (see worker/ops/hierarchy.py): a reduce-scatter among the
             workers of each host, an allreduce of each slice across hosts, an allgather within
             each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
@@ -372,6 +391,10 @@ class WorkerConfig(SecuritySettings):
     shared_memory: bool = True
     shared_slots: int = 32
     shared_dir: str = ""
+    payload_lane: str = "auto"
+    payload_port: int = 0
+    payload_advertise_port: int = 0
+    payload_connect_timeout_s: float = 1.0
     result_pool_bytes: int = 512 * MiB
     hierarchical: str = "auto"
     checkpoint_dir: str = ""
@@ -385,7 +408,7 @@ class WorkerConfig(SecuritySettings):
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
                   "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s",
-                  "join_timeout_s")
+                  "join_timeout_s", "payload_connect_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(
@@ -409,7 +432,12 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.holder_wait_s ({self.holder_wait_s!r}) must be at least 0 (RINGSERVE_HOLDER_WAIT_S)."
             )
-        for port in ("bind_port", "advertise_port"):
+        if self.payload_lane not in PAYLOAD_LANES:
+            raise InvalidArgumentError(
+                f"WorkerConfig.payload_lane ({self.payload_lane!r}, RINGSERVE_PAYLOAD_LANE) must be one of "
+                f"{', '.join(PAYLOAD_LANES)}."
+            )
+        for port in ("bind_port", "advertise_port", "payload_port", "payload_advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:
                 raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
         if ":" not in self.coordinator:

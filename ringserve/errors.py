@@ -16,6 +16,8 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         │                             exists: the job cannot go on without going back; never retried
         ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
         ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
+        ├── PayloadLaneError          RINGSERVE_PAYLOAD_LANE=tcp and an edge's TCP payload lane could
+        │                             not attach (the port and the reason named): a deployment to fix
         ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
         ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
         ├── ViewInstallError          this worker could not take its place in a view; it left the world
@@ -158,6 +160,13 @@ class TLSHandshakeError(RingserveError):
         self.refused_by = refused_by
         self.cause = cause
         super().__init__(f"The TLS handshake with {address} failed, refused by the {refused_by}: {cause}")
+
+
+class PayloadLaneError(RingserveError):
+    """An edge's TCP payload lane could not attach where the lane is required
+    (RINGSERVE_PAYLOAD_LANE=tcp): a firewall, a NAT or a proxy in the way, which retrying in a new
+    view will not remove. A lane that breaks once attached fails its collectives with
+    PeerUnavailableError, as a broken stream does."""
 
 
 class ExcludedError(RingserveError):

@@ -41,6 +41,9 @@ class Counters:
     collectives_done: int = 0
     bytes_sent: int = 0  # payloads and headers, over the stream or through shared memory
     shared_bytes_sent: int = 0  # the payload bytes of those that went through shared memory
+    lane_bytes_sent: int = 0  # the payload bytes of those that went over TCP payload lanes
+    lane_fallbacks: int = 0  # edges whose payload lane did not attach: their payloads took the stream
+    lane_refused: int = 0  # connections to the payload port closed without a lane (garbage, silence, a bad token)
     bytes_received: int = 0
     frames_rejected: int = 0
     view_changes: int = 0

@@ -78,16 +78,20 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "links")
+    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "lane_bytes_sent", "lane_fallbacks", "links")
     COLLECTIVES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    LANE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     collectives_done: int
     bytes_sent: int
     bytes_received: int
+    lane_bytes_sent: int
+    lane_fallbacks: int
     links: _containers.RepeatedCompositeFieldContainer[LinkCounters]
-    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounters, _Mapping]]] = ...) -> None: ...
+    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., lane_bytes_sent: _Optional[int] = ..., lane_fallbacks: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounters, _Mapping]]] = ...) -> None: ...
 
 class LinkCounters(_message.Message):
     __slots__ = ("view_id", "peer_rank", "lane", "bytes_sent")

@@ -176,6 +176,7 @@ def test_the_build_context_leaves_out_the_virtualenv_and_git() -> None:
 CONTAINER_DEFAULTS = {
     ("coordinator", "RINGSERVE_PORT"): "workers dial the coordinator's service name at a known port",
     ("coordinator", "RINGSERVE_SETTLE_S"): "replicas start seconds apart; a longer window puts them in one view",
+    ("worker", "RINGSERVE_PAYLOAD_PORT"): "each container has a port space of its own: one known port to open",
     ("coordinator", "RINGSERVE_HTTP_PORT"): "the compose demo shows its status page; the config serves none by default",
 }
 
@@ -248,3 +249,9 @@ def test_the_readme_gives_the_compose_files_defaults() -> None:
             assert documented.get(variable) == default, (
                 f"README's compose table gives {variable} as {documented.get(variable)!r}, "
                 f"{COMPOSE_FILE.name} as {default!r}")
+
+
+def test_workers_pin_their_payload_port_and_expose_it(services: dict) -> None:
+    worker = WorkerConfig.from_env(environment(services["worker"]))
+    assert worker.payload_port == 50052 and worker.payload_lane == "auto"
+    assert [str(p) for p in services["worker"]["expose"]] == [str(worker.payload_port)]

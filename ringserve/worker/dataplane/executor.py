@@ -83,6 +83,7 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
                     values.key = key
                     try:
                         await execute(session, key, inbox, program, values)
+                        await session.flushed()  # the TCP lane sends from the buffers (tcplane.py)
                     finally:
                         program.close()
                 if session.checksum:

@@ -282,7 +282,7 @@ class Plane:
                 names a ring in which ``sender`` does not precede this rank), or it is malformed.
         """
         header = frame.header
-        self.counters.bytes_received += len(frame.raw) + header.shm_bytes
+        self.counters.bytes_received += len(frame.raw) + header.shm_bytes + header.lane_bytes
         if self.error is not None:
             self.counters.frames_rejected += 1
             return

@@ -4,9 +4,9 @@ There is the current view's plane, and the retired ones: planes of older views w
 may still finish and whose links are still flushing their last frames. ``Planes.install`` asks the
 view policy (policy.py) what a new view means and carries out its actions, in order; everything
 else here is the bookkeeping around them: the links planes open (a gRPC stream on a leased
-channel, with a shared-memory lane where the host allows), forgetting retired planes once drained,
-and the event that wakes whoever waits for the next view (``start()``, ``wait_for_view``, a peer
-stream whose HELLO named a view not installed yet).
+channel, with a shared-memory lane where the host allows and a TCP payload lane, see tcplane.py),
+forgetting retired planes once drained, and the event that wakes whoever waits for the next view
+(``start()``, ``wait_for_view``, a peer stream whose HELLO named a view not installed yet).
 
 Everything here runs on the worker's event loop.
 """
@@ -25,6 +25,7 @@ from ringserve.observe import Counters, Timeline
 from ringserve.worker.dataplane import policy, shared
 from ringserve.worker.dataplane.channels import ChannelCache
 from ringserve.worker.dataplane.fdpass import RingServer
+from ringserve.worker.dataplane.lanes import Lanes
 from ringserve.worker.dataplane.link import Link, StreamLink
 from ringserve.worker.dataplane.plane import OnPeerFailure, Plane
 from ringserve.worker.dataplane.policy import Place
@@ -72,6 +73,7 @@ class Planes:
         self.pool = ResultPool(config.result_pool_bytes)
         self._rings_served: RingServer | None = None
         self._rings_refused = False
+        self.lanes = Lanes(config, counters, tag=tag)  # the payload port and its lanes (tcplane.py)
 
     @property
     def latest_view(self) -> int:
@@ -156,10 +158,10 @@ class Planes:
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 
     def _connect(self, place: Place, rank: int) -> Link:
-        """The stream from this worker to ``rank`` of ``place``'s view, with a lane if it may help."""
+        """The stream from this worker to ``rank`` of ``place``'s view, with lanes where they may help."""
         address = place.addresses[rank]
         return StreamLink(self.channels.lease(address), self.counters, drain_timeout_s=self.config.drain_timeout_s,
-                          lane=self._lane())
+                          lane=self._lane(), tcp=self.lanes.outbound())
 
     def _lane(self) -> OutboundRing | None:
         """A shared-memory ring to offer a peer that may be on this host."""
@@ -227,3 +229,4 @@ class Planes:
         if self._rings_served is not None:
             self._rings_served.close()
             self._rings_served = None
+        await self.lanes.close()

@@ -165,6 +165,12 @@ class Session:
         if self._next is not None:
             await self._next.room()
 
+    async def flushed(self) -> None:
+        """Waits until the payloads sent so far no longer read the collective's buffers (see
+        tcplane.py): a program's buffers are the caller's again after this."""
+        if self._next is not None:
+            await self._next.flushed()
+
     def forward(self, frame: Received) -> None:
         """Sends a received frame on to the ring's next member as it is: same header, same payload."""
         if self._next is not None:
