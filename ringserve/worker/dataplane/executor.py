@@ -116,45 +116,49 @@ async def execute(session: Session, key: str, inbox: Inbox, program: Program, va
             return
         reply = None
         match step:  # the most frequent steps first
-            case Recv(slot, chunk):
-                frame = await session.recv(key, inbox, slot, chunk)
+            case Recv(slot, chunk, frm):
+                frame = await session.recv(key, inbox, slot, chunk, frm)
                 reply = frame.header.origin_count
             case Take(a, b):
                 values.take(a, b, _held(frame, step, key))
-            case Fold(slot, chunk, a, b):
-                payload = values.pass_on(a, b, values.reduce(a, b, _held(frame, step, key)))
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec)
-            case Forward():
+            case Fold(slot, chunk, a, b, to):
+                part = values.reduce(a, b, _held(frame, step, key))
+                if slot != NO_SEND:
+                    payload = values.pass_on(a, b, part)
+                    if not has_room(to):
+                        await _room(session, to)
+                    send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec,
+                         to=to)
+            case Forward(to):
                 held = _held(frame, step, key)
-                if not has_room():
-                    await _room(session)
-                session.forward(held)
-            case Own(slot, chunk, a, b, alone):
+                if not has_room(to):
+                    await _room(session, to)
+                session.forward(held, to)
+            case Own(slot, chunk, a, b, alone, to):
                 part = values.alone(a, b) if alone else values.reduce(a, b, _held(frame, step, key))
                 done = values.own(a, b, part)
                 if slot != NO_SEND:
-                    if not has_room():
-                        await _room(session)
-                    send(key, inbox, slot=slot, chunk=chunk, payload=done, dtype=dtype, count=b - a, codec=codec)
-            case Lead(slot, chunk, a, b):
+                    if not has_room(to):
+                        await _room(session, to)
+                    send(key, inbox, slot=slot, chunk=chunk, payload=done, dtype=dtype, count=b - a, codec=codec,
+                         to=to)
+            case Lead(slot, chunk, a, b, to):
                 payload = values.first(a, b)
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec)
-            case Give(slot, chunk, origin, a, b, total):
+                if not has_room(to):
+                    await _room(session, to)
+                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec, to=to)
+            case Give(slot, chunk, origin, a, b, total, to):
                 payload = values.block(origin)[a:b]
-                if not has_room():
-                    await _room(session)
+                if not has_room(to):
+                    await _room(session, to)
                 send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a,
-                     origin=origin, origin_count=total)
+                     origin=origin, origin_count=total, to=to)
             case Place(origin, a, b, total):
                 values.place(origin, a, b, total, _held(frame, step, key))
-            case Signal(slot):
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=0, payload=b"", dtype=dtype, count=0)
+            case Signal(slot, to):
+                if not has_room(to):
+                    await _room(session, to)
+                send(key, inbox, slot=slot, chunk=0, payload=b"", dtype=dtype, count=0, to=to)
             case Phase(name):
                 if inbox.span is not None:
                     inbox.span.phase(name)
@@ -162,10 +166,10 @@ async def execute(session: Session, key: str, inbox: Inbox, program: Program, va
                 raise ProtocolError(f"The program of collective {key!r} took an unknown step {step!r}.")
 
 
-async def _room(session: Session) -> None:
-    """Waits until the link to the successor takes another frame (see link.py)."""
-    while not session.has_room():
-        await session.room()
+async def _room(session: Session, to: tuple[int, ...]) -> None:
+    """Waits until the links to ``to`` (the successor when empty) take another frame (see link.py)."""
+    while not session.has_room(to):
+        await session.room(to)
 
 
 def _held(frame: Received | None, step: object, key: str) -> Received:

@@ -112,24 +112,40 @@ class Session:
     def release(self, key: str) -> None:
         self.plane.release(key)
 
-    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
-        """The frame (slot, chunk) of a collective, from the ring's previous member."""
-        return await self.plane.recv(key, inbox, slot, chunk)
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, frm: int = -1) -> Received:
+        """The frame (slot, chunk) of a collective, from the ring's previous member (or from the
+        member at position ``frm``)."""
+        ring = self.ring
+        source = ring.members[frm] if frm >= 0 else ring.members[(ring.index - 1) % ring.size]
+        return await self.plane.recv(key, inbox, slot, chunk, source)
 
-    def has_room(self) -> bool:
-        """Whether the link to the ring's next member takes another DATA frame now (see link.py)."""
-        link = self._next
-        return link is None or link.has_room
+    def _links(self, to: tuple[int, ...]) -> list[Link | None]:
+        """The links to the members at positions ``to`` (opened now on first use)."""
+        members = self.ring.members
+        return [self.plane.link_to(members[p]) for p in to]
 
-    async def room(self) -> None:
-        """Waits until the link may have room; check has_room again."""
-        if self._next is not None:
-            await self._next.room()
+    def has_room(self, to: tuple[int, ...] = ()) -> bool:
+        """Whether the link to the ring's next member (or the links to the members at positions
+        ``to``) take another DATA frame now (see link.py)."""
+        if not to:
+            link = self._next
+            return link is None or link.has_room
+        return all(link is None or link.has_room for link in self._links(to))
 
-    def forward(self, frame: Received) -> None:
-        """Sends a received frame on to the ring's next member as it is: same header, same payload."""
-        if self._next is not None:
-            self._next.forward(frame.header, frame.payload, frame.raw)
+    async def room(self, to: tuple[int, ...] = ()) -> None:
+        """Waits until the links may have room; check has_room again."""
+        links = [self._next] if not to else self._links(to)
+        for link in links:
+            if link is not None and not link.has_room:
+                await link.room()
+                return
+
+    def forward(self, frame: Received, to: tuple[int, ...] = ()) -> None:
+        """Sends a received frame on to the ring's next member (or to the members at positions
+        ``to``) as it is: same header, same payload."""
+        for link in [self._next] if not to else self._links(to):
+            if link is not None:
+                link.forward(frame.header, frame.payload, frame.raw)
 
     def send(
         self,
@@ -144,7 +160,9 @@ class Session:
         origin: int = 0,
         origin_count: int = 0,
         codec: int = 0,
+        to: tuple[int, ...] = (),
     ) -> None:
-        """Sends one DATA frame to the ring's next member."""
-        self.plane.send(self._next, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
-                        origin=origin, origin_count=origin_count, codec=codec)
+        """Sends one DATA frame to the ring's next member (or to each member at positions ``to``)."""
+        for link in [self._next] if not to else self._links(to):
+            self.plane.send(link, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
+                            origin=origin, origin_count=origin_count, codec=codec)

@@ -1,0 +1,90 @@
+"""Which ranks a collective's frames come from and go to, by its algorithm: pure.
+
+A ring's frames come from the ring's predecessor and go to its successor. The other algorithms
+(topology.py) talk to a few more peers, and the plane must know which before the collective opens
+here, to check the sender of a frame that arrives early. So a collective that runs another
+algorithm says so in its descriptor (`` algo=<name>``, which every frame carries): ranks that
+disagree on the algorithm then disagree on the descriptor, and fail with MismatchError as for any
+other argument, and the plane checks each frame's sender against the algorithm that frame claims.
+
+Every algorithm may also hear from the ring's predecessor and send to its successor: aborts go
+round the ring (aborts.py), and so does the confirmation lap that checksums add (executor.py).
+
+A broadcast's tree depends on its root: its algorithm is ``tree/<root position>``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ringserve.worker.dataplane import topology
+from ringserve.worker.dataplane.programs import Ring
+
+RING = "ring"
+HALVING_DOUBLING = "halving_doubling"
+RECURSIVE_DOUBLING = "recursive_doubling"
+TREE = "tree"
+RING2D = "ring2d"
+ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D)
+
+TOKEN = " algo="
+
+
+def algorithm_of(descriptor: str) -> str:
+    """The algorithm a descriptor names (``ring`` when it names none)."""
+    at = descriptor.rfind(TOKEN)
+    if at < 0:
+        return RING
+    return descriptor[at + len(TOKEN):].split(" ", 1)[0]
+
+
+def tagged(descriptor: str, algorithm: str) -> str:
+    """``descriptor`` naming ``algorithm`` (a ring's stays as it is)."""
+    return descriptor if algorithm == RING else f"{descriptor}{TOKEN}{algorithm}"
+
+
+def rooted(root: int) -> str:
+    """The algorithm of a tree broadcast from position ``root``."""
+    return f"{TREE}/{root}"
+
+
+def _positions(algorithm: str, n: int, pos: int) -> tuple[frozenset[int], frozenset[int]]:
+    """(positions heard from, positions sent to) by ``pos`` of ``n``, besides the ring neighbours.
+
+    An algorithm this rank does not know (a newer peer's) has none: its frames are refused.
+    """
+    name, _, root = algorithm.partition("/")
+    if name in (HALVING_DOUBLING, RECURSIVE_DOUBLING):
+        peers = topology.hd_peers(n, pos)
+        return peers, peers
+    if name == TREE and root.isdigit() and int(root) < n:
+        peers = topology.tree_peers(n, pos, int(root))
+        return peers, peers
+    if name == TREE and not root:
+        peers = topology.tree_peers(n, pos)
+        return peers, peers
+    if name == RING2D:
+        return topology.grid_peers(n, pos)
+    return frozenset(), frozenset()
+
+
+@lru_cache(maxsize=1024)
+def _ranks(algorithm: str, ring: Ring) -> tuple[frozenset[int], frozenset[int]]:
+    n, me = ring.size, ring.index
+    if n == 1:
+        return frozenset(), frozenset()
+    heard, sent = _positions(algorithm, n, me)
+    members = ring.members
+    sources = {members[p] for p in heard} | {members[(me - 1) % n]}
+    sinks = {members[p] for p in sent} | {members[(me + 1) % n]}
+    return frozenset(sources), frozenset(sinks)
+
+
+def sources(algorithm: str, ring: Ring) -> frozenset[int]:
+    """The ranks whose frames of a collective running ``algorithm`` over ``ring`` may reach this rank."""
+    return _ranks(algorithm, ring)[0]
+
+
+def sinks(algorithm: str, ring: Ring) -> frozenset[int]:
+    """The ranks a collective running ``algorithm`` over ``ring`` sends to from this rank."""
+    return _ranks(algorithm, ring)[1]
