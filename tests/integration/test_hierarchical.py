@@ -49,8 +49,10 @@ def two_hosts(i: int) -> dict:
 
 
 async def test_integer_sums_equal_the_flat_rings_bit_for_bit_on_every_rank(world_factory) -> None:
-    hier = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10)
-    flat = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, hierarchical="0")
+    # Links given: no measure of them adds a collective to the count (ops/algorithms.py).
+    links = {"link_latency_s": 1e-4, "link_mbps": 10_000.0}
+    hier = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, **links)
+    flat = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, hierarchical="0", **links)
     assert {w.local_size for w in hier.workers} == {2} and {w.cross_size for w in hier.workers} == {2}
     rng = np.random.default_rng(3)
     for dtype, n in ((np.int64, 100_003), (np.int32, 7), (np.float32, 250_000)):
@@ -88,7 +90,8 @@ async def test_tensors_smaller_than_the_world_and_empty_ones_still_reduce(world_
 
 
 async def test_hosts_of_different_sizes_keep_the_flat_ring(world_factory) -> None:
-    world = await world_factory(3, each=lambda i: {"hostname": "a" if i < 2 else "b"})
+    world = await world_factory(3, each=lambda i: {"hostname": "a" if i < 2 else "b"}, link_latency_s=1e-4,
+                                link_mbps=10_000.0)
     done = [w.counters.collectives_done for w in world.workers]
     got = await world.map("allreduce", [np.arange(1000, dtype=np.int64)] * 3, op="sum", name="flat")
     assert all((g == 3 * np.arange(1000)).all() for g in got)

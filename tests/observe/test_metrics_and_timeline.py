@@ -76,7 +76,8 @@ async def test_metrics_count_collectives_bytes_and_latency_by_op() -> None:
 
 async def test_a_two_worker_timeline_holds_each_ranks_collectives_and_phases(tmp_path: Path) -> None:
     template = str(tmp_path / "trace")
-    coord, workers = await start_world(2, timeline=template, chunk_bytes=1024)
+    # The ring's phases (tests/integration/test_algorithms.py names the others' on the timeline).
+    coord, workers = await start_world(2, timeline=template, chunk_bytes=1024, algorithm="ring")
     try:
         a = np.arange(4096, dtype=np.float32)
         await asyncio.gather(*(w.allreduce(a, op="sum", name="grad") for w in workers))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError
 from ringserve.observe import Span
-from ringserve.worker.dataplane import programs
+from ringserve.worker.dataplane import programs, routes
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Fold,
@@ -67,8 +67,10 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     """
     key, inbox = session.open(name, descriptor, key=key)
     kind = descriptor.split(" ", 1)[0]
+    algorithm = routes.algorithm_of(descriptor)
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
         "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.plane.place.rank,
+        "algorithm": algorithm,
     })
     ok = False
     values = Values()
@@ -95,7 +97,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     finally:
         session.release(key)
         elapsed = span.end(ok)
-    session.counters.observe(kind, elapsed)
+    session.counters.observe(kind, elapsed, algorithm)
     return key
 
 

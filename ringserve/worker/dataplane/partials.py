@@ -10,8 +10,8 @@ Two rules keep every rank bit-identical, as the ring's rule does (ARCHITECTURE.m
 
 - every partial result is computed by one rank and sent on, never computed twice, except in
   recursive doubling, where both partners compute the same sum of two group results; so
-- the two operands of every reduction are ordered by the ranks they come from (the lower rank's
-  first), never by who computes it: ``a + b`` and ``b + a`` are the same bytes in IEEE
+- the two operands of every reduction are ordered by the positions they come from in the ring
+  (the earlier one's first), never by who computes it: ``a + b`` and ``b + a`` are the same bytes in IEEE
   arithmetic, but min and max of +0.0 and -0.0, and sums with two NaNs, are not.
 
 Under a codec (``PartialCoded``) partial results travel encoded and are kept in float32 (float64
@@ -31,21 +31,34 @@ import numpy as np
 from ringserve.codecs import Codec
 from ringserve.ring import combine_into
 from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.programs import Ring
 from ringserve.worker.dataplane.values import Coded, Raw, payload_of
 
 Range = tuple[int, int]
 
 
-class PartialRaw(Raw):
-    """Raw values (values.Raw) whose elements may be reduced several times on this rank.
+class Order:
+    """Whether a frame's sender comes before this rank in the ring (its operand goes first)."""
 
-    ``rank``: this rank's rank in the view, which orders the operands of each reduction.
-    ``buf`` holds a range's partial result once it was reduced here.
+    def __init__(self, ring: Ring) -> None:
+        self.index = ring.index
+        members = ring.members
+        # The whole view's ring is in rank order; a sub-ring's may not be.
+        self._positions = None if members == tuple(range(len(members))) else {m: i for i, m in enumerate(members)}
+
+    def theirs_first(self, frame: Received) -> bool:
+        sender = frame.header.sender_rank
+        return (sender if self._positions is None else self._positions[sender]) < self.index
+
+
+class PartialRaw(Raw):
+    """Raw values (values.Raw) whose elements may be reduced several times on this rank, in the
+    program over ``ring``. ``buf`` holds a range's partial result once it was reduced here.
     """
 
-    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, *, rank: int, key: str = "") -> None:
+    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, *, ring: Ring, key: str = "") -> None:
         super().__init__(src, buf, op, world, key)
-        self.rank = rank
+        self.order = Order(ring)
         self._held: set[Range] = set()
 
     def reduce(self, a: int, b: int, frame: Received) -> np.ndarray:
@@ -54,7 +67,7 @@ class PartialRaw(Raw):
         mine = part if (a, b) in self._held else self.src[a:b]
         self._held.add((a, b))
         theirs = payload_of(frame, self.buf.dtype, b - a, self.key)
-        if frame.header.sender_rank < self.rank:
+        if self.order.theirs_first(frame):
             combine_into(theirs, mine, self.op, out=part)
         else:
             combine_into(mine, theirs, self.op, out=part)
@@ -72,10 +85,10 @@ class PartialCoded(Coded):
     """Coded values (values.Coded) whose elements may be reduced several times on this rank; the
     partial results wait here in the sum's dtype, unencoded, between reductions."""
 
-    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, *, rank: int, key: str,
+    def __init__(self, src: np.ndarray, buf: np.ndarray, op: str, world: int, *, ring: Ring, key: str,
                  codec: Codec, residual: np.ndarray | None) -> None:
         super().__init__(src, buf, op, world, key, codec, residual)
-        self.rank = rank
+        self.order = Order(ring)
         self._held: dict[Range, np.ndarray] = {}
 
     def reduce(self, a: int, b: int, frame: Received) -> np.ndarray:
@@ -84,7 +97,7 @@ class PartialCoded(Coded):
             mine = self._mine(a, b)
         theirs = self._decoded(frame, b - a)
         part = np.empty_like(mine)
-        if frame.header.sender_rank < self.rank:
+        if self.order.theirs_first(frame):
             combine_into(theirs, mine, self.op, out=part)
         else:
             combine_into(mine, theirs, self.op, out=part)

@@ -30,8 +30,10 @@ import numpy as np
 from ringserve import wire
 from ringserve.errors import PeerUnavailableError, ProtocolError, UsageError
 from ringserve.observe import Counters, Timeline
+from ringserve.selection import Links
 from ringserve.worker.dataplane import aborts, keys, routes
 from ringserve.worker.dataplane.aborts import Aborts
+from ringserve.worker.dataplane.calibration import Measures
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.dataplane.link import Link
 from ringserve.worker.dataplane.policy import Place
@@ -61,10 +63,17 @@ class Plane:
         checksum: bool = False,
         pool: ResultPool | None = None,
         hierarchical: str = "0",
+        algorithm: str = "ring",
+        links: Links | None = None,
+        measure_timeout_s: float = 60.0,
     ) -> None:
         self.place = place
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
         self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
+        # RINGSERVE_ALGORITHM, and the link figures it goes by (worker/ops/algorithms.py): given, or
+        # measured once per ring of this view (calibration.py).
+        self.algorithm = algorithm
+        self.measures = Measures(links, measure_timeout_s)
         self.ring = Ring.whole(place.rank, place.size)
         self.counters = counters
         self.abort_grace_s = abort_grace_s
@@ -293,6 +302,8 @@ class Plane:
             return
         if inbox is None:
             inbox = self._inbox(key, ring)
+        if inbox.descriptor is None and header.kind == wire.DATA and self.measures.pull(header.descriptor, key, self):
+            inbox.announced = True  # a measure of the links: every rank takes part (calibration.py)
         if (inbox.descriptor is None and self.on_unopened is not None and not inbox.announced
                 and not keys.split(key)[2]):
             inbox.announced = True
@@ -342,6 +353,7 @@ class Plane:
         for inbox in self._inboxes.values():
             inbox.fail(exc)
         self._ended = True
+        self.measures.close()
         for link in self._links.values():
             link.close()
 

@@ -22,8 +22,8 @@ and (C + R + segment * R + tile, chunk) for a finished tile, wherever it travels
 
 from __future__ import annotations
 
+from ringserve import topology
 from ringserve.ring import allgather_step, chunk_bounds, reduce_scatter_step, segment_bounds
-from ringserve.worker.dataplane import topology
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Bounds,

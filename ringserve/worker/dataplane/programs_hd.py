@@ -31,14 +31,19 @@ ends with the same bytes.
 receives the finished vector from it at the end (frames forwarded unchanged). Its partner reduces
 the folded vector into its own as it arrives, chunk by chunk, and sends each chunk of its first
 step on at once.
+
+**The notice.** A rank that has joined (join.py) learns of the others' collectives from their
+frames, so every rank must hear from some peer before it has to send: a partner's first step
+does that, but a folded position hears from its partner only at the end. So the partner sends it
+an empty frame first (``notice``), which it takes last, when it no longer waits for anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ringserve import topology
 from ringserve.ring import chunk_bounds
-from ringserve.worker.dataplane import topology
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Bounds,
@@ -52,6 +57,7 @@ from ringserve.worker.dataplane.programs import (
     Program,
     Recv,
     Ring,
+    Signal,
     Take,
 )
 
@@ -101,7 +107,7 @@ def halving_doubling(ring: Ring, blocks: list[Bounds], chunk_elems: int, *, gath
             yield Own(NO_SEND, c, a, b, alone=True)
         return
     steps = p.bit_length() - 1
-    gather_slot, fold_slot = steps * p, (steps + 1) * p
+    gather_slot, fold_slot, notice = steps * p, (steps + 1) * p, (steps + 2) * p
     vrank, folded = topology.fold(n, me)
     if vrank < 0:  # this position folds into the next one: its vector goes there, the result comes back
         host = topology.fold(n, folded)[0]
@@ -114,6 +120,7 @@ def halving_doubling(ring: Ring, blocks: list[Bounds], chunk_elems: int, *, gath
             for c, (a, b) in _chunks(blocks[block], chunk_elems):
                 yield Recv(gather_slot + block, c, frm=folded)
                 yield Take(a, b)
+        yield Recv(notice, 0, frm=folded)
         return
     partners = [topology.partner(n, vrank, p >> (s + 1)) for s in range(steps)]
     doubling = partners[::-1]  # the allgather's partners, at distance 1, 2, 4, ...
@@ -122,6 +129,7 @@ def halving_doubling(ring: Ring, blocks: list[Bounds], chunk_elems: int, *, gath
     # Step 0's sends: this rank's own input, or, with a folded partner, the sum of both.
     first = set(given(vrank, p, 0))
     if folded >= 0:
+        yield Signal(notice, to=(folded,))  # see NOTICE
         yield Phase("fold")
         for block in given(vrank, p, 0) + kept(vrank, p, 0):
             for c, (a, b) in _chunks(blocks[block], chunk_elems):
@@ -172,7 +180,7 @@ def recursive_doubling(ring: Ring, total: int, chunk_elems: int) -> Program:
         return
     p = topology.power_below(n)
     steps = p.bit_length() - 1
-    fold_slot, result_slot = steps, steps + 1
+    fold_slot, result_slot, notice = steps, steps + 1, steps + 2
     vrank, folded = topology.fold(n, me)
     if vrank < 0:
         yield Phase("fold")
@@ -182,9 +190,11 @@ def recursive_doubling(ring: Ring, total: int, chunk_elems: int) -> Program:
         for c, (a, b) in enumerate(chunks):
             yield Recv(result_slot, c, frm=folded)
             yield Take(a, b)
+        yield Recv(notice, 0, frm=folded)
         return
     partners = [topology.partner(n, vrank, 1 << s) for s in range(steps)]
     if folded >= 0:
+        yield Signal(notice, to=(folded,))  # see NOTICE
         yield Phase("fold")
         for c, (a, b) in enumerate(chunks):
             yield Recv(fold_slot, c, frm=folded)

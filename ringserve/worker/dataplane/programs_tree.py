@@ -11,6 +11,10 @@ so each rank sends about twice the vector, as in a ring, in 2 x depth hops (dept
 2 (n - 1). Frames are keyed (tree * n + sender, chunk) going up (the two children of a node are
 apart) and (2n + tree, chunk) coming down.
 
+Every parent first sends its children an empty frame (``notice``, taken last): a leaf would
+otherwise hear nothing of a collective before it has to send, and a rank that has joined
+(join.py) learns of the others' collectives from their frames.
+
 A program is one sequence of steps, so a node interleaves the two directions: it takes chunk i
 going up in both trees, then chunk i - lag coming down, with ``lag`` = 2 x depth + 1 chunks (the
 pipeline's length), so it forwards chunks down while later ones still go up. It never waits for a
@@ -26,8 +30,8 @@ before every rank has it, so a rank whose arguments differ fails them all.
 
 from __future__ import annotations
 
+from ringserve import topology
 from ringserve.ring import chunk_bounds
-from ringserve.worker.dataplane import topology
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Bounds,
@@ -62,9 +66,12 @@ def tree_allreduce(ring: Ring, total: int, chunk_elems: int) -> Program:
                 yield Own(NO_SEND, c, a, b, alone=True)
         return
     links = [topology.tree_links(n, me, tree=t) for t in (0, 1)]
-    down = 2 * n
+    down, notice = 2 * n, 2 * n + 2
     lag = 2 * topology.tree_depth(n) + 1
     longest = max(len(chunks) for chunks in parts)
+    for t, (_, children) in enumerate(links):
+        if children:
+            yield Signal(notice + t, to=children)
     yield Phase("reduce")
     for i in range(longest + lag):
         for t, chunks in enumerate(parts):
@@ -95,6 +102,9 @@ def tree_allreduce(ring: Ring, total: int, chunk_elems: int) -> Program:
                 yield Take(a, b)
                 if children:
                     yield Forward(to=children)
+    for t, (parent, _) in enumerate(links):
+        if parent >= 0:
+            yield Recv(notice + t, 0, frm=parent)
 
 
 def tree_broadcast(ring: Ring, root: int, total: int, chunk_elems: int) -> Program:

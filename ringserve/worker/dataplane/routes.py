@@ -10,22 +10,20 @@ other argument, and the plane checks each frame's sender against the algorithm t
 Every algorithm may also hear from the ring's predecessor and send to its successor: aborts go
 round the ring (aborts.py), and so does the confirmation lap that checksums add (executor.py).
 
-A broadcast's tree depends on its root: its algorithm is ``tree/<root position>``.
+A broadcast's tree depends on its root: its algorithm is ``tree/<root position>``. The measure of a
+ring's links (``probe``) pings both ring neighbours, then agrees by recursive doubling.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ringserve.worker.dataplane import topology
+from ringserve import topology
+from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
 from ringserve.worker.dataplane.programs import Ring
 
-RING = "ring"
-HALVING_DOUBLING = "halving_doubling"
-RECURSIVE_DOUBLING = "recursive_doubling"
-TREE = "tree"
-RING2D = "ring2d"
-ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D)
+PROBE = "probe"  # the measure of the links (worker/ops/calibration.py): pings both ways, then doubling
+ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D, PROBE)  # names from selection.py
 
 TOKEN = " algo="
 
@@ -41,6 +39,12 @@ def algorithm_of(descriptor: str) -> str:
 def tagged(descriptor: str, algorithm: str) -> str:
     """``descriptor`` naming ``algorithm`` (a ring's stays as it is)."""
     return descriptor if algorithm == RING else f"{descriptor}{TOKEN}{algorithm}"
+
+
+def untagged(descriptor: str) -> str:
+    """``descriptor`` without the algorithm it names."""
+    at = descriptor.rfind(TOKEN)
+    return descriptor if at < 0 else descriptor[:at]
 
 
 def rooted(root: int) -> str:
@@ -65,6 +69,9 @@ def _positions(algorithm: str, n: int, pos: int) -> tuple[frozenset[int], frozen
         return peers, peers
     if name == RING2D:
         return topology.grid_peers(n, pos)
+    if name == PROBE:
+        peers = topology.hd_peers(n, pos) | {(pos - 1) % n, (pos + 1) % n}
+        return peers, peers
     return frozenset(), frozenset()
 
 

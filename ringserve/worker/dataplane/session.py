@@ -91,6 +91,11 @@ class Session:
         return self.plane.hierarchical if not self.spec else "0"
 
     @property
+    def algorithm(self) -> str:
+        """RINGSERVE_ALGORITHM (selection.py): it applies to sub-rings too."""
+        return self.plane.algorithm
+
+    @property
     def checksum(self) -> bool:
         return self.plane.checksum
 

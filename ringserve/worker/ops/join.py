@@ -52,18 +52,19 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
-from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane import executor, keys, programs, routes
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Values
-from ringserve.worker.ops import adasum, collectives
+from ringserve.worker.ops import adasum, algorithms, collectives
 from ringserve.worker.ops.collectives import REFUSE_SLOT, _chunk_elems, _coder, _values
 
 log = logging.getLogger("ringserve.worker")
 
 JOIN = "ringserve.join"
 
-_ALLREDUCE = re.compile(r"^allreduce (?P<dtype>\w+) (?P<shape>\([\d, ]*\)) op=(?P<op>\w+)(?: codec=(?P<codec>\S+))?$")
+_ALLREDUCE = re.compile(r"^allreduce (?P<dtype>\w+) (?P<shape>\([\d, ]*\)) op=(?P<op>\w+)(?: codec=(?P<codec>\S+))?"
+                        r"(?: algo=(?P<algo>\S+))?$")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Zeros:
     shape: tuple[int, ...]
     op: str
     codec: str | None
+    algorithm: str = "ring"  # the others' (routes.py): this rank runs the same program
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def stand_in(descriptor: str) -> Stand | None:
     match = _ALLREDUCE.match(descriptor.split(" parts=", 1)[0])
     if match is not None:
         shape = ast.literal_eval(match["shape"])
-        return Zeros(np.dtype(match["dtype"]), tuple(shape), match["op"], match["codec"])
+        return Zeros(np.dtype(match["dtype"]), tuple(shape), match["op"], match["codec"], match["algo"] or "ring")
     what = kind or "a collective"
     return Refuse(f"{what} is not supported while a rank has joined (as in Horovod: only allreduce and barrier are)")
 
@@ -129,6 +131,11 @@ async def _stand(session: Session, key: str, descriptor: str, *, chunk_bytes: in
         await adasum.stand_in(session, key, descriptor, zeros, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         return
     flat = zeros.reshape(-1)
+    if plan.algorithm != "ring":
+        await algorithms.allreduce(session, plan.algorithm, flat, np.empty_like(flat), op=plan.op, name=None,
+                                   descriptor=routes.untagged(descriptor), chunk_bytes=chunk_bytes,
+                                   timeout_s=timeout_s, coder=_coder(zeros, plan.op, plan.codec, None), key=key)
+        return
     values = _values(flat, np.empty_like(flat), plan.op, world, _coder(zeros, plan.op, plan.codec, None), None)
     program = programs.ring_reduce(ring_of(session), segment_bounds(flat.size, world),
                                    _chunk_elems(flat.dtype, chunk_bytes), gather=True)

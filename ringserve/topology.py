@@ -1,4 +1,4 @@
-"""Who talks to whom in the programs that are not rings: pure functions of (position, size).
+"""Who talks to whom in the data plane's programs that are not rings: pure functions of (position, size).
 
 Three shapes, each a function of a ring's size and a position in it (never of the data), so that
 every rank derives the same shape from its view, and the plane can check a frame's sender from its
@@ -100,9 +100,10 @@ def tree_children(n: int, q: int) -> tuple[int, ...]:
     return tuple(k - 1 for k in kids)
 
 
+@lru_cache(maxsize=256)
 def tree_depth(n: int) -> int:
     """The longest path from the root to a leaf, in hops."""
-    return max((_depth(n, q) for q in range(n)), default=0) if n <= 4096 else power_below(n).bit_length()
+    return max((_depth(n, q) for q in range(n)), default=0)
 
 
 def _depth(n: int, q: int) -> int:
