@@ -31,6 +31,7 @@ from ringserve.worker.dataplane.programs import (
     Phase,
     Place,
     Program,
+    Programs,
     Recv,
     Ring,
     Signal,
@@ -45,7 +46,7 @@ def ring_of(session: Session) -> Ring:
     return session.ring
 
 
-async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Program,
+async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Programs,
               values: Values, *, key: str | None = None) -> str:
     """Runs one collective's program under its deadline, counts it, and forgets its frames afterwards.
 
@@ -57,7 +58,7 @@ async def run(session: Session, name: str | None, descriptor: str, timeout_s: fl
 
 
 async def run_stages(session: Session, name: str | None, descriptor: str, timeout_s: float,
-                     stages: Iterator[tuple[Program, Values]], *, key: str | None = None) -> str:
+                     stages: Iterator[tuple[Programs, Values]], *, key: str | None = None) -> str:
     """Runs a collective made of several programs, one after the other, under one key and deadline.
 
     ``stages`` gives each program with its values once the one before has finished (so a stage may
@@ -82,10 +83,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
             async with asyncio.timeout(timeout_s):
                 for program, values in stages:
                     values.key = key
-                    try:
-                        await execute(session, key, inbox, program, values)
-                    finally:
-                        program.close()
+                    await _execute_all(session, key, inbox, program, values)
                 if session.checksum:
                     await execute(session, key, inbox, programs.confirm(ring_of(session)), values)
         ok = True
@@ -99,6 +97,26 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
         elapsed = span.end(ok)
     session.counters.observe(kind, elapsed, algorithm)
     return key
+
+
+async def _execute_all(session: Session, key: str, inbox: Inbox, program: Programs, values: Values) -> None:
+    """Carries out a program, or several at once (a tuple: a tree's two directions, see
+    programs_tree.py), over the same frames and values; the first to fail fails them all."""
+    if not isinstance(program, tuple):
+        try:
+            await execute(session, key, inbox, program, values)
+        finally:
+            program.close()
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for one in program:
+                group.create_task(execute(session, key, inbox, one, values))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    finally:
+        for one in program:
+            one.close()
 
 
 async def execute(session: Session, key: str, inbox: Inbox, program: Program, values: Values) -> None:

@@ -66,6 +66,7 @@ class Plane:
         algorithm: str = "ring",
         links: Links | None = None,
         measure_timeout_s: float = 60.0,
+        scale: int = 1,
     ) -> None:
         self.place = place
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
@@ -74,6 +75,9 @@ class Plane:
         # measured once per ring of this view (calibration.py).
         self.algorithm = algorithm
         self.measures = Measures(links, measure_timeout_s)
+        # Each payload byte stands for ``scale`` bytes when algorithms are chosen: the virtual
+        # sizes of the simulator (ringserve/testing/netsim.py); 1 everywhere else.
+        self.scale = scale
         self.ring = Ring.whole(place.rank, place.size)
         self.counters = counters
         self.abort_grace_s = abort_grace_s

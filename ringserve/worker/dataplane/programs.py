@@ -169,6 +169,9 @@ class Phase(NamedTuple):
 
 Step = Recv | Lead | Fold | Own | Take | Give | Place | Forward | Signal | Phase
 Program = Generator[Step, int | None, None]
+# What a collective's stage runs: one program, or several at once over the same frames and values
+# (a pipelined tree's climb and descent, programs_tree.py), each in slots of its own.
+Programs = Program | tuple[Program, ...]
 
 FORWARD = Forward()
 

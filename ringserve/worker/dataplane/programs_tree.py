@@ -15,11 +15,11 @@ Every parent first sends its children an empty frame (``notice``, taken last): a
 otherwise hear nothing of a collective before it has to send, and a rank that has joined
 (join.py) learns of the others' collectives from their frames.
 
-A program is one sequence of steps, so a node interleaves the two directions: it takes chunk i
-going up in both trees, then chunk i - lag coming down, with ``lag`` = 2 x depth + 1 chunks (the
-pipeline's length), so it forwards chunks down while later ones still go up. It never waits for a
-chunk to come down before it has sent everything that chunk needs on its way up, so no order of
-arrival can deadlock it.
+The climb and the descent of each tree are four programs that the executor runs at once over the
+same frames (programs.Programs): a node forwards chunks down while later ones still climb, and
+neither tree nor direction ever waits for another, so the pipeline runs at the links' bandwidth,
+however many chunks its latency holds in flight. (In one program, a node inside one tree and a
+leaf of the other would tie the trees together, and each chunk would wait a round trip.)
 
 **Broadcast** from a root: the data goes down one binary tree rooted there (log2 n hops, not n - 1
 as in the chain), chunk by chunk, forwarded byte for byte. Then, as the chain's three laps do
@@ -56,55 +56,57 @@ def halves(total: int) -> list[Bounds]:
     return [(0, half), (half, total)]
 
 
-def tree_allreduce(ring: Ring, total: int, chunk_elems: int) -> Program:
-    """Allreduce of ``total`` elements over the double binary tree of the ring's positions."""
+def tree_allreduce(ring: Ring, total: int, chunk_elems: int) -> tuple[Program, ...]:
+    """Allreduce of ``total`` elements over the double binary tree of the ring's positions: the
+    climb and the descent of each tree, four programs the executor runs at once."""
     n, me = ring.size, ring.index
     parts = [chunk_bounds(a, b, chunk_elems) for a, b in halves(total)]
     if n == 1:
-        for chunks in parts:
-            for c, (a, b) in enumerate(chunks):
-                yield Own(NO_SEND, c, a, b, alone=True)
-        return
-    links = [topology.tree_links(n, me, tree=t) for t in (0, 1)]
-    down, notice = 2 * n, 2 * n + 2
-    lag = 2 * topology.tree_depth(n) + 1
-    longest = max(len(chunks) for chunks in parts)
-    for t, (_, children) in enumerate(links):
-        if children:
-            yield Signal(notice + t, to=children)
+        return (_alone(parts),)
+    climbs = tuple(_climb(n, me, t, parts[t]) for t in (0, 1))
+    return (*climbs, *(_descend(n, me, t, parts[t]) for t in (0, 1)))
+
+
+def _alone(parts: list[list[Bounds]]) -> Program:
+    for chunks in parts:
+        for c, (a, b) in enumerate(chunks):
+            yield Own(NO_SEND, c, a, b, alone=True)
+
+
+def _climb(n: int, me: int, tree: int, chunks: list[Bounds]) -> Program:
+    """Up one tree, chunk by chunk: reduce the children's partial results with this rank's data
+    and send them to the parent; at the root, finish each chunk and send it down."""
+    parent, children = topology.tree_links(n, me, tree=tree)
+    up, down, notice = tree * n + me, 2 * n + tree, 2 * n + 2 + tree
+    if children:
+        yield Signal(notice, to=children)
     yield Phase("reduce")
-    for i in range(longest + lag):
-        for t, chunks in enumerate(parts):
-            if i >= len(chunks):
-                continue
-            a, b = chunks[i]
-            parent, children = links[t]
-            up = t * n + me
-            if not children:
-                yield Lead(up, i, a, b, to=(parent,))
-                continue
-            for k, child in enumerate(children):
-                yield Recv(t * n + child, i, frm=child)
-                if k + 1 < len(children):
-                    yield Fold(NO_SEND, i, a, b)
-                elif parent >= 0:
-                    yield Fold(up, i, a, b, to=(parent,))
-                else:
-                    yield Own(down + t, i, a, b, to=children)
-        j = i - lag
-        if j == 0:
-            yield Phase("broadcast")
-        for t, chunks in enumerate(parts):
-            parent, children = links[t]
-            if 0 <= j < len(chunks) and parent >= 0:
-                a, b = chunks[j]
-                yield Recv(down + t, j, frm=parent)
-                yield Take(a, b)
-                if children:
-                    yield Forward(to=children)
-    for t, (parent, _) in enumerate(links):
-        if parent >= 0:
-            yield Recv(notice + t, 0, frm=parent)
+    for i, (a, b) in enumerate(chunks):
+        if not children:
+            yield Lead(up, i, a, b, to=(parent,))
+            continue
+        for k, child in enumerate(children):
+            yield Recv(tree * n + child, i, frm=child)
+            if k + 1 < len(children):
+                yield Fold(NO_SEND, i, a, b)
+            elif parent >= 0:
+                yield Fold(up, i, a, b, to=(parent,))
+            else:
+                yield Own(down, i, a, b, to=children)
+
+
+def _descend(n: int, me: int, tree: int, chunks: list[Bounds]) -> Program:
+    """Down one tree, chunk by chunk: take each finished chunk and forward it to the children."""
+    parent, children = topology.tree_links(n, me, tree=tree)
+    if parent < 0:
+        return
+    down, notice = 2 * n + tree, 2 * n + 2 + tree
+    for i, (a, b) in enumerate(chunks):
+        yield Recv(down, i, frm=parent)
+        yield Take(a, b)
+        if children:
+            yield Forward(to=children)
+    yield Recv(notice, 0, frm=parent)
 
 
 def tree_broadcast(ring: Ring, root: int, total: int, chunk_elems: int) -> Program:

@@ -19,7 +19,7 @@ from ringserve.ring import segment_bounds
 from ringserve.selection import Plan
 from ringserve.worker.dataplane import executor, programs_grid, programs_hd, programs_tree, routes
 from ringserve.worker.dataplane.partials import PartialCoded, PartialRaw
-from ringserve.worker.dataplane.programs import Program, Ring
+from ringserve.worker.dataplane.programs import Programs, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
 
@@ -34,15 +34,20 @@ async def plan(session: Session, op: str, nbytes: int, *, chunk_bytes: int, time
     if setting == selection.RING or n <= 1:
         return Plan(selection.RING, chunk_bytes, 0.0)
     links = await session.plane.measures.links(session)
-    return selection.choose(setting, op, nbytes, n, links, chunk_bytes, coded=coded)
+    scale = session.plane.scale
+    return selection.choose(setting, op, nbytes * scale, n, links, chunk_bytes * scale, coded=coded)
 
 
-def chunk_of(algorithm: str, nbytes: int, n: int, chunk_bytes: int) -> int:
-    """The chunk an allreduce runs in: a tree's own (selection.tree_chunk), else chunk_bytes."""
-    return selection.tree_chunk(nbytes, n, chunk_bytes) if algorithm == selection.TREE else chunk_bytes
+def chunk_of(session: Session, algorithm: str, nbytes: int, chunk_bytes: int) -> int:
+    """The chunk an allreduce of ``nbytes`` runs in over the session's ring: a tree's own
+    (selection.tree_chunk), else ``chunk_bytes``."""
+    if algorithm != selection.TREE:
+        return chunk_bytes
+    scale = session.plane.scale
+    return max(1, selection.tree_chunk(nbytes * scale, session.place.size, chunk_bytes * scale) // scale)
 
 
-def allreduce_program(algorithm: str, ring: Ring, total: int, chunk_elems: int) -> Program:
+def allreduce_program(algorithm: str, ring: Ring, total: int, chunk_elems: int) -> Programs:
     """The program of an allreduce of ``total`` elements under ``algorithm`` (not the ring's).
 
     Raises:
@@ -78,7 +83,7 @@ async def allreduce(session: Session, algorithm: str, src: np.ndarray, buf: np.n
     """
     ring, world = session.ring, session.place.size
     nbytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
-    elems = max(1, chunk_of(algorithm, nbytes, world, chunk_bytes) // buf.dtype.itemsize)
+    elems = max(1, chunk_of(session, algorithm, nbytes, chunk_bytes) // buf.dtype.itemsize)
     values = partial_values(ring, src, buf, op, world, coder, residual)
     program = allreduce_program(algorithm, ring, buf.size, elems)
     return await executor.run(session, name, routes.tagged(descriptor, algorithm), timeout_s, program, values,

@@ -103,19 +103,19 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
                                     timeout_s=timeout_s)).algorithm
 
-    def reduce_locally() -> tuple[programs.Program, Values]:
+    def reduce_locally() -> tuple[programs.Programs, Values]:
         return (programs.ring_reduce(local.ring, bounds, chunk_elems, gather=False),
                 Raw(src, buf, step_op, local.place.size))
 
-    def reduce_across() -> tuple[programs.Program, Values]:
+    def reduce_across() -> tuple[programs.Programs, Values]:
         if across != selection.RING:
-            elems = max(1, algorithms.chunk_of(across, part.nbytes, cross.place.size, chunk_bytes) // buf.dtype.itemsize)
+            elems = max(1, algorithms.chunk_of(cross, across, part.nbytes, chunk_bytes) // buf.dtype.itemsize)
             return (algorithms.allreduce_program(across, cross.ring, part.size, elems),
                     PartialRaw(part, part, step_op, cross.place.size, ring=cross.ring))
         return (programs.ring_reduce(cross.ring, segment_bounds(part.size, cross.place.size), chunk_elems, gather=True),
                 Raw(part, part, step_op, cross.place.size))
 
-    def gather_locally() -> tuple[programs.Program, Values]:
+    def gather_locally() -> tuple[programs.Programs, Values]:
         if op == "average":
             finish_into(part, op, world)
         return programs.ring_gather(local.ring, bounds, chunk_elems), Raw(buf, buf, op, local.place.size)
