@@ -9,7 +9,7 @@ on one link at a time, so the bytes a rank sends add up. For an allreduce of ``S
 =====================  ===========================================  ===============================
 algorithm              latency                                      bytes each rank sends
 =====================  ===========================================  ===============================
-ring                   2 (n - 1) alpha                              2 (n - 1) / n S
+ring                   2 (n - 1) alpha (hidden behind large steps)  2 (n - 1) / n S
 halving_doubling       2 log2(p) alpha (+ 2 alpha to fold)          2 (p - 1) / p S (+ 2 S to fold)
 recursive_doubling     log2(p) alpha (+ 2 alpha to fold)            log2(p) S (+ 2 S to fold)
 tree (double binary)   2 D alpha, plus the pipeline's fill          about 2 S, in chunks
@@ -75,6 +75,14 @@ def _frames(nbytes: float, chunk: int) -> int:
     return max(1, math.ceil(nbytes / chunk))
 
 
+def _ring_step(segment: float, links: Links, chunk_bytes: int) -> float:
+    """One step of a pipelined ring that moves ``segment`` bytes: its bytes, or, when they take
+    less than a hop's latency, the hop (a chunk must arrive before the next step's leaves)."""
+    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    frames = _frames(segment, chunk_bytes)
+    return max(segment * b + f * frames, a + min(segment, chunk_bytes) * b + f)
+
+
 def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int) -> Plan:
     """The predicted time of an allreduce of ``nbytes`` over ``n`` ranks under ``algorithm``."""
     a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
@@ -84,8 +92,7 @@ def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int)
     p = power_below(n)
     fold = 0.0 if p == n else 2 * (a + s * b + f * _frames(s, chunk_bytes))
     if algorithm == RING:
-        seg = s / n
-        t = 2 * (n - 1) * (a + f * _frames(seg, chunk_bytes)) + 2 * (n - 1) * seg * b
+        t = 2 * (n - 1) * _ring_step(s / n, links, chunk_bytes)
     elif algorithm == HALVING_DOUBLING:
         k = p.bit_length() - 1
         t = 2 * k * a + 2 * (p - 1) / p * s * b + f * 2 * (_frames(s / p, chunk_bytes) * (p - 1)) + fold
@@ -98,9 +105,8 @@ def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int)
         rows, cols = grid(n)
         if rows < 2:
             return predict(RING, nbytes, n, links, chunk_bytes)
-        steps = 2 * (cols - 1) + 2 * (rows - 1)
-        sent = (2 * (cols - 1) / cols + 2 * (rows - 1) / (rows * cols)) * s
-        t = steps * (a + f * _frames(s / n, chunk_bytes)) + sent * b
+        t = 2 * (cols - 1) * _ring_step(s / cols, links, chunk_bytes) + 2 * (rows - 1) * _ring_step(
+            s / n, links, chunk_bytes)
     else:
         raise ValueError(f"No cost model for the algorithm {algorithm!r}.")
     return Plan(algorithm, chunk_bytes, t)
@@ -188,7 +194,7 @@ def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chun
         raise ValueError(f"The algorithm {setting!r} is not one of {', '.join(SETTINGS)}.")
     able = candidates(op, n, coded=coded)
     if setting == RING or n <= 1:
-        return Plan(RING, chunk_bytes, 0.0)
+        return _predict_op(op, RING, nbytes, n, links, chunk_bytes) if links is not None else Plan(RING, chunk_bytes, 0.0)
     if setting == AUTO:
         if links is None:
             return Plan(RING, chunk_bytes, 0.0)
