@@ -184,9 +184,15 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
 
 
 async def barrier(session: Session, *, timeout_s: float) -> None:
+    """An allreduce of one int32 (by the ring, or the algorithm a 4-byte allreduce runs)."""
     buf = np.zeros(1, dtype=np.int32)
     bounds = segment_bounds(1, session.place.size)
-
+    algorithm = (await algorithms.plan(session, "allreduce", buf.nbytes, chunk_bytes=buf.nbytes,
+                                       timeout_s=timeout_s)).algorithm
+    if algorithm != selection.RING:
+        await algorithms.allreduce(session, algorithm, buf, buf, op="sum", name=None, descriptor="barrier",
+                                   chunk_bytes=buf.nbytes, timeout_s=timeout_s)
+        return
     values = Raw(buf, buf, "sum", session.place.size)
     program = programs.ring_reduce(ring_of(session), bounds, 1, gather=True)
     await executor.run(session, None, "barrier", timeout_s, program, values)

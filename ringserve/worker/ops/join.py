@@ -123,6 +123,11 @@ async def _stand(session: Session, key: str, descriptor: str, *, chunk_bytes: in
         return
     if isinstance(plan, Along):
         buf = np.zeros(1, dtype=np.int32)
+        if routes.algorithm_of(descriptor) != "ring":  # the others' barrier runs another algorithm
+            await algorithms.allreduce(session, routes.algorithm_of(descriptor), buf, buf, op="sum", name=None,
+                                       descriptor=routes.untagged(descriptor), chunk_bytes=buf.nbytes,
+                                       timeout_s=timeout_s, key=key)
+            return
         program = programs.ring_reduce(ring_of(session), segment_bounds(1, world), 1, gather=True)
         await executor.run(session, None, descriptor, timeout_s, program, collectives.Raw(buf, buf, "sum", world), key=key)
         return
