@@ -75,11 +75,11 @@ def _frames(nbytes: float, chunk: int) -> int:
     return max(1, math.ceil(nbytes / chunk))
 
 
-def _ring_step(segment: float, links: Links, chunk_bytes: int) -> float:
+def _ring_step(segment: float, links: Links, chunk_bytes: int, least_frames: int = 1) -> float:
     """One step of a pipelined ring that moves ``segment`` bytes: its bytes, or, when they take
     less than a hop's latency, the hop (a chunk must arrive before the next step's leaves)."""
     a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
-    frames = _frames(segment, chunk_bytes)
+    frames = max(_frames(segment, chunk_bytes), least_frames)
     return max(segment * b + f * frames, a + min(segment, chunk_bytes) * b + f)
 
 
@@ -105,7 +105,8 @@ def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int)
         rows, cols = grid(n)
         if rows < 2:
             return predict(RING, nbytes, n, links, chunk_bytes)
-        t = 2 * (cols - 1) * _ring_step(s / cols, links, chunk_bytes) + 2 * (rows - 1) * _ring_step(
+        # A row step moves a segment in frames of its tiles: at least one a row.
+        t = 2 * (cols - 1) * _ring_step(s / cols, links, chunk_bytes, rows) + 2 * (rows - 1) * _ring_step(
             s / n, links, chunk_bytes)
     else:
         raise ValueError(f"No cost model for the algorithm {algorithm!r}.")
