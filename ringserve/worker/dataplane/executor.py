@@ -6,6 +6,9 @@ the timeline span and its phases, the confirmation lap when checksums are on, an
 (it waits for room on the link before each send). Sends never wait for a receive: chunk c of step
 s + 1 leaves as soon as chunk c of step s has arrived and been reduced, whatever else is pending.
 
+A stage may be several programs at once (``programs.Programs``: a pipelined tree's climb and
+descent), carried out concurrently over the same frames and values; the first to fail fails all.
+
 Every frame names its sender's arguments (the descriptor), so a rank whose arguments differ is
 caught by its successor at the first step, and every step carries at least one frame (an empty one
 for an empty segment), which is what lets each rank check its predecessor.

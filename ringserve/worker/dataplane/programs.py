@@ -80,7 +80,7 @@ class Recv(NamedTuple):
 
     slot: int
     chunk: int
-    frm: int = -1  # the position it comes from; -1: the ring's previous one (see Peers)
+    frm: int = -1  # the position it comes from; -1: the ring's previous one (routes.py checks senders)
 
 
 class Lead(NamedTuple):

@@ -2,7 +2,9 @@
 
 Programs (programs.py) work in ring positions over a ``Ring(members, index)``, and the executor
 (executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
-next member, and receives what the ring's previous member sends. So the same program runs over the
+next member (or to the members at the positions a step names: halving-doubling's partners, a
+tree's parent and children), and receives what the ring's previous member (or the named one)
+sends. So the same program runs over the
 whole view or over a sub-ring of some of its ranks (a process set), unchanged.
 
 To the collectives (collectives.py) a session over ranks ``(0, 2, 3)`` of a view of five looks like
