@@ -281,20 +281,7 @@ class Plane:
         ring = inbox.ring if inbox is not None else keys.ring_of(key, self.ring, self.view_id)
         assert ring is not None
         # Aborts go round the ring; data frames come from the ranks their program names.
-        algorithm = routes.algorithm_of(header.descriptor) if header.kind == wire.DATA else routes.RING
-        if algorithm == routes.RING:
-            source = keys.source(ring)
-            if sender != source:
-                raise ProtocolError(
-                    f"A frame of collective {key!r} came from rank {sender}, but rank {self.place.rank} of view "
-                    f"{self.view_id} receives that collective's frames from rank {source} only."
-                )
-        elif sender not in routes.sources(algorithm, ring):
-            raise ProtocolError(
-                f"A frame of collective {key!r} ({algorithm}) came from rank {sender}, but rank "
-                f"{self.place.rank} of view {self.view_id} receives that collective's frames from ranks "
-                f"{sorted(routes.sources(algorithm, ring))} only."
-            )
+        routes.check_sender(header.descriptor if header.kind == wire.DATA else "", key, ring, sender, self.view_id)
         if inbox is None and self._finished(key):
             # A collective this rank already finished or gave up on: a late data frame is
             # dropped; an abort is still passed on (the other ranks' laps need it) but kept nowhere.

@@ -19,6 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ringserve import topology
+from ringserve.errors import ProtocolError
 from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
 from ringserve.worker.dataplane.programs import Ring
 
@@ -85,6 +86,29 @@ def _ranks(algorithm: str, ring: Ring) -> tuple[frozenset[int], frozenset[int]]:
     sources = {members[p] for p in heard} | {members[(me - 1) % n]}
     sinks = {members[p] for p in sent} | {members[(me + 1) % n]}
     return frozenset(sources), frozenset(sinks)
+
+
+def check_sender(descriptor: str, key: str, ring: Ring, sender: int, view_id: int) -> None:
+    """Checks that a frame of ``key`` with ``descriptor`` ("" for an abort, which goes round the
+    ring) may come to this rank of ``ring`` from ``sender``.
+
+    Raises:
+        ProtocolError: it may not: a broken peer or program.
+    """
+    algorithm = algorithm_of(descriptor)
+    me = ring.members[ring.index]
+    if algorithm == RING:
+        source = ring.members[(ring.index - 1) % ring.size] if ring.size > 1 else -1
+        if sender != source:
+            raise ProtocolError(
+                f"A frame of collective {key!r} came from rank {sender}, but rank {me} of view "
+                f"{view_id} receives that collective's frames from rank {source} only."
+            )
+    elif sender not in sources(algorithm, ring):
+        raise ProtocolError(
+            f"A frame of collective {key!r} ({algorithm}) came from rank {sender}, but rank {me} of view "
+            f"{view_id} receives that collective's frames from ranks {sorted(sources(algorithm, ring))} only."
+        )
 
 
 def sources(algorithm: str, ring: Ring) -> frozenset[int]:
