@@ -6,7 +6,10 @@
 Eight hosts (``--hosts``) run in network namespaces, ``--delay-ms`` (20) one way from each other
 behind ``--rate-mbit`` (100) uplinks (benchmarks/_netem.py, as benchmarks/wan.py), two workers
 (``--per-host``) on each, named by host (RINGSERVE_HOSTNAME), so that the hierarchical allreduce
-sees them; the shared-memory lane is off (every host shares this kernel). Each configuration starts
+sees them. A host's workers share a PID namespace of their own, so that they pass payloads through
+the shared-memory lane as workers of one machine do, and workers of two hosts cannot (they share
+this kernel, but not each other's /proc): between hosts every byte crosses the emulated link.
+Each configuration starts
 a coordinator and the 16 workers afresh, and each worker allreduces a float32 vector of each size
 (``--sizes``: 64 KiB and 64 MiB), after one untimed call (which measures the links under
 ``auto``), ``--iterations`` times back to back; a size's time is the slowest rank's mean.
@@ -99,7 +102,7 @@ def rank_main(args: argparse.Namespace) -> None:
         result = reduce(x, f"s{nbytes}")  # untimed: the first of a view measures the links
         iterations = args.iterations if nbytes <= 1 << 20 else args.large_iterations
         started = time.perf_counter()
-        for i in range(iterations):
+        for _ in range(iterations):
             result = reduce(x, f"s{nbytes}")
         mean = (time.perf_counter() - started) / iterations
         error = float(np.abs(result.astype(np.float64) - exact(world, count)).max()) if count else 0.0
@@ -128,27 +131,26 @@ def run_config(wan: Wan, args: argparse.Namespace, name: str, tmp: pathlib.Path)
             PYTHON, "-m", "ringserve.cli", "coordinator", "--host", hosts[0].address, "--port", str(port),
             "--min-workers", str(world), "--max-workers", str(world)]))
         wan.wait_listening(hosts[0], port, timeout_s=60)
-        env.update({"RINGSERVE_COORDINATOR": f"{hosts[0].address}:{port}", "RINGSERVE_SHARED_MEMORY": "0",
+        env.update({"RINGSERVE_COORDINATOR": f"{hosts[0].address}:{port}",
                     "RINGSERVE_COLLECTIVE_TIMEOUT_S": str(args.timeout), "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "300"})
     procs, outs = [], []
     try:
-        for rank in range(world):
-            host = hosts[rank // args.per_host]
-            out = tmp / f"{name}.{rank}.json"
-            outs.append(out)
-            argv = [PYTHON, str(pathlib.Path(__file__).resolve()), "--role", "rank", "--config", name,
-                    "--rank", str(rank), "--world", str(world), "--sizes", args.sizes, "--master", master,
-                    "--iterations", str(args.iterations), "--large-iterations", str(args.large_iterations),
-                    "--out", str(out)]
+        for host in hosts:
+            ranks = range(host.index * args.per_host, (host.index + 1) * args.per_host)
+            outs += [tmp / f"{name}.{rank}.json" for rank in ranks]
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", PYTHON, str(pathlib.Path(__file__).resolve()),
+                    "--role", "host", "--config", name, "--ranks", ",".join(map(str, ranks)), "--world", str(world),
+                    "--sizes", args.sizes, "--master", master, "--iterations", str(args.iterations),
+                    "--large-iterations", str(args.large_iterations), "--out", str(tmp / name)]
             host_env = {"RINGSERVE_BIND_HOST": host.address, "RINGSERVE_HOSTNAME": f"h{host.index}",
-                        "RINGSERVE_RANK_HINT": str(rank), "GLOO_SOCKET_IFNAME": DEVICE, **env}
+                        "GLOO_SOCKET_IFNAME": DEVICE, **env}
             procs.append(subprocess.Popen(wan.command(host, argv, host_env),
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
         deadline = time.monotonic() + args.timeout
         for i, p in enumerate(procs):
             code = p.wait(max(1.0, deadline - time.monotonic()))
             if code != 0:
-                raise RuntimeError(f"{name}: rank {i} exited with code {code}")
+                raise RuntimeError(f"{name}: host {i} exited with code {code}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -161,11 +163,27 @@ def run_config(wan: Wan, args: argparse.Namespace, name: str, tmp: pathlib.Path)
     return [read_json(o) for o in outs]
 
 
+def host_main(args: argparse.Namespace) -> None:
+    """One host: its ranks, in the PID namespace of this host alone (``unshare --pid``), so that
+    ranks of one host reach each other's shared-memory lanes through /proc and ranks of two hosts
+    cannot (their payloads then cross the emulated link, as between machines)."""
+    procs = []
+    for rank in map(int, args.ranks.split(",")):
+        argv = [PYTHON, str(pathlib.Path(__file__).resolve()), "--role", "rank", "--config", args.config,
+                "--rank", str(rank), "--world", str(args.world), "--sizes", args.sizes, "--master", args.master,
+                "--iterations", str(args.iterations), "--large-iterations", str(args.large_iterations),
+                "--out", f"{args.out}.{rank}.json"]
+        procs.append(subprocess.Popen(argv, env={**os.environ, "RINGSERVE_RANK_HINT": str(rank)}))
+    codes = [p.wait() for p in procs]
+    raise SystemExit(max(abs(c) for c in codes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", default="driver")
     parser.add_argument("--config", default="")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--ranks", default="")
     parser.add_argument("--world", type=int, default=0)
     parser.add_argument("--master", default="")
     parser.add_argument("--out", default="")
@@ -182,6 +200,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "rank":
         rank_main(args)
+        return
+    if args.role == "host":
+        host_main(args)
         return
     try:
         check_environment()
