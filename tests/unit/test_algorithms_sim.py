@@ -264,13 +264,15 @@ async def test_with_checksums_every_algorithm_confirms_and_a_damaged_frame_fails
 
     async def damaged(session: Session, rank: int) -> BaseException | None:
         plane = session.plane
-        if rank == 3:  # the last byte of the first payload this rank sends is flipped on its link
+        if rank == 3:  # mid-way: the last byte of the third payload this rank sends is flipped on its link
             send = plane.send
-            flipped = []
+            flipped: list[str] = []
+            sent = [0]
 
             def flip(link: Any, key: str, inbox: Any, **frame: Any) -> None:
                 send(link, key, inbox, **frame)
-                if frame["count"] and not flipped and link is not None:
+                sent[0] += 1 if frame["count"] else 0
+                if sent[0] == 3 and frame["count"] and not flipped and link is not None:
                     raw, is_data = link._frames[-1]
                     link._frames[-1] = (raw[:-1] + bytes([raw[-1] ^ 0xFF]), is_data)
                     flipped.append(key)
