@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ringserve import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from ringserve.commits import Commit
-from ringserve.observe import load_trace
+from ringserve.metrics import WorkerCollector
+from ringserve.observe import Counters, load_trace
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,3 +133,15 @@ def test_metric_names_follow_prometheus_conventions() -> None:
 
     names = {family.name for family in WorkerCollector(Counters(), lambda: (0, 1)).collect()}
     assert all(re.fullmatch(r"ringserve_[a-z_]+", n) for n in names)
+
+
+def test_the_metrics_count_collectives_by_the_algorithm_they_ran() -> None:
+    counters = Counters()
+    counters.observe("allreduce", 0.01, "tree")
+    counters.observe("allreduce", 0.02, "tree")
+    counters.observe("allreduce", 0.03)
+    counters.observe("broadcast", 0.01, "tree/2")
+    families = {f.name: f for f in WorkerCollector(counters, lambda: (3, 7)).collect()}
+    samples = {(s.labels["op"], s.labels["algorithm"]): s.value
+               for s in families["ringserve_collectives_by_algorithm"].samples if s.name.endswith("_total")}
+    assert samples == {("allreduce", "tree"): 2, ("allreduce", "ring"): 1, ("broadcast", "tree/2"): 1}
