@@ -32,8 +32,9 @@ import numpy as np
 
 from ringserve import selection, topology
 from ringserve.testing import netsim, vclock
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import collectives
+from ringserve.worker.ops import algorithms, collectives
 
 ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "tree", "ring2d", "auto")
 MiB = 1 << 20
@@ -70,10 +71,10 @@ def cell(world: int, nbytes: int, setting: str, latency_s: float, bytes_per_s: f
 
     async def call(session: Session, rank: int) -> np.ndarray:
         if setting == "recursive_doubling":  # the small-message form of halving_doubling, by itself
-            from ringserve.worker.ops import algorithms
             buf = np.empty_like(x)
+            descriptor = Descriptor("allreduce", dtype="float32", shape=x.shape, op="sum")
             await algorithms.allreduce(session, setting, x, buf, op="sum", name="x", chunk_bytes=chunk,
-                                       descriptor=f"allreduce float32 {x.shape} op=sum", timeout_s=1e6)
+                                       descriptor=descriptor, timeout_s=1e6)
             out = buf
         else:
             out = await collectives.allreduce(session, x, op="sum", name="x", chunk_bytes=chunk, timeout_s=1e6)

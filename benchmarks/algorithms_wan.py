@@ -41,8 +41,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table  # noqa: E402
-from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment  # noqa: E402
+from _common import PYTHON, read_json, table
+from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment
 
 CONFIGS: dict[str, dict[str, str]] = {
     "ring": {"RINGSERVE_ALGORITHM": "ring", "RINGSERVE_HIERARCHICAL": "0"},

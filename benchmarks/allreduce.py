@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, free_port, peak_rss_bytes, read_json, rss_bytes, run_ranks, table  # noqa: E402
+from _common import PYTHON, free_port, peak_rss_bytes, read_json, rss_bytes, run_ranks, table
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -27,9 +27,9 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table  # noqa: E402
-from _netem import Wan, read_counters  # noqa: E402
-from allreduce import parse_size  # noqa: E402
+from _common import PYTHON, read_json, table
+from _netem import Wan, read_counters
+from allreduce import parse_size
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, run_ranks, table  # noqa: E402
-from allreduce import parse_size  # noqa: E402
+from _common import PYTHON, read_json, run_ranks, table
+from allreduce import parse_size
 
 
 def per_batch(size: int) -> int:
@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     from ringserve import api
 
     rs.init()
-    pool = api.context().worker._planes.pool  # read only: how many results it handed out again
+    pool = api.context().worker.node.planes.pool  # read only: how many results it handed out again
     results = {str(size): {**measure(rs, size, args.rounds), "reused": [float(pool.reused)]} for size in args.sizes}
     pathlib.Path(args.out).write_text(json.dumps(results))
     rs.shutdown()

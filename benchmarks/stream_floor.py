@@ -36,8 +36,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, free_port, read_json, run_ranks, table  # noqa: E402
-from allreduce import STREAM_ONLY, parse_size, run_ringserve, worker_gloo  # noqa: E402
+from _common import PYTHON, free_port, read_json, run_ranks, table
+from allreduce import STREAM_ONLY, parse_size, run_ringserve, worker_gloo
 
 METHOD = "/floor.Floor/Stream"
 ROUNDS = 8
@@ -75,7 +75,7 @@ async def _grpc_rank(args: argparse.Namespace, rank: int, tmp: pathlib.Path) -> 
     chunk, count = _plan(args)
     got: asyncio.Queue[int] = asyncio.Queue()
 
-    async def stream(requests, context):  # noqa: ANN001 - grpc's generic handler
+    async def stream(requests, context):
         async for message in requests:
             got.put_nowait(len(message))
         return b""

@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, free_port, read_json, run_ranks, table  # noqa: E402
+from _common import PYTHON, free_port, read_json, run_ranks, table
 
 BATCH = 64
 

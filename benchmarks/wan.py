@@ -57,10 +57,10 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table  # noqa: E402
-from _netcheck import connect_rtt_ms, ring_bulk_mbit  # noqa: E402
-from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters  # noqa: E402
-from training_step import BATCH, _model  # noqa: E402
+from _common import PYTHON, read_json, table
+from _netcheck import connect_rtt_ms, ring_bulk_mbit
+from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters
+from training_step import BATCH, _model
 
 CODECS = ("none", "fp16", "int8")
 DDP_HOOKS = ("gloo", "fp16", "powersgd", "powersgd-1bucket")

@@ -37,7 +37,7 @@ def tune() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    ok: bool = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and ok
     _done = ok
     if not ok:

@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.constants import ELASTIC_TIMEOUT_S, REMOTE_START_TIMEOUT_S
 from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError, RingserveError
 
 
@@ -31,6 +32,8 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="stretch the heartbeat interval as the world grows to keep under this rate, "
                         "within a third of the timeout (default 1000; 0: never)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the live status page on this port (0: any free port; needs ringserve[status])")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 16384)")
     p.add_argument("--max-param-bytes", type=int, default=None,
@@ -70,7 +73,7 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "http_port", "max_concurrent_rpcs", "max_param_bytes",
                  "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 
@@ -90,6 +93,8 @@ async def _serve(config: CoordinatorConfig) -> None:
         print(f"ringserve coordinator listening on {coord.address} ({mode}{token})", flush=True)
         if coord.metrics is not None:
             print(f"ringserve coordinator metrics on {coord.metrics.url}", flush=True)
+        if coord.status_page is not None:
+            print(f"ringserve coordinator status page on {coord.status_page.url}", flush=True)
         await stop.wait()
 
 
@@ -148,9 +153,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     min_np = ns.min_np if ns.min_np is not None else ns.np
     max_np = ns.max_np if ns.max_np is not None else ns.np
     if ns.start_timeout is None:
-        ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or 30.0)
+        ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or REMOTE_START_TIMEOUT_S)
     if ns.elastic_timeout is None:
-        ns.elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or 600.0)
+        ns.elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
     placement = _placement(ns)
     # The embedded coordinator takes the job's TLS and token from the environment, as the
     # workers it starts do.
@@ -163,6 +168,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         max_workers=max(max_np, ns.np),
         settle_s=0.2,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        http_port=ns.http_port,
         **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
     )
     env = dict(os.environ)
@@ -195,12 +201,12 @@ def _format_status(status: object) -> str:
         )
     header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
     lines.append(header)
-    for m in status.members:
-        lines.append(
-            f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
-            f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
-            f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
-        )
+    lines.extend(
+        f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
+        f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
+        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
+        for m in status.members
+    )
     if len(status.members) < size:
         lines.append(f"... {size - len(status.members)} more (--all lists every worker)")
     return "\n".join(lines)
@@ -216,9 +222,10 @@ def _human(n: int) -> str:
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
+    from ringserve._proto import coordinator_pb2
     from ringserve.worker.control.client import ControlClient
 
-    async def fetch() -> object:
+    async def fetch() -> coordinator_pb2.StatusResponse:
         env = {k: v for k, v in os.environ.items() if k in _SECURITY_ENV}
         config = WorkerConfig.from_env(env, coordinator=ns.coordinator, rpc_timeout_s=ns.timeout,
                                        **_overrides(ns, _SECURITY_FIELDS))
@@ -262,6 +269,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="serve the coordinator's live status page on this port of --host (needs ringserve[status])")
     hosts = p.add_argument_group("hosts (as horovodrun)")
     one = hosts.add_mutually_exclusive_group()
     one.add_argument("-H", "--hosts", default=None,
@@ -277,10 +286,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     hosts.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with")
     hosts.add_argument("--ssh-config-file", default=None, help="an ssh config file to use instead of ~/.ssh/config")
     hosts.add_argument("--start-timeout", type=float, default=None,
-                       help="seconds a remote worker may take to start (default 30, or HOROVOD_START_TIMEOUT)")
+                       help=f"seconds a remote worker may take to start (default {REMOTE_START_TIMEOUT_S:g}, or "
+                            "HOROVOD_START_TIMEOUT)")
     hosts.add_argument("--elastic-timeout", type=float, default=None,
                        help="elastic: seconds to wait for -np slots, and for a new view "
-                            "(default 600, or HOROVOD_ELASTIC_TIMEOUT)")
+                            f"(default {ELASTIC_TIMEOUT_S:g}, or HOROVOD_ELASTIC_TIMEOUT)")
     hosts.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                        help="elastic: a failing host stays out MIN seconds, doubling with each failure up to MAX "
                             "(default: for good)")

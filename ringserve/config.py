@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 from ringserve.selection import SETTINGS as ALGORITHMS
 
@@ -43,25 +45,28 @@ def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
 
 def _check_timeline(template: str) -> None:
     """A timeline path must name a file in a directory that exists or can be made (it is made when
-    the first view is installed), so that a typo fails here and not in the middle of a rendezvous."""
+    the first view is installed), so that a typo fails when the worker starts and not in the middle
+    of a rendezvous (as a ViewInstallError). Whether a directory can be made there is tried, not
+    guessed from its mode bits (which say yes to root under /proc): one is made and removed again in
+    the nearest directory that exists."""
+    name = f"WorkerConfig.timeline ({template!r}, RINGSERVE_TIMELINE)"
     try:
         path = template.format(rank=0) if "{rank}" in template else f"{template}.0.json"
     except (KeyError, IndexError, ValueError) as exc:
-        raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) may hold only {{rank}} in braces: {exc!r}."
-        ) from None
+        raise InvalidArgumentError(f"{name} may hold only {{rank}} in braces: {exc!r}.") from None
     directory = os.path.dirname(os.path.abspath(path))
     existing = directory
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
+        raise InvalidArgumentError(f"{name} cannot be written: {existing!r} is not a directory.")
+    try:
+        probe = tempfile.mkdtemp(prefix=".ringserve-timeline-", dir=existing)
+    except OSError as exc:
         raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) cannot be written: {existing!r} is not a directory."
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) cannot be written: the directory {existing!r} is not writable."
-        )
+            f"{name} cannot be written: no directory can be made in {existing!r} ({exc.strerror or exc})."
+        ) from None
+    os.rmdir(probe)
 
 
 def _check_shared_dir(directory: str) -> None:
@@ -132,6 +137,9 @@ class CoordinatorConfig(SecuritySettings):
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
+        http_port: serve the live status page (see ringserve/coordinator/http.py) on ``host`` at
+            this port (0: any free port); -1 (the default) serves none. It needs the ``status``
+            extra (aiohttp), and requires the job's token and TLS as the gRPC service does.
         tls_*, token, token_file: see SecuritySettings.
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); long-lived streams count too.
@@ -163,6 +171,7 @@ class CoordinatorConfig(SecuritySettings):
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
+    http_port: int = -1
     # Each worker holds a WatchView and a Heartbeats stream and a unary call or two at a time:
     # 2,000 workers need about 6,000. The caps on the two kinds of stream (a half and a quarter
     # of this at most) leave a quarter to unary calls whatever floods them.
@@ -196,6 +205,11 @@ class CoordinatorConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "
                 f"negative (0 turns the stretching of the interval off)."
+            )
+        if not -1 <= self.http_port <= 65535:
+            raise InvalidArgumentError(
+                f"CoordinatorConfig.http_port ({self.http_port!r}, RINGSERVE_HTTP_PORT) must be in [0, 65535], "
+                f"or -1 for no status page."
             )
         if self.max_workers < self.min_workers:
             raise InvalidArgumentError(
@@ -340,7 +354,7 @@ class WorkerConfig(SecuritySettings):
     tune_malloc: bool = True
     metrics_port: int = -1
     timeline: str = ""
-    elastic_timeout_s: float = 600.0
+    elastic_timeout_s: float = ELASTIC_TIMEOUT_S
     join_timeout_s: float = 3600.0
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16

@@ -25,7 +25,8 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
             ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
             ├── UnsupportedError      not supported in this configuration (Adasum on a world whose
             │                         size is not a power of two, as in Horovod)
-            └── ProtocolError         a malformed or unexpected frame
+            ├── ProtocolError         a malformed or unexpected frame
+            └── MissingExtraError     a framework binding's extra is not installed (an ImportError)
 
 ``grpc.aio.AioRpcError`` is translated at the transport boundary and never reaches users.
 
@@ -217,3 +218,8 @@ class UnsupportedError(UsageError, NotImplementedError):
 
 class ProtocolError(UsageError):
     """A peer sent a frame that breaks the wire contract."""
+
+
+class MissingExtraError(UsageError, ImportError):
+    """A binding needs a package that is not installed; the message names the extra that installs it
+    (``pip install ringserve[keras]``). Also an ImportError, as a missing package is."""

@@ -110,7 +110,7 @@ class Timeline:
         self._lock = threading.Lock()
         # WorkerConfig checked that the directory exists or can be made; make it.
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8")
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115 (held until close())
         self._file.write("[\n")
         self._first = True
         self._lanes: dict[str, int] = {}

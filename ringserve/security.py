@@ -132,7 +132,8 @@ class Security:
 
     def _add_port(self, server: grpc.aio.Server, address: str) -> int:
         if not self.tls:
-            return server.add_insecure_port(address)
+            port: int = server.add_insecure_port(address)
+            return port
         if self.cert is None or self.key is None:
             raise InvalidArgumentError(
                 f"A server on {address} with TLS needs a certificate and key (tls_cert, tls_key)."
@@ -142,7 +143,8 @@ class Security:
             root_certificates=self.ca,
             require_client_auth=self.require_client_auth,
         )
-        return server.add_secure_port(address, credentials)
+        secure: int = server.add_secure_port(address, credentials)
+        return secure
 
     # -- channels ----------------------------------------------------------------------------
 
@@ -213,11 +215,11 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method  # type: ignore[attr-defined]
+        method = handler_call_details.method
         handler = await continuation(handler_call_details)
         if method.startswith(OPEN_SERVICES):
             return handler
-        if _authorized(handler_call_details.invocation_metadata, self._expected):  # type: ignore[attr-defined]
+        if _authorized(handler_call_details.invocation_metadata, self._expected):
             return handler
         # An unknown method is refused like a known one, so that a stranger cannot list methods.
         if handler is None or (handler.request_streaming and handler.response_streaming):

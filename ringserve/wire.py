@@ -126,9 +126,9 @@ def decode(data: bytes) -> tuple[FrameHeader, memoryview]:
     """
     buf = memoryview(data)
     try:
-        if len(buf) and buf[0] == _HEADER_TAG:
+        if buf and buf[0] == _HEADER_TAG:
             size, pos = _read_varint(buf, 1)
-            header = FrameHeader.FromString(buf[pos : pos + size])
+            header = FrameHeader.FromString(buf[pos : pos + size])  # type: ignore[arg-type]  # protobuf reads any buffer
             if header.pad:
                 header.ClearField("pad")  # only where the payload starts: not part of the header's meaning
             pos += size

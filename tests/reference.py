@@ -3,6 +3,7 @@ that the tests compare the ring with something that could disagree."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,7 +37,7 @@ def numpy_adasum(vectors: Sequence[np.ndarray], parts: Sequence[int] | None = No
         combined = []
         for a, b in zip(level[0::2], level[1::2], strict=True):
             out = np.empty_like(a)
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            for lo, hi in itertools.pairwise(bounds):
                 x, y = a[lo:hi].astype(np.float64), b[lo:hi].astype(np.float64)
                 dot, xx, yy = np.dot(x, y), np.dot(x, x), np.dot(y, y)
                 wx = 1.0 - dot / (2 * xx) if xx >= tiny else 1.0

@@ -398,7 +398,7 @@ def _partitioned(state: State, suspect: str, now: float) -> tuple[State, list[Ac
     timeout = state.rules.heartbeat_timeout_s
     if links.storming(state.bumps, now, timeout):
         return _cut(state, suspect, now, f"reported by its peers again after {links.MAX_BUMPS} new rings")
-    bumps = tuple(t for t in state.bumps if now - t < links.STORM_WINDOW * timeout) + (now,)
+    bumps = (*tuple(t for t in state.bumps if now - t < links.STORM_WINDOW * timeout), now)
     return replace(state, bump=True, dirty=True, bumps=bumps, check=RingCheck(0, INF)), []
 
 

@@ -18,11 +18,13 @@ from ringserve import _malloc
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership
-from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
+from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService
+from ringserve.coordinator.views import view_bytes
 from ringserve.security import Security
-from ringserve.transport import server_options
+from ringserve.transport import MAX_STREAMS_PER_CONNECTION, server_options
 
 if TYPE_CHECKING:
+    from ringserve.coordinator.http import StatusPage
     from ringserve.metrics import MetricsServer
 
 log = logging.getLogger("ringserve.coordinator")
@@ -47,6 +49,7 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
     # The data plane's window (four messages) would let each of thousands of streams park up to
     # 256 MiB in gRPC's buffers, outside every cap; parameter chunks are 1 MiB.
     options["grpc.http2.lookahead_bytes"] = 4 * PARAM_CHUNK_BYTES
+    options["grpc.max_concurrent_streams"] = connection_stream_cap(config)
     return [
         *options.items(),
         ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
@@ -58,6 +61,22 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
         ("grpc.server.max_pending_requests", max(1000, config.max_concurrent_rpcs)),
         ("grpc.server.max_pending_requests_hard_limit", max(3000, config.max_concurrent_rpcs)),
     ]
+
+
+def connection_stream_cap(config: CoordinatorConfig) -> int:
+    """The HTTP/2 streams one connection may hold open on the coordinator: twice max_concurrent_rpcs.
+
+    The coordinator's limits are its named caps (max_watch_streams, max_heartbeat_streams,
+    max_concurrent_rpcs, all connections together), each refused with RESOURCE_EXHAUSTED. The
+    transport's own limit per connection (256 for the workers' servers) must not bite first: a
+    client that multiplexes its calls (gRPC in most languages shares one connection per process)
+    and holds some 250 WatchView streams on it got 20% of its unary Heartbeat calls refused with
+    REFUSED_STREAM, an HTTP/2 refusal that names nothing. gRPC refuses a new stream once the
+    streams it still holds for a connection pass the limit, and it holds a finished call's stream
+    a while after the client has counted it free, so near the limit even a client that keeps
+    within it is refused; twice the RPC cap leaves that lag room, and the caps answer first.
+    """
+    return max(MAX_STREAMS_PER_CONNECTION, 2 * config.max_concurrent_rpcs)
 
 
 class _Handlers:
@@ -80,9 +99,9 @@ def _add_service(service: CoordinatorService, server: grpc.aio.Server) -> None:
     captured = _Handlers()
     pb_grpc.add_CoordinatorServicer_to_server(service, captured)
     handlers = captured.handlers
-    handlers["WatchView"] = handlers["WatchView"]._replace(response_serializer=view_bytes)  # type: ignore[attr-defined]
+    handlers["WatchView"] = handlers["WatchView"]._replace(response_serializer=view_bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class Coordinator:
@@ -108,6 +127,7 @@ class Coordinator:
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.metrics: MetricsServer | None = None
+        self.status_page: StatusPage | None = None
         self.port = 0
 
     @property
@@ -138,6 +158,14 @@ class Coordinator:
             from ringserve.metrics import CoordinatorCollector, MetricsServer
 
             self.metrics = MetricsServer(CoordinatorCollector(self.service.metrics), self.config.host, self.config.metrics_port)
+        if self.config.http_port >= 0:
+            from ringserve.coordinator.http import StatusPage
+
+            try:
+                self.status_page = await StatusPage(self.service.status, self.config, self.security).start()
+            except BaseException:
+                await self.stop(0)  # a port in use: nothing of this coordinator is left running
+                raise
         log.info(
             "coordinator serving on %s (min_workers=%d, %s, %s)", self.address, self.config.min_workers,
             ("mTLS" if self.security.require_client_auth else "TLS") if self.security.tls else "plaintext",
@@ -169,6 +197,9 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.status_page is not None:
+            await self.status_page.stop()
+            self.status_page = None
 
     async def __aenter__(self) -> Coordinator:
         return await self.start()

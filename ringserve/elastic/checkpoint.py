@@ -268,7 +268,7 @@ class CheckpointWriter:
                     self.written = snapshot.commit
                     log.debug("wrote the checkpoint of %s to %s", snapshot.commit, path)
                     self.store.prune()
-            except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own types; see the class docstring
+            except Exception as exc:
                 self.failures += 1
                 log.warning("writing the checkpoint of %s to %s failed: %s", snapshot.commit, self.store.location, exc)
             finally:

@@ -183,7 +183,7 @@ class Blacklist:
             self._until[host] = float("inf")
             return None
         low, high = self.cooldown_range
-        delay = min(float(high), low * 2 ** (self._count[host] - 1) + self.rand() * low)
+        delay: float = min(float(high), low * 2 ** (self._count[host] - 1) + self.rand() * low)
         self._until[host] = now + delay
         return delay
 

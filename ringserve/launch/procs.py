@@ -15,6 +15,7 @@ gives up connecting after the start timeout, and notices a vanished host within 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ringserve.constants import REMOTE_START_TIMEOUT_S
 from ringserve.launch.remote import MARK
 
 # Not forwarded to other hosts: the login session's own identity and terminal (the remote login
@@ -57,10 +59,8 @@ def _resolve(name: str) -> list[str]:
     found: list[str] = []
 
     def look() -> None:
-        try:
+        with contextlib.suppress(OSError, UnicodeError):
             found.extend(str(info[4][0]) for info in socket.getaddrinfo(name, None))
-        except (OSError, UnicodeError):
-            pass
 
     thread = threading.Thread(target=look, daemon=True)  # a dead DNS server must not hang the launch
     thread.start()
@@ -127,7 +127,7 @@ class SshSettings:
     port: int | None = None
     identity_file: str = ""
     config_file: str = ""
-    start_timeout_s: float = 30.0
+    start_timeout_s: float = REMOTE_START_TIMEOUT_S
     ping_interval_s: float = 2.0
     ping_timeout_s: float = 20.0
     python: str = sys.executable
@@ -153,7 +153,11 @@ class SshSettings:
 
 def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
     """Copies a child's output line by line, each line (and each carriage-return redraw, as a
-    progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave."""
+    progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave.
+
+    A redraw starts with a carriage return (tqdm writes ``"\rbar"``), which alone would make a
+    line of its own: it is dropped, as every line written here ends where the next one begins.
+    Kept, it made ``[0] \r[0] bar``, which a log shows as ``[0] [0] bar``."""
     pending = b""
     while True:
         data = os.read(stream.fileno(), 65536)
@@ -163,7 +167,7 @@ def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock)
         pending = parts.pop() if not parts[-1].endswith((b"\n", b"\r")) else b""
         if parts:
             with lock:
-                out.write(b"".join(prefix + part for part in parts))
+                out.write(b"".join(prefix + part for part in parts if part != b"\r"))
                 out.flush()
     if pending:
         with lock:
@@ -243,10 +247,8 @@ class LocalProc(Proc):
         return describe_exit(self.label, code)
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)
@@ -365,10 +367,8 @@ class RemoteProc(Proc):
         # EOF on the wrapper's stdin: it stops the worker (SIGTERM, SIGKILL after the grace).
         with self._stdin_lock:
             if self.popen.stdin is not None and not self.popen.stdin.closed:
-                try:
+                with contextlib.suppress(OSError):
                     self.popen.stdin.close()
-                except OSError:
-                    pass
 
     def finish_stop(self, deadline: float) -> None:
         # The wrapper's own SIGKILL comes at the grace; leave it a moment to say so and exit.
@@ -379,10 +379,8 @@ class RemoteProc(Proc):
             self.popen.wait()
 
     def _kill_ssh(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def stop_all(procs: Sequence[Proc], grace_s: float) -> None:

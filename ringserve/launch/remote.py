@@ -29,6 +29,7 @@ A ``term`` line sends SIGTERM only (an elastic worker then leaves at its next co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,10 +73,8 @@ class _Worker:
         self.stopping = threading.Event()
 
     def signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def stop(self) -> None:
         """SIGTERM to the group, then SIGKILL after the grace; once."""
@@ -83,10 +82,8 @@ class _Worker:
             return
         self.stopping.set()
         self.signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         self.signal(signal.SIGKILL)
 
 
@@ -129,7 +126,7 @@ def main() -> int:
     try:
         proc = subprocess.Popen(
             spec["argv"], env=env, stdin=subprocess.DEVNULL, stdout=sys.stdout.fileno(),
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509 (this wrapper starts no thread before it)
         )
     except OSError as exc:
         sys.stderr.write(f"ringserve: cannot start {spec['argv'][0]!r}: {exc.strerror}\n")

@@ -44,10 +44,11 @@ from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError, RecoverableError, RingserveError, UsageError
 from ringserve.loop import LoopThread
+from ringserve.spark.store import LocalStore, Store
 
 log = logging.getLogger("ringserve.spark")
 
-__all__ = ["SparkTaskError", "run"]
+__all__ = ["LocalStore", "SparkTaskError", "Store", "run"]
 
 COORDINATOR_START_TIMEOUT_S = 30.0
 COORDINATOR_STOP_TIMEOUT_S = 10.0

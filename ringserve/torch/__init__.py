@@ -32,6 +32,11 @@ from __future__ import annotations
 
 from ringserve.errors import HostsUpdatedInterrupt
 from ringserve.errors import RecoverableError as HorovodInternalError
+
+# Last: hvd.elastic builds on the functions above (``import ringserve.torch as hvd`` then
+# ``hvd.elastic.run`` works, as in Horovod).
+# torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
+from ringserve.torch import distributed, elastic
 from ringserve.torch.basics import (
     ProcessSet,
     add_process_set,
@@ -101,13 +106,6 @@ from ringserve.torch.sparse import sparse_allreduce_async
 from ringserve.torch.sync_batch_norm import SyncBatchNorm
 from ringserve.torch.timeline import start_timeline, stop_timeline
 
-# Last: hvd.elastic builds on the functions above (``import ringserve.torch as hvd`` then
-# ``hvd.elastic.run`` works, as in Horovod).
-from ringserve.torch import elastic  # noqa: E402  isort: skip
-
-# torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
-from ringserve.torch import distributed  # noqa: E402  isort: skip
-
 __all__ = [
     "Adasum",
     "Average",
@@ -146,8 +144,8 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
-    "distributed",
     "ddl_built",
+    "distributed",
     "elastic",
     "global_process_set",
     "gloo_built",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,7 +78,7 @@ def plan(params: list[torch.nn.Parameter], fusion_bytes: int,
     elif isinstance(groups, int) and groups > 0:
         n = min(groups, len(rest))
         cuts = [round(i * len(rest) / n) for i in range(n + 1)] if n else []
-        for a, b in zip(cuts, cuts[1:], strict=False):
+        for a, b in itertools.pairwise(cuts):
             plans.append(rest[a:b])
         rest = []
     current: list[torch.nn.Parameter] = []

@@ -113,4 +113,4 @@ def shares_memory(array: np.ndarray, tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     a0 = array.__array_interface__["data"][0]
     t0 = storage.data_ptr()
-    return a0 < t0 + storage.nbytes() and t0 < a0 + array.nbytes
+    return bool(a0 < t0 + storage.nbytes() and t0 < a0 + array.nbytes)

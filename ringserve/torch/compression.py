@@ -56,14 +56,14 @@ class _CastCompressor(Compressor):
     wire_dtype: torch.dtype = torch.float16
 
     @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         dtype = tensor.dtype
         if dtype.is_floating_point and dtype != cls.wire_dtype:
             return tensor.to(cls.wire_dtype), dtype
         return tensor, dtype
 
     @classmethod
-    def decompress(cls, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+    def decompress(cls, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return tensor if tensor.dtype == ctx else tensor.to(ctx)
 
 

@@ -67,7 +67,7 @@ class Cluster:
         """``ringserve <args>`` on the launching host; its output on stdout and stderr pipes."""
         argv = ["ip", "netns", "exec", self.launcher_ns, sys.executable, "-m", "ringserve.cli", *args]
         return subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_from_a_terminal)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_from_a_terminal)  # noqa: PLW1509 (the test starts no thread before)
 
     def run(self, args: Sequence[str], *, timeout: float, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -46,7 +46,7 @@ def test_status_shows_the_view_and_each_workers_counters(coordinator: str) -> No
         # Counters travel with heartbeats (1 s apart by default).
         deadline_lines: list[str] = []
         for _ in range(40):
-            result = subprocess.run(RINGSERVE + ["status", "--coordinator", coordinator, "--json"],
+            result = subprocess.run([*RINGSERVE, "status", "--coordinator", coordinator, "--json"],
                                     capture_output=True, text=True, timeout=30)
             assert result.returncode == 0, result.stderr
             status = json.loads(result.stdout)
@@ -59,7 +59,7 @@ def test_status_shows_the_view_and_each_workers_counters(coordinator: str) -> No
         assert [int(m["member"]["rank"]) for m in members] == [0, 1, 2]
         assert all(int(m["counters"]["bytesSent"]) > 0 for m in members)
         assert int(status["viewsFormed"]) >= 1
-        table = subprocess.run(RINGSERVE + ["status", "--coordinator", coordinator],
+        table = subprocess.run([*RINGSERVE, "status", "--coordinator", coordinator],
                                capture_output=True, text=True, timeout=30)
         assert table.returncode == 0, table.stderr
         deadline_lines = table.stdout.splitlines()
@@ -81,7 +81,7 @@ def test_status_shows_the_view_and_each_workers_counters(coordinator: str) -> No
 
 @pytest.mark.timeout(30)
 def test_status_of_an_unreachable_coordinator_names_the_address() -> None:
-    result = subprocess.run(RINGSERVE + ["status", "--coordinator", "127.0.0.1:1", "--timeout", "1"],
+    result = subprocess.run([*RINGSERVE, "status", "--coordinator", "127.0.0.1:1", "--timeout", "1"],
                             capture_output=True, text=True, timeout=25)
     assert result.returncode == 2
     assert "127.0.0.1:1" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_a_failing_rank_stops_the_others_and_is_named_in_the_exit() -> None:
 @pytest.mark.timeout(60)
 def test_progress_bar_redraws_keep_their_rank_prefix() -> None:
     script = "import sys\nfor i in range(3): sys.stdout.write(f'\\rstep {i}')\nprint()\n"
-    result = subprocess.run(RINGSERVE + ["run", "-np", "2", sys.executable, "-c", script],
+    result = subprocess.run([*RINGSERVE, "run", "-np", "2", sys.executable, "-c", script],
                             capture_output=True, timeout=50)
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
@@ -71,14 +72,14 @@ def test_sigterm_to_the_launcher_stops_its_workers_too() -> None:
     import signal
 
     script = "import time, ringserve as rs\nrs.init()\nprint('up', flush=True)\ntime.sleep(120)\n"
-    launcher = subprocess.Popen(RINGSERVE + ["run", "-np", "2", sys.executable, "-c", script],
+    launcher = subprocess.Popen([*RINGSERVE, "run", "-np", "2", sys.executable, "-c", script],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout is not None
         assert "coordinator at" in launcher.stdout.readline()
         lines = [launcher.stdout.readline() for _ in range(2)]
         assert all("up" in line for line in lines), lines
-        children = open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
         assert len(children) == 2
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(30)
@@ -86,7 +87,7 @@ def test_sigterm_to_the_launcher_stops_its_workers_too() -> None:
         alive = children
         while alive and time.monotonic() < deadline:
             alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-                     open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+                     Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
             time.sleep(0.1)
         assert not alive, f"workers {alive} outlived the launcher"
     finally:

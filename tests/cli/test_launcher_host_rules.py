@@ -42,8 +42,7 @@ def test_a_failing_host_is_blacklisted_for_good_its_other_worker_leaves_and_the_
 ) -> None:
     stop = tmp_path / "stop"
     launcher = subprocess.Popen(
-        RINGSERVE + ["run", "-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2",
-                     sys.executable, str(WORKERS / "elastic_train.py"), str(stop), "127.0.0.1"],
+        [*RINGSERVE, "run", "-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2", sys.executable, str(WORKERS / "elastic_train.py"), str(stop), "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout or []), daemon=True)

@@ -129,7 +129,7 @@ def test_a_hostfile_mixing_this_host_and_a_remote_one_runs_the_local_slot_withou
 def test_a_host_ssh_cannot_reach_fails_the_run_naming_it_within_a_bound(
     cluster: sshnet.Cluster, script: Path, tmp_path: Path, hosts: str, extra: list[str], said: str, bound_s: float
 ) -> None:
-    host = hosts.rsplit(",", 1)[1].split(":")[0]
+    host = hosts.rsplit(",", 1)[1].split(":", maxsplit=1)[0]
     result, elapsed = cluster.timed_run(["run", "-np", "3", "-H", hosts, *extra, *cluster.ssh_flags(),
                                          sys.executable, str(script), str(STEPS)], timeout=50, cwd=tmp_path)
     assert result.returncode == 255, result.stdout[-3000:] + result.stderr[-3000:]

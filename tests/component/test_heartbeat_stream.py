@@ -244,7 +244,7 @@ async def test_a_heartbeat_unanswered_within_the_deadline_is_missed_and_the_stre
             assert (await beats.beat(pb.HeartbeatRequest(worker_id=wid))).known and beats.streaming
             os.kill(proc.pid, signal.SIGSTOP)  # a hung coordinator: the connection stays up, nothing answers
             began = time.monotonic()
-            with pytest.raises(CoordinatorUnreachableError, match="no answer on the heartbeat stream"):
+            with pytest.raises(CoordinatorUnreachableError, match=r"no answer on the heartbeat stream"):
                 await beats.beat(pb.HeartbeatRequest(worker_id=wid))
             assert 0.45 < time.monotonic() - began < 1.5
             assert not beats.streaming

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -130,7 +131,7 @@ def check_invariants(records: list[dict], steps: int | None) -> dict[str, float]
     for pid, seq in by_pid.items():
         # Each commit moves one step on (or jumps forward when a worker takes a further commit
         # from another rank at a sync); it never goes back or repeats.
-        assert all(b > a for a, b in zip(seq, seq[1:], strict=False)), f"worker {pid} committed steps {seq}: a step went back or repeated"
+        assert all(b > a for a, b in itertools.pairwise(seq)), f"worker {pid} committed steps {seq}: a step went back or repeated"
     if steps is not None:
         assert max(r["step"] for r in records) == steps, "training did not reach its last step"
     # Why no check across views: a collective can finish on one rank and fail on the others (the
@@ -202,7 +203,7 @@ def check_no_silent_regression(records: list[dict], out: str) -> list[tuple[int,
             )
             drops.append((furthest, first))
             furthest = first
-        furthest = max(furthest, max(by_view[view]))
+        furthest = max(furthest, *by_view[view])
     return drops
 
 

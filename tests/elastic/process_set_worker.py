@@ -33,7 +33,7 @@ def main() -> None:
     register()
 
     class Logged(CommitLog, elastic.ObjectState):
-        log = open(log_path, "a", encoding="utf-8")
+        log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (held for the process's life)
 
         def digest(self) -> str:
             weights: Any = self.w

@@ -30,7 +30,7 @@ def main() -> None:
                                          named_parameters=model.named_parameters())
 
     class Logged(CommitLog, elastic.TorchState):
-        log = open(log_path, "a", encoding="utf-8")
+        log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (held for the process's life)
 
         def digest(self) -> str:
             digest = hashlib.sha256()

@@ -129,7 +129,7 @@ async def test_auto_measures_the_links_once_per_view_and_the_timeline_names_the_
     world = await world_factory(4, timeline=template)  # auto, links measured
     for _ in range(2):
         await world.map("allreduce", [np.ones(8, dtype=np.float32)] * 4, op="sum", name="t")
-    measured = [await w._planes.current.measures.links(w._planes.current.session())  # type: ignore[union-attr]
+    measured = [await w.node.planes.current.measures.links(w.node.planes.current.session())  # type: ignore[union-attr]
                 for w in world.workers]
     assert len({(m.latency_s, m.seconds_per_byte) for m in measured}) == 1  # agreed, bit for bit
     assert 0 < measured[0].latency_s < 1.0

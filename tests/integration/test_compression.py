@@ -136,15 +136,15 @@ async def test_float16_and_float64_inputs_are_compressed_and_returned_in_their_d
 async def test_compression_and_feedback_arguments_are_checked(shared_worlds) -> None:
     world = await shared_worlds(1)
     w = world.workers[0]
-    with pytest.raises(InvalidArgumentError, match="needs a floating point array, not int32"):
+    with pytest.raises(InvalidArgumentError, match=r"needs a floating point array, not int32"):
         await w.allreduce(np.arange(4, dtype=np.int32), compression="fp16")
-    with pytest.raises(InvalidArgumentError, match="'zstd' is not supported"):
+    with pytest.raises(InvalidArgumentError, match=r"'zstd' is not supported"):
         await w.allreduce(np.ones(4, np.float32), compression="zstd")
-    with pytest.raises(InvalidArgumentError, match="residual must be a writeable C-contiguous float32 array of 4"):
+    with pytest.raises(InvalidArgumentError, match=r"residual must be a writeable C-contiguous float32 array of 4"):
         await w.allreduce(np.ones(4, np.float32), compression="int8", residual=np.zeros(3, np.float32))
-    with pytest.raises(InvalidArgumentError, match="works with op sum or average, not 'max'"):
+    with pytest.raises(InvalidArgumentError, match=r"works with op sum or average, not 'max'"):
         await w.allreduce(np.ones(4, np.float32), op="max", compression="int8", residual=np.zeros(4, np.float32))
-    with pytest.raises(InvalidArgumentError, match="needs a lossy compression"):
+    with pytest.raises(InvalidArgumentError, match=r"needs a lossy compression"):
         await w.allreduce(np.ones(4, np.float32), residual=np.zeros(4, np.float32))
 
 

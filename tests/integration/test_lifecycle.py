@@ -38,9 +38,8 @@ async def test_close_can_be_called_twice_and_the_async_context_manager_closes(ma
 
 
 async def test_the_worker_constructor_accepts_a_plain_coordinator_address(make_coordinator_config) -> None:
-    async with Coordinator(make_coordinator_config(min_workers=1)) as coord:
-        async with Worker(coord.address) as w:
-            assert w.config.coordinator == coord.address and w.size == 1
+    async with Coordinator(make_coordinator_config(min_workers=1)) as coord, Worker(coord.address) as w:
+        assert w.config.coordinator == coord.address and w.size == 1
 
 
 @pytest.mark.parametrize("world", [{"n": 3, "coordinator": {"min_workers": 2}}], indirect=True, ids=["3 of min 2"])
@@ -59,9 +58,9 @@ async def test_after_a_graceful_leave_the_others_get_a_smaller_view_and_keep_wor
     assert [o.tolist() for o in outs] == [[3] * 4] * 2
     # Rank 0 streamed to the leaver; once that stream has drained, its channel is closed.
     async with asyncio.timeout(10):
-        while leaver.address in world.workers[0]._channels.addresses:
+        while leaver.address in world.workers[0].node.channels.addresses:
             await asyncio.sleep(0.05)
-    assert world.workers[0]._channels.addresses == {world.workers[2].address}
+    assert world.workers[0].node.channels.addresses == {world.workers[2].address}
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)

@@ -80,7 +80,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 async def in_view_of(workers: list[Worker], size: int, timeout_s: float) -> float:
     """Waits until every one of ``workers`` is in a view of ``size``; returns when that was."""
     async with asyncio.timeout(timeout_s):
-        while not all(w._planes.current is not None and w.size == size for w in workers):
+        while not all(w.node.planes.current is not None and w.size == size for w in workers):
             await asyncio.sleep(0.02)
     return time.monotonic()
 
@@ -127,7 +127,7 @@ async def test_a_worker_cut_off_from_the_coordinator_trains_on_until_declared_de
     assert time.monotonic() - cut < TIMEOUT_S
     dropped = await in_view_of([w0, w1], 2, timeout_s=TIMEOUT_S + 5)
     async with asyncio.timeout(TIMEOUT_S + 5):
-        with pytest.raises(ExcludedError, match="went on to view .* so it stops rather than train as a second world"):
+        with pytest.raises(ExcludedError, match=r"went on to view .* so it stops rather than train as a second world"):
             await w2.wait_for_view(w2.latest_view, timeout_s=60)
     stopped = time.monotonic()
     with pytest.raises(ExcludedError):

@@ -46,13 +46,13 @@ async def test_a_set_whose_member_left_fails_and_works_again_once_registered_aga
     for w in stay:
         for ps in sets[w.rank]:
             if ps.included():
-                with pytest.raises(RingChangedError, match="registered in view"):
+                with pytest.raises(RingChangedError, match=r"registered in view"):
                     await w.allreduce(np.ones(2), process_set=ps)
     # After an elastic sync in the new view (the view is pinned), the stale set is a usage error.
     new = stay[0].view_id
     stay[1].pin_view(new)
     try:
-        with pytest.raises(InvalidArgumentError, match="reset callback"):
+        with pytest.raises(InvalidArgumentError, match=r"reset callback"):
             await stay[1].allreduce(np.ones(2), process_set=sets[1][1])
     finally:
         stay[1].pin_view(None)

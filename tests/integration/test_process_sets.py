@@ -165,9 +165,9 @@ async def test_a_collective_on_a_set_without_this_rank_or_unregistered_is_refuse
             await call()
     with pytest.raises(InvalidArgumentError, match=r"root rank \(0\) is not in process set 1"):
         await world.workers[1].broadcast(np.ones(2), root=0, process_set=sets[1])
-    with pytest.raises(InvalidArgumentError, match="not registered"):
+    with pytest.raises(InvalidArgumentError, match=r"not registered"):
         await zero.allreduce(np.ones(2), process_set=ProcessSet([0, 1]))
-    with pytest.raises(InvalidArgumentError, match="another worker"):
+    with pytest.raises(InvalidArgumentError, match=r"another worker"):
         await zero.allreduce(np.ones(2), process_set=sets[1])  # rank 1's object
     outcomes = await world.each_outcome(lambda w: w.remove_process_set(w.global_process_set))
     assert all(isinstance(o, InvalidArgumentError) and "global process set cannot be removed" in str(o)

@@ -95,7 +95,7 @@ def test_a_shared_dir_that_is_missing_or_too_long_is_refused_naming_it(tmp_path)
         Worker(config=WorkerConfig(shared_dir="/no/such/dir"))
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
-    with pytest.raises(InvalidArgumentError, match="longer than"):
+    with pytest.raises(InvalidArgumentError, match=r"longer than"):
         WorkerConfig(shared_dir=str(deep))
 
 

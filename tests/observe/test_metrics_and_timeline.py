@@ -113,16 +113,15 @@ def test_a_timeline_cut_short_by_a_crash_still_loads(tmp_path: Path) -> None:
 
 
 async def test_coordinator_serves_reflection_for_grpcurl() -> None:
-    async with Coordinator(CoordinatorConfig()) as coord:
-        async with grpc.aio.insecure_channel(coord.address) as channel:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    async with Coordinator(CoordinatorConfig()) as coord, grpc.aio.insecure_channel(coord.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
 
-            async def requests():  # type: ignore[no-untyped-def]
-                yield reflection_pb2.ServerReflectionRequest(list_services="")
+        async def requests():  # type: ignore[no-untyped-def]
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
 
-            async for response in stub.ServerReflectionInfo(requests(), timeout=5):
-                services = {s.name for s in response.list_services_response.service}
-                break
+        async for response in stub.ServerReflectionInfo(requests(), timeout=5):
+            services = {s.name for s in response.list_services_response.service}
+            break
     assert "ringserve.v1.Coordinator" in services
     assert "grpc.health.v1.Health" in services
 

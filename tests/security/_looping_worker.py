@@ -11,6 +11,7 @@ closes its worker and exits 0 when stdin closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import signal
@@ -46,12 +47,10 @@ async def main() -> None:
         print(f"address {worker.address}", flush=True)
         stdin_closed = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         task = asyncio.create_task(loop(worker))
-        done, _ = await asyncio.wait([task, stdin_closed], return_when=asyncio.FIRST_COMPLETED)
+        _, _ = await asyncio.wait([task, stdin_closed], return_when=asyncio.FIRST_COMPLETED)
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
 
 if __name__ == "__main__":

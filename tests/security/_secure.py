@@ -14,7 +14,7 @@ from typing import Any
 from ringserve.security import Security
 from ringserve.testing.pki import CertFiles, CertificateAuthority
 
-TOKEN = "job-token-7f3c"  # noqa: S105 - a test token
+TOKEN = "job-token-7f3c"
 
 
 @dataclass(frozen=True)

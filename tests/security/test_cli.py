@@ -49,17 +49,17 @@ def run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 def test_status_and_the_health_probe_reach_an_mtls_coordinator_with_the_flags_and_fail_without(
     coordinator: str, pki: Pki, token_file: str
 ) -> None:
-    ok = run(RINGSERVE + ["status", "--coordinator", coordinator, *tls_flags(pki), "--token-file", token_file])
+    ok = run([*RINGSERVE, "status", "--coordinator", coordinator, *tls_flags(pki), "--token-file", token_file])
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("view 0, 0 workers")
-    no_token = run(RINGSERVE + ["status", "--coordinator", coordinator, *tls_flags(pki)],
+    no_token = run([*RINGSERVE, "status", "--coordinator", coordinator, *tls_flags(pki)],
                    env={k: v for k, v in os.environ.items() if k != "RINGSERVE_TOKEN"})
     assert no_token.returncode == 2 and "UNAUTHENTICATED" in no_token.stderr
     assert TOKEN not in ok.stdout + ok.stderr + no_token.stderr
     probe = [sys.executable, "-m", "ringserve.healthcheck", coordinator, "--service", "ringserve.v1.Coordinator"]
     healthy = run(probe + tls_flags(pki))
     assert healthy.returncode == 0, healthy.stderr
-    plaintext = run(probe + ["--timeout", "1"])
+    plaintext = run([*probe, "--timeout", "1"])
     assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
 
 
@@ -67,6 +67,6 @@ def test_status_and_the_health_probe_reach_an_mtls_coordinator_with_the_flags_an
 def test_ringserve_run_gives_the_jobs_tls_and_token_to_its_coordinator_and_workers(pki: Pki, token_file: str) -> None:
     env = {**os.environ, "RINGSERVE_TLS_CERT": pki.node.cert, "RINGSERVE_TLS_KEY": pki.node.key,
            "RINGSERVE_TLS_CA": pki.node.ca, "RINGSERVE_TLS_REQUIRE_CLIENT_AUTH": "1", "RINGSERVE_TOKEN_FILE": token_file}
-    done = run(RINGSERVE + ["run", "-np", "2", sys.executable, "-c", WORKER], env=env)
+    done = run([*RINGSERVE, "run", "-np", "2", sys.executable, "-c", WORKER], env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(line for line in done.stdout.splitlines() if "sum" in line) == ["[0] sum 2", "[1] sum 2"]

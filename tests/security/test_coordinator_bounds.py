@@ -83,37 +83,36 @@ async def test_a_put_in_flight_holds_its_declared_size_against_the_cap_until_it_
 
 async def test_watch_streams_are_capped_per_worker_id_and_in_all_and_released_when_they_end(make_coordinator_config) -> None:
     config = make_coordinator_config(max_watch_streams=6, max_watches_per_worker=2)
-    async with Coordinator(config) as coord:
-        async with grpc.aio.insecure_channel(coord.address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
+    async with Coordinator(config) as coord, grpc.aio.insecure_channel(coord.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
 
-            async def refusal(worker_id: str) -> tuple[grpc.StatusCode, str]:
-                """How a new stream under ``worker_id`` ends: OK if it is still open after a while."""
-                call = stub.WatchView(pb.WatchViewRequest(worker_id=worker_id))
-                calls.append(call)
-                # Polled, not read with a timeout: a cancelled read would cancel the call.
-                for _ in range(20):
-                    if call.done():
-                        return await call.code(), await call.details()
-                    await asyncio.sleep(0.01)
-                return grpc.StatusCode.OK, ""
+        async def refusal(worker_id: str) -> tuple[grpc.StatusCode, str]:
+            """How a new stream under ``worker_id`` ends: OK if it is still open after a while."""
+            call = stub.WatchView(pb.WatchViewRequest(worker_id=worker_id))
+            calls.append(call)
+            # Polled, not read with a timeout: a cancelled read would cancel the call.
+            for _ in range(20):
+                if call.done():
+                    return await call.code(), await call.details()
+                await asyncio.sleep(0.01)
+            return grpc.StatusCode.OK, ""
 
-            calls: list[grpc.aio.UnaryStreamCall] = []
-            assert [(await refusal("w"))[0] for _ in range(2)] == [grpc.StatusCode.OK] * 2
-            code, details = await refusal("w")
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_watches_per_worker" in details
-            # Unknown worker ids are served too, within the cap on all streams.
-            assert [(await refusal(f"stranger-{i}"))[0] for i in range(4)] == [grpc.StatusCode.OK] * 4
-            code, details = await refusal("stranger-4")
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_watch_streams" in details
-            assert coord.service.watch_streams == 6
-            for call in calls:
-                call.cancel()
-            async with asyncio.timeout(5):
-                while coord.service.watch_streams:
-                    await asyncio.sleep(0.01)
-            assert (await refusal("w"))[0] == grpc.StatusCode.OK
-            calls[-1].cancel()
+        calls: list[grpc.aio.UnaryStreamCall] = []
+        assert [(await refusal("w"))[0] for _ in range(2)] == [grpc.StatusCode.OK] * 2
+        code, details = await refusal("w")
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_watches_per_worker" in details
+        # Unknown worker ids are served too, within the cap on all streams.
+        assert [(await refusal(f"stranger-{i}"))[0] for i in range(4)] == [grpc.StatusCode.OK] * 4
+        code, details = await refusal("stranger-4")
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_watch_streams" in details
+        assert coord.service.watch_streams == 6
+        for call in calls:
+            call.cancel()
+        async with asyncio.timeout(5):
+            while coord.service.watch_streams:
+                await asyncio.sleep(0.01)
+        assert (await refusal("w"))[0] == grpc.StatusCode.OK
+        calls[-1].cancel()
 
 
 async def test_silent_sockets_and_idle_connections_are_closed_but_a_long_watch_stream_is_kept(make_coordinator_config) -> None:

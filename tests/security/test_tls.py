@@ -113,7 +113,7 @@ async def test_the_coordinator_probes_a_suspect_worker_over_mtls_and_keeps_a_liv
     )
     assert answer == pb.ReportFailureResponse()
     async with asyncio.timeout(10):
-        while world.coordinator.service._probes:
+        while world.coordinator.service.prober.running:
             await asyncio.sleep(0.02)
     # A live suspect stays: the ring is re-formed in a view of the same members (a bump).
     assert world.coordinator.service.view.view_id <= view + 1
@@ -124,11 +124,11 @@ async def test_the_coordinator_probes_a_suspect_worker_over_mtls_and_keeps_a_liv
 async def test_tls_settings_that_cannot_work_are_refused_when_the_config_is_made(pki: Pki, tmp_path) -> None:
     from ringserve import CoordinatorConfig, InvalidArgumentError, WorkerConfig
 
-    with pytest.raises(InvalidArgumentError, match="tls_cert .* and tls_key .* must be given together"):
+    with pytest.raises(InvalidArgumentError, match=r"tls_cert .* and tls_key .* must be given together"):
         WorkerConfig(tls_cert=pki.node.cert)
-    with pytest.raises(InvalidArgumentError, match="tls_require_client_auth needs tls_ca"):
+    with pytest.raises(InvalidArgumentError, match=r"tls_require_client_auth needs tls_ca"):
         CoordinatorConfig(tls_cert=pki.node.cert, tls_key=pki.node.key, tls_require_client_auth=True)
-    with pytest.raises(InvalidArgumentError, match="could not be read"):
+    with pytest.raises(InvalidArgumentError, match=r"could not be read"):
         Security.load(WorkerConfig(tls_cert=str(tmp_path / "missing.pem"), tls_key=pki.node.key))
-    with pytest.raises(InvalidArgumentError, match="needs a certificate and key"):
+    with pytest.raises(InvalidArgumentError, match=r"needs a certificate and key"):
         Security.load(WorkerConfig(tls_ca=pki.node.ca)).add_port(grpc.aio.server(), "127.0.0.1:0")

@@ -109,7 +109,7 @@ async def test_ringserve_init_of_a_plaintext_worker_against_a_tls_coordinator_na
 
     async with Coordinator(make_coordinator_config(**pki.settings())) as coord:
         started = time.monotonic()
-        with pytest.raises(TLSHandshakeError, match="the server speaks TLS and this client plaintext"):
+        with pytest.raises(TLSHandshakeError, match=r"the server speaks TLS and this client plaintext"):
             await asyncio.to_thread(ringserve.init, coord.address, connect_timeout_s=10.0, use_uvloop=False)
         assert time.monotonic() - started < FAST_S
         assert not ringserve.is_initialized()

@@ -15,7 +15,7 @@ import torch
 from _worlds import WORKERS, run_world
 
 sys.path.insert(0, str(WORKERS))
-import api as worker  # noqa: E402
+import api as worker
 
 N = 3
 

@@ -17,7 +17,7 @@ import torch
 from _dist_worlds import DIST_WORKERS, run_dist
 
 sys.path.insert(0, str(DIST_WORKERS))
-import dist_ddp  # noqa: E402
+import dist_ddp
 
 SCENARIOS = ["plain", "fp16_hook", "bf16_hook", "powersgd", "no_sync", "zero", "unused", "static", "int8"]
 # Float sums in another order (world 4: the rings add in different orders), then 6 steps of SGD.

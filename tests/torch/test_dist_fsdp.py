@@ -17,7 +17,7 @@ import torch
 from _dist_worlds import DIST_WORKERS, run_dist
 
 sys.path.insert(0, str(DIST_WORKERS))
-import dist_fsdp  # noqa: E402
+import dist_fsdp
 
 
 def _one_process(world: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 from _worlds import REPO, WORKERS
 
 sys.path.insert(0, str(WORKERS))
-import elastic_sampler as worker  # noqa: E402
+import elastic_sampler as worker
 
 
 @pytest.mark.timeout(120)

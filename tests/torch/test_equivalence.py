@@ -15,7 +15,7 @@ import torch
 from _worlds import WORKERS, run_world
 
 sys.path.insert(0, str(WORKERS))
-import equivalence  # noqa: E402
+import equivalence
 
 SCENARIOS = ["sgd", "momentum", "adam", "bpps2", "predivide", "sum", "fp16", "bf16", "unused", "int8", "nonfinite", "nonfinite_int8"]
 # Compression rounds every gradient on the wire: fp16 to 11 bits, bf16 to 8, int8 to a 254th of
@@ -73,7 +73,7 @@ def test_every_rank_ends_with_bit_identical_parameters(trained: Callable[[int], 
 def test_parameters_some_ranks_skip_are_trained_and_those_no_rank_uses_are_left_alone(
     trained: Callable[[int], list[dict[str, Any]]], n: int
 ) -> None:
-    initial = equivalence._model().state_dict()  # noqa: SLF001
+    initial = equivalence._model().state_dict()
     got = trained(n)[0]["results"]["unused"]
     assert not torch.equal(got["extra.weight"], initial["extra.weight"]), "the sometimes-used head did not train"
     # weight_decay would have shrunk it, had it been given a zero gradient instead of none

@@ -16,8 +16,8 @@ from _worlds import WORKERS, run_world
 
 sys.path.insert(0, str(WORKERS))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-import exchange as worker  # noqa: E402
-from reference import numpy_adasum  # noqa: E402
+import exchange as worker
+from reference import numpy_adasum
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -54,8 +54,7 @@ def test_the_elastic_example_trains_and_ends_with_identical_parameters() -> None
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_elastic_example_survives_a_killed_worker_that_is_started_again() -> None:
-    launcher = subprocess.Popen(RUN + ["-np", "2", "--min-np", "1", "--restart-failed", sys.executable,
-                                       str(EXAMPLES / "pytorch_elastic_train.py"), "--epochs", "12"],
+    launcher = subprocess.Popen([*RUN, "-np", "2", "--min-np", "1", "--restart-failed", sys.executable, str(EXAMPLES / "pytorch_elastic_train.py"), "--epochs", "12"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout or []), daemon=True)

@@ -16,7 +16,7 @@ import torch
 from _worlds import WORKERS, run_world
 
 sys.path.insert(0, str(WORKERS))
-import parity as worker  # noqa: E402
+import parity as worker
 
 N = 2
 

@@ -63,7 +63,7 @@ def test_errors_are_runtime_errors_as_horovods_are() -> None:
     assert issubclass(errors.MismatchError, RuntimeError)
     assert not issubclass(errors.MismatchError, hvd.HorovodInternalError)  # elastic must not retry it
     assert issubclass(errors.InvalidArgumentError, ValueError)
-    with pytest.raises(ValueError, match="not initialized"):
+    with pytest.raises(ValueError, match=r"not initialized"):
         hvd.rank()  # before init(), as Horovod's
     assert issubclass(errors.PeerUnavailableError, hvd.HorovodInternalError)
     assert hvd.HostsUpdatedInterrupt is errors.HostsUpdatedInterrupt
@@ -104,7 +104,7 @@ def test_a_name_is_free_again_only_once_its_collective_finished_and_its_result_w
     names = _InFlight()
     claim = names.claim("allreduce.g")
     getattr(claim, order[0])()
-    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+    with pytest.raises(errors.InvalidArgumentError, match=r"still in flight"):
         names.claim("allreduce.g")
     getattr(claim, order[1])()
     names.claim("allreduce.g")  # free again
@@ -116,12 +116,12 @@ def test_a_dropped_handle_frees_its_name_only_after_it_finished_and_its_caller_w
     early = names.claim("allreduce.early")  # finishes at once, as when the peers already wait
     early.dropped()
     early.finished()
-    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+    with pytest.raises(errors.InvalidArgumentError, match=r"still in flight"):
         names.claim("allreduce.early")  # the caller's next line: no wait since
     late = names.claim("allreduce.late")
     late.dropped()
     names.waited()  # a wait while it is still in flight frees nothing
-    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+    with pytest.raises(errors.InvalidArgumentError, match=r"still in flight"):
         names.claim("allreduce.late")
     late.finished()  # ...but it counts once the collective is done
     names.claim("allreduce.late")
@@ -131,7 +131,7 @@ def test_a_dropped_handle_frees_its_name_only_after_it_finished_and_its_caller_w
     fresh = names.claim("allgather.g")
     fresh.dropped()
     fresh.finished()
-    with pytest.raises(errors.InvalidArgumentError, match="still in flight"):
+    with pytest.raises(errors.InvalidArgumentError, match=r"still in flight"):
         names.claim("allgather.g")
 
 
@@ -176,5 +176,4 @@ def test_horovods_positional_arguments_keep_their_order() -> None:
         ours = [p.name for p in inspect.signature(getattr(hvd, name)).parameters.values() if p.kind in positional]
         assert ours[: len(params.split())] == params.split(), name
     init = inspect.signature(hvd.DistributedOptimizer.__init__).parameters
-    assert list(init)[1:11] == ("optimizer named_parameters compression backward_passes_per_step op "
-                                "gradient_predivide_factor num_groups groups sparse_as_dense process_set").split()
+    assert list(init)[1:11] == ["optimizer", "named_parameters", "compression", "backward_passes_per_step", "op", "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense", "process_set"]

@@ -76,7 +76,7 @@ def test_bool_complex_and_scalar_tensors_travel_as_bytes() -> None:
 
 
 def test_tensors_that_cannot_be_reduced_are_refused_with_their_dtype() -> None:
-    with pytest.raises(InvalidArgumentError, match="torch.bool"):
+    with pytest.raises(InvalidArgumentError, match=r"torch.bool"):
         _tensors.reducible(torch.tensor([True]))
 
 
@@ -100,18 +100,18 @@ def test_ops_resolve_horovods_names_and_adasum_is_an_allreduce_op_only() -> None
     assert ops.resolve(None, average=False) is hvd.Sum
     assert ops.resolve("max") is hvd.Max
     assert ops.resolve(hvd.Adasum) is hvd.Adasum and ops.core_op(hvd.Adasum) == "adasum"
-    with pytest.raises(InvalidArgumentError, match="reducescatter does not support Adasum"):
+    with pytest.raises(InvalidArgumentError, match=r"reducescatter does not support Adasum"):
         ops.core_op(hvd.Adasum, "reducescatter")
-    with pytest.raises(InvalidArgumentError, match="not both"):
+    with pytest.raises(InvalidArgumentError, match=r"not both"):
         ops.resolve(hvd.Sum, average=True)
-    with pytest.raises(InvalidArgumentError, match="unknown"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown"):
         ops.resolve("median")
 
 
 def test_the_fusion_size_comes_from_the_environment_or_the_default() -> None:
     assert fusion_bytes_from_env({}) == DEFAULT_FUSION_BYTES
     assert fusion_bytes_from_env({"RINGSERVE_FUSION_BYTES": "1024"}) == 1024
-    with pytest.raises(InvalidArgumentError, match="RINGSERVE_FUSION_BYTES"):
+    with pytest.raises(InvalidArgumentError, match=r"RINGSERVE_FUSION_BYTES"):
         fusion_bytes_from_env({"RINGSERVE_FUSION_BYTES": "lots"})
 
 
@@ -151,16 +151,16 @@ def test_the_distributed_optimizer_refuses_bad_arguments(kwargs: dict, message: 
 def test_named_parameters_must_name_every_parameter_once() -> None:
     model = torch.nn.Linear(2, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=1)
-    with pytest.raises(InvalidArgumentError, match="does not name 1"):
+    with pytest.raises(InvalidArgumentError, match=r"does not name 1"):
         hvd.DistributedOptimizer(sgd, named_parameters=[("w", model.weight)])
-    with pytest.raises(InvalidArgumentError, match="unique"):
+    with pytest.raises(InvalidArgumentError, match=r"unique"):
         hvd.DistributedOptimizer(sgd, named_parameters=[("w", model.weight), ("w", model.bias)])
 
 
 def test_calls_before_init_say_so() -> None:
     from ringserve.errors import NotInitializedError
 
-    with pytest.raises(NotInitializedError, match="init"):
+    with pytest.raises(NotInitializedError, match=r"init"):
         hvd.allreduce(torch.ones(2))
     assert hvd.is_initialized() is False
     assert (hvd.ringserve_built(), hvd.nccl_built(), hvd.mpi_built(), hvd.gloo_built()) == (True, False, False, False)

@@ -12,9 +12,9 @@ import pytest
 from reference import numpy_adasum
 from ringsim import simulate
 
-from ringserve.errors import InvalidArgumentError, UnsupportedError
+from ringserve.errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import adasum, collectives, join
+from ringserve.worker.ops import adasum, join
 
 T = 10.0
 POWERS = [1, 2, 4, 8, 16]
@@ -91,7 +91,7 @@ async def test_a_world_whose_size_is_not_a_power_of_two_is_refused_as_horovod_re
     async def call(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4), name=None, chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(UnsupportedError, match="non-power of 2") as caught:
+    with pytest.raises(UnsupportedError, match=r"non-power of 2") as caught:
         await simulate(world, call, seed=world)
     assert isinstance(caught.value, NotImplementedError)
 
@@ -100,13 +100,13 @@ async def test_integer_arrays_and_parts_that_do_not_tile_the_array_are_refused()
     async def ints(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4, dtype=np.int32), name=None, chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(InvalidArgumentError, match="floating point"):
+    with pytest.raises(InvalidArgumentError, match=r"floating point"):
         await simulate(2, ints, seed=2)
 
     async def parts(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4), name=None, chunk_bytes=8, timeout_s=T, parts=[1, 2])
 
-    with pytest.raises(InvalidArgumentError, match="sum to the array's 4 elements"):
+    with pytest.raises(InvalidArgumentError, match=r"sum to the array's 4 elements"):
         await simulate(2, parts, seed=2)
 
 
@@ -122,5 +122,5 @@ async def test_ranks_whose_adasum_arguments_differ_fail_with_a_mismatch() -> Non
     async def call(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4 + rank), name="m", chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(collectives.MismatchError):
+    with pytest.raises(MismatchError):
         await simulate(2, call, seed=1, abort_grace_s=0.5)

@@ -23,6 +23,7 @@ from ringserve.errors import CorruptFrameError, MismatchError
 from ringserve.ring import REDUCE_OPS, segment_bounds
 from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING2D, TREE, Links
 from ringserve.worker.dataplane import routes
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import algorithms, collectives
 
@@ -60,8 +61,9 @@ def data(world: int, length: int, dtype: Any, seed: int, op: str = "sum") -> lis
 def run_algorithm(algorithm: str, x: np.ndarray, op: str, chunk: int, **kw: Any) -> Callable[[Session, int], Any]:
     async def call(session: Session, rank: int) -> np.ndarray:
         buf = np.empty_like(x)
+        descriptor = Descriptor("allreduce", dtype=x.dtype.name, shape=x.shape, op=op)
         await algorithms.allreduce(session, algorithm, x, buf, op=op, name=None, chunk_bytes=chunk * x.itemsize,
-                                   descriptor=f"allreduce {x.dtype} {x.shape} op={op}", timeout_s=T, **kw)
+                                   descriptor=descriptor, timeout_s=T, **kw)
         return buf
     return call
 
@@ -143,13 +145,13 @@ async def test_reduce_scatter_and_allgather_by_halving_doubling_match_numpy_and_
         src = xs[rank].reshape(-1)
         buf = np.empty_like(src)
         bounds = segment_bounds(rows, world, cols)
-        await algorithms.reduce_scatter(session, src, buf, bounds, op="sum", name=None, descriptor="reduce_scatter",
-                                        chunk_elems=2, timeout_s=T)
+        await algorithms.reduce_scatter(session, src, buf, bounds, op="sum", name=None,
+                                        descriptor=Descriptor("reduce_scatter"), chunk_elems=2, timeout_s=T)
         a, b = bounds[rank]
         ring = await collectives.reduce_scatter(session, xs[rank], op="sum", name=None, chunk_bytes=16, timeout_s=T)
         values = collectives.Blocks(np.dtype(np.float32), [blocks[rank] if o == rank else None for o in range(world)])
-        await algorithms.allgather_blocks(session, values, blocks[rank].size, name=None, descriptor="allgather",
-                                          chunk_elems=2, timeout_s=T)
+        await algorithms.allgather_blocks(session, values, blocks[rank].size, name=None,
+                                          descriptor=Descriptor("allgather"), chunk_elems=2, timeout_s=T)
         gathered = [b if b is not None else np.empty(0, np.float32) for b in values.blocks]
         assert buf[a:b].tobytes() == ring.reshape(-1).tobytes()
         return buf[a:b], ring, gathered
@@ -176,7 +178,7 @@ async def test_a_tree_broadcast_from_every_root_gives_every_rank_the_roots_bytes
                 blocks[root] = payloads[root]
             values = collectives.Blocks(np.dtype(np.int64), blocks)
             await algorithms.broadcast(session, values, root, payloads[root].size, name=None,
-                                       descriptor=f"broadcast root={root}", chunk_elems=2, timeout_s=T)
+                                       descriptor=Descriptor("broadcast", root=root), chunk_elems=2, timeout_s=T)
             block = values.blocks[root]
             assert block is not None
             got.append(block)
@@ -239,7 +241,8 @@ async def test_ranks_that_disagree_on_the_algorithm_fail_with_mismatch_error_nam
             else:
                 buf = np.empty_like(x)
                 await algorithms.allreduce(session, algorithm, x, buf, op="sum", name="g", chunk_bytes=8,
-                                           descriptor="allreduce float32 (6,) op=sum", timeout_s=T)
+                                           descriptor=Descriptor("allreduce", dtype="float32", shape=(6,), op="sum"),
+                                           timeout_s=T)
         except MismatchError as exc:
             return exc
         return None
@@ -302,4 +305,4 @@ async def test_auto_picks_by_the_measured_links_and_names_the_algorithm_on_every
     assert len({algorithm for _, algorithm in measured}) == 1
     for out, _ in given + measured:
         np.testing.assert_array_equal(out, x * world)
-    assert routes.algorithm_of(routes.tagged("allreduce", RECURSIVE_DOUBLING)) == RECURSIVE_DOUBLING
+    assert routes.algorithm_of(routes.tagged(Descriptor("allreduce"), RECURSIVE_DOUBLING)) == RECURSIVE_DOUBLING

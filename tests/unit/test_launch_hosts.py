@@ -59,7 +59,7 @@ def test_discovery_output_is_host_colon_slots_per_line_and_may_be_empty() -> Non
         "host-1": 4, "host-2": 4, "host-3": 2,
     }
     assert parse_discovery_output("\n") == {}
-    with pytest.raises(InvalidArgumentError, match="host discovery script's output"):
+    with pytest.raises(InvalidArgumentError, match=r"host discovery script's output"):
         parse_discovery_output("host-1:many\n")
 
 
@@ -124,7 +124,7 @@ def test_blacklisting_a_host_already_out_neither_extends_nor_counts() -> None:
 
 @pytest.mark.parametrize("bounds", [(0, 10), (10, 5), (1, 3601)])
 def test_a_cooldown_range_out_of_horovods_bounds_is_an_error(bounds: tuple[int, int]) -> None:
-    with pytest.raises(InvalidArgumentError, match="--blacklist-cooldown-range"):
+    with pytest.raises(InvalidArgumentError, match=r"--blacklist-cooldown-range"):
         Blacklist(bounds)
 
 

@@ -54,7 +54,7 @@ def data_header(chunk: int) -> wire.FrameHeader:
 
 async def test_a_link_queues_at_most_its_window_of_data_frames_and_lets_the_sender_wait_for_room() -> None:
     a, b, link = pair(window=3)
-    link.paused.set()  # the peer takes nothing: frames pile up in the link
+    link.pause()  # the peer takes nothing: frames pile up in the link
     for c in range(3):
         assert link.has_room
         link.send(data_header(c), np.zeros(1000, dtype=np.uint8))
@@ -67,7 +67,7 @@ async def test_a_link_queues_at_most_its_window_of_data_frames_and_lets_the_send
     waiter = asyncio.ensure_future(link.room())
     await asyncio.sleep(0.05)
     assert not waiter.done()
-    link.paused.clear()
+    link.resume()
     await asyncio.wait_for(waiter, 1)
     assert link.has_room
     await shut([a, b])
@@ -81,9 +81,9 @@ async def test_a_collective_with_a_window_of_one_frame_still_completes_and_never
         next_link(p).window = 1
     original = [next_link(p).send for p in planes]
     for r, p in enumerate(planes):
-        def send(header: wire.FrameHeader, payload: object, whole: bytes = b"", r: int = r) -> None:
+        def send(header: wire.FrameHeader, payload: object, whole: bytes = b"", r: int = r, p: Plane = p) -> None:
             original[r](header, payload, whole)  # type: ignore[arg-type]
-            peaks[r] = max(peaks[r], next_link(planes[r])._queued)
+            peaks[r] = max(peaks[r], next_link(p)._queued)
         next_link(p).send = send  # type: ignore[method-assign]
     x = np.arange(30000, dtype=np.float32)
     outs = await asyncio.gather(*(collectives.allreduce(p.session(), x, op="sum", name=None, chunk_bytes=1024,
@@ -99,7 +99,7 @@ async def test_close_waits_on_every_retired_plane_within_one_deadline_and_is_not
     # on all three (it once covered only the first, and the rest waited without limit).
     pairs = [pair() for _ in range(3)]
     for a, b, link in pairs:
-        link.paused.set()
+        link.pause()
         link.send(data_header(0), b"x")
         for s in (a, b):
             s.retire(RingChangedError(1, 2, "test"))
@@ -113,7 +113,7 @@ async def test_close_waits_on_every_retired_plane_within_one_deadline_and_is_not
     # The deadline cancelled the waiter, not the links: they are still running, and end once freed.
     assert not any(a.drained for a, _, _ in pairs)
     for _, _, link in pairs:
-        link.paused.clear()
+        link.resume()
     async with asyncio.timeout(2):
         for a, b, _ in pairs:
             await a.wait_closed()

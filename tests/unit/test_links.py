@@ -125,7 +125,7 @@ def test_the_worker_dropped_is_the_one_on_most_down_links_then_the_latest_to_joi
 
 
 def test_cut_off_refuses_a_ring_whose_links_are_all_up() -> None:
-    with pytest.raises(ValueError, match="Every link of the ring is up"):
+    with pytest.raises(ValueError, match=r"Every link of the ring is up"):
         links.cut_off(["a", "b"], frozenset({"a", "b"}))
 
 

@@ -104,25 +104,25 @@ async def test_a_recv_fails_when_its_senders_stream_ends() -> None:
         await asyncio.sleep(0.05)
         assert not pending.done()
         planes[1].stream_ended(2, clean=False)
-        with pytest.raises(PeerUnavailableError, match="rank 2"):
+        with pytest.raises(PeerUnavailableError, match=r"rank 2"):
             await asyncio.wait_for(pending, 2.0)
     finally:
         await shut(planes)
 
 
 def test_a_message_needs_two_distinct_ranks_and_the_right_ends() -> None:
-    with pytest.raises(InvalidArgumentError, match="rank 3 to itself"):
+    with pytest.raises(InvalidArgumentError, match=r"rank 3 to itself"):
         p2p.pair(3, 3)
-    with pytest.raises(ValueError, match="ring of two"):
+    with pytest.raises(ValueError, match=r"ring of two"):
         list(programs.message(Ring((0, 1, 2), 0), 4, 2))
 
 
 async def test_a_send_on_the_receivers_end_is_refused_before_anything_is_sent() -> None:
     planes = make_ring(2, random.Random(4))
     try:
-        with pytest.raises(InvalidArgumentError, match="A send runs on the ring"):
+        with pytest.raises(InvalidArgumentError, match=r"A send runs on the ring"):
             await p2p.send(planes[1].session((0, 1)), np.ones(2), name="m", chunk_bytes=8, timeout_s=T)
-        with pytest.raises(InvalidArgumentError, match="writable, C-contiguous"):
+        with pytest.raises(InvalidArgumentError, match=r"writable, C-contiguous"):
             await p2p.recv(planes[1].session((0, 1)), np.ones((4, 4))[:, ::2], name="m", chunk_bytes=8, timeout_s=T)
     finally:
         await shut(planes)

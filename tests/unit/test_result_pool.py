@@ -37,7 +37,7 @@ def test_a_result_still_held_is_never_handed_out_again() -> None:
 @pytest.mark.parametrize("hold", [
     lambda a: a.reshape(512, -1),  # what allreduce returns: a reshaped view
     lambda a: a[10:20],
-    lambda a: memoryview(a),
+    memoryview,
     lambda a: np.frombuffer(a, dtype=np.uint8),
     lambda a: a.view(np.int32),
 ])
@@ -98,5 +98,5 @@ def test_small_and_oversized_arrays_are_plain_allocations_and_zero_capacity_is_n
 
 
 def test_a_negative_capacity_is_refused() -> None:
-    with pytest.raises(ValueError, match="-1"):
+    with pytest.raises(ValueError, match=r"-1"):
         ResultPool(-1)

@@ -11,6 +11,7 @@ the simulated section). Nothing here opens a socket.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import zlib
@@ -37,6 +38,7 @@ from ringserve.ring import (
     successor,
 )
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
@@ -347,7 +349,7 @@ async def run_broadcast(program: Callable[..., Program], world: int) -> list[np.
     async def call(session: Session, rank: int) -> np.ndarray:
         blocks: list[np.ndarray | None] = [data if rank == 0 else None] + [None] * (world - 1)
         values = Blocks(data.dtype, blocks)
-        await executor.run(session, None, "broadcast", 1.0, program(executor.ring_of(session), 0, data.size, 3), values)
+        await executor.run(session, None, Descriptor("broadcast"), 1.0, program(executor.ring_of(session), 0, data.size, 3), values)
         out = values.blocks[0]
         assert out is not None
         return out
@@ -361,7 +363,7 @@ async def run_allreduce(program: Callable[..., Program], world: int) -> list[np.
     async def call(session: Session, rank: int) -> np.ndarray:
         buf = np.empty_like(xs[rank])
         bounds = segment_bounds(buf.size, world)
-        await executor.run(session, None, "allreduce", 1.0, program(executor.ring_of(session), bounds, 2),
+        await executor.run(session, None, Descriptor("allreduce"), 1.0, program(executor.ring_of(session), bounds, 2),
                            Raw(xs[rank], buf, "sum", world))
         np.testing.assert_array_equal(buf, numpy_reduce(xs, "sum"), err_msg=f"rank {rank}")
         return buf
@@ -371,7 +373,7 @@ async def run_allreduce(program: Callable[..., Program], world: int) -> list[np.
 
 async def test_the_simulator_fails_a_broadcast_that_lacks_the_commit_lap() -> None:
     assert len(await run_broadcast(programs.broadcast_chain, 4)) == 4  # the shipped program passes
-    with pytest.raises(AssertionError, match="never took|after their collective had finished"):
+    with pytest.raises(AssertionError, match=r"never took|after their collective had finished"):
         await run_broadcast(broadcast_without_commit, 4)
 
 
@@ -379,7 +381,7 @@ async def test_the_simulator_fails_an_allreduce_that_hangs_or_reduces_the_wrong_
     assert len(await run_allreduce(lambda r, b, c: programs.ring_reduce(r, b, c, gather=True), 3)) == 3
     with pytest.raises(CollectiveTimeoutError):
         await run_allreduce(allgather_that_stops_forwarding_early, 3)
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await run_allreduce(reduce_scatter_from_the_wrong_segment, 3)
 
 
@@ -445,7 +447,7 @@ def test_segment_bounds_tile_the_buffer_like_numpy_array_split(world: int) -> No
             bounds = segment_bounds(units, world, granule)
             assert len(bounds) == world
             assert bounds[0][0] == 0 and bounds[-1][1] == units * granule
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             sizes = [(b - a) // granule for a, b in bounds]
             assert sizes == [len(p) for p in np.array_split(np.arange(units), world)]
 
@@ -458,7 +460,7 @@ def test_chunk_bounds_cover_a_range_with_chunks_no_larger_than_asked() -> None:
                 assert chunks == [(start, start)]
                 continue
             assert chunks[0][0] == start and chunks[-1][1] == stop
-            assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
             assert all(0 < b - a <= size for a, b in chunks)
             assert len(chunks) == math.ceil((stop - start) / size)
 
@@ -481,7 +483,7 @@ def test_the_reduce_scatter_ends_with_each_rank_owning_its_own_segment(world: in
         if world > 1:
             assert received[-1] == rank
         gathered = [allgather_step(rank, world, s)[1] for s in range(world - 1)]
-        assert sorted(gathered + [rank]) == list(range(world))
+        assert sorted([*gathered, rank]) == list(range(world))
 
 
 def test_successor_and_predecessor_close_the_ring() -> None:
@@ -494,7 +496,7 @@ def test_successor_and_predecessor_close_the_ring() -> None:
 def test_an_unknown_reduce_op_is_rejected_with_the_known_ops_named() -> None:
     for op in REDUCE_OPS:
         assert check_op(op) == op
-    with pytest.raises(InvalidArgumentError, match=r"The reduce op 'prod' is not supported; use one of sum, average, min, max, product\."):
+    with pytest.raises(InvalidArgumentError, match=r"The reduce op 'prod' is not supported; use one of sum, average, min, max, product, band, bor, bxor\."):
         check_op("prod")
 
 

@@ -21,6 +21,7 @@ from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError
 from ringserve.ring import chunk_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import FORWARD, Give, Place, Program, Recv, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Exchange
@@ -231,7 +232,7 @@ async def run_alltoall(program: Callable[..., Program], world: int) -> list[list
     async def call(session: Session, rank: int) -> list[np.ndarray]:
         values = Exchange(np.dtype(np.int64), blocks[rank])
         values.blocks[rank] = blocks[rank][rank]
-        await executor.run(session, None, "alltoall", 1.0, program(executor.ring_of(session), [4] * world, 3), values)
+        await executor.run(session, None, Descriptor("alltoall"), 1.0, program(executor.ring_of(session), [4] * world, 3), values)
         for o, b in enumerate(values.blocks):
             assert b is not None, f"rank {rank} never got the block of rank {o}"
             np.testing.assert_array_equal(b, blocks[o][rank], err_msg=f"rank {rank} from {o}")
@@ -244,9 +245,9 @@ async def test_the_simulator_passes_the_shipped_alltoall_and_fails_broken_ones()
     assert len(await run_alltoall(programs.alltoall_ring, 5)) == 5
     with pytest.raises(CollectiveTimeoutError):
         await run_alltoall(alltoall_that_waits_for_the_farthest_origin_first, 5)
-    with pytest.raises(AssertionError, match="never got the block"):
+    with pytest.raises(AssertionError, match=r"never got the block"):
         await run_alltoall(alltoall_that_forwards_what_it_should_keep, 5)
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await run_alltoall(alltoall_that_gives_the_wrong_block, 5)
 
 

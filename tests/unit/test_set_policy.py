@@ -33,7 +33,7 @@ def test_ranks_are_sorted_and_numpy_integers_count_as_integers() -> None:
 
 @pytest.mark.parametrize("ranks", [[0, 1.5], ["0"], [True, 1], None])
 def test_ranks_that_are_not_integers_are_refused_naming_them(ranks: object) -> None:
-    with pytest.raises(InvalidArgumentError, match="integer ranks|list of ranks"):
+    with pytest.raises(InvalidArgumentError, match=r"integer ranks|list of ranks"):
         ProcessSet(ranks)  # type: ignore[arg-type]
 
 
@@ -69,12 +69,12 @@ def test_ranks_that_ask_for_different_sets_all_fail_naming_who_asked_what() -> N
 def test_one_rank_with_wrong_arguments_fails_every_rank_alike() -> None:
     # Rank 1's own check failed: it still takes part, with its error, and every rank raises.
     requests = [AddRequest(ranks=(0, 1)), AddRequest(error="bad ranks")]
-    with pytest.raises(InvalidArgumentError, match="an invalid set \\(bad ranks\\)"):
+    with pytest.raises(InvalidArgumentError, match=r"an invalid set \(bad ranks\)"):
         decide_add(requests, {}, 2)
 
 
 def test_an_object_registered_already_in_this_view_is_a_duplicate() -> None:
-    with pytest.raises(InvalidArgumentError, match="registered already as id 2"):
+    with pytest.raises(InvalidArgumentError, match=r"registered already as id 2"):
         decide_add([AddRequest(ranks=(0,), registered=2)] * 2, {2: (0,)}, 2)
 
 
@@ -137,7 +137,7 @@ def test_a_set_lives_as_long_as_its_view() -> None:
         registry.lookup(ps, synced_here=False)
     assert "registered in view 3" in str(changed.value)
     # After an elastic reset synced in view 4, the same set is a usage error: not registered again.
-    with pytest.raises(InvalidArgumentError, match="in a reset callback"):
+    with pytest.raises(InvalidArgumentError, match=r"in a reset callback"):
         registry.lookup(ps, synced_here=True)
     again, request = registry.add_request(ps)
     assert again is ps and request.registered is None  # registering it again is a new add
@@ -150,13 +150,13 @@ def test_a_collective_on_a_set_without_this_rank_or_unregistered_is_refused() ->
     assert others.included() is False
     with pytest.raises(InvalidArgumentError, match=r"Rank 0 is not in process set 1 \(ranks \[1, 2\]\)"):
         registry.lookup(others, synced_here=False)
-    with pytest.raises(InvalidArgumentError, match="not part of provided process set"):
+    with pytest.raises(InvalidArgumentError, match=r"not part of provided process set"):
         others.rank()
-    with pytest.raises(InvalidArgumentError, match="not registered"):
+    with pytest.raises(InvalidArgumentError, match=r"not registered"):
         registry.lookup(ProcessSet([0, 1]), synced_here=False)
     foreign = Registry()
     foreign.enter(view=1, rank=0, size=3)
-    with pytest.raises(InvalidArgumentError, match="another worker"):
+    with pytest.raises(InvalidArgumentError, match=r"another worker"):
         foreign.lookup(others, synced_here=False)
 
 

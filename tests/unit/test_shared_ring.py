@@ -83,15 +83,15 @@ def test_a_full_ring_or_a_payload_larger_than_a_slot_goes_in_the_frame(pair) -> 
 
 def test_a_frame_naming_a_slot_out_of_range_or_in_use_is_refused(pair) -> None:
     out, inbound = pair
-    with pytest.raises(ProtocolError, match="slot 3 of a shared ring of 3 slots"):
+    with pytest.raises(ProtocolError, match=r"slot 3 of a shared ring of 3 slots"):
         inbound.payload(frame_for(3, 4))
-    with pytest.raises(ProtocolError, match="65 bytes"):
+    with pytest.raises(ProtocolError, match=r"65 bytes"):
         inbound.payload(frame_for(0, 65))
-    with pytest.raises(ProtocolError, match="0 bytes"):
+    with pytest.raises(ProtocolError, match=r"0 bytes"):
         inbound.payload(frame_for(0, 0))
     slot = out.put(np.zeros(4, dtype=np.float32))
     held = inbound.payload(frame_for(slot, 16))
-    with pytest.raises(ProtocolError, match="still in use"):
+    with pytest.raises(ProtocolError, match=r"still in use"):
         inbound.payload(frame_for(slot, 16))
     del held
 

@@ -27,6 +27,7 @@ from ringserve.errors import (
 )
 from ringserve.ring import reduce_scatter_step, segment_bounds
 from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import Program, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw
@@ -110,7 +111,7 @@ def with_program(program: Any, xs: list[np.ndarray], members: tuple[int, ...] | 
         n = session.place.size
         rank = position if members is None else members[position]
         buf = np.empty_like(xs[rank])
-        await executor.run(session, None, "allreduce", 1.0, program(executor.ring_of(session), segment_bounds(buf.size, n), 2),
+        await executor.run(session, None, Descriptor("allreduce"), 1.0, program(executor.ring_of(session), segment_bounds(buf.size, n), 2),
                            Raw(xs[rank], buf, "sum", n))
         expected = numpy_reduce(xs if members is None else [xs[m] for m in members], "sum")
         np.testing.assert_array_equal(buf, expected, err_msg=f"position {position} of {members}")
@@ -125,7 +126,7 @@ async def test_the_simulator_fails_a_wrong_program_over_a_sub_ring_while_the_who
     results = await simulate_rings(world, {None: with_program(good, xs, None), members: with_program(good, xs, members)},
                                    seed=1)
     assert len(results[members]) == 3
-    with pytest.raises(AssertionError, match="Arrays are not equal"):
+    with pytest.raises(AssertionError, match=r"Arrays are not equal"):
         await simulate_rings(world, {None: with_program(good, xs, None),
                                      members: with_program(reduce_scatter_from_the_wrong_segment, xs, members)}, seed=2)
     with pytest.raises(CollectiveTimeoutError):
@@ -145,7 +146,7 @@ async def test_frames_sent_on_the_wrong_link_are_refused_not_used() -> None:
             sub.ring = Ring((0, 3, 2), 0)
         return await collectives.allreduce(sub, np.ones(6), op="sum", name="misrouted", chunk_bytes=16, timeout_s=2)
 
-    with pytest.raises(ProtocolError, match="came from rank 0, but rank 3 of view 1 receives that collective's "
+    with pytest.raises(ProtocolError, match=r"came from rank 0, but rank 3 of view 1 receives that collective's "
                                             "frames from rank 2 only"):
         await simulate(5, call, seed=4)
 
@@ -163,7 +164,7 @@ async def test_a_stream_that_ends_fails_only_the_collectives_that_wait_on_its_se
         await asyncio.sleep(0.05)
         gone = PeerUnavailableError("The stream from rank 0 of view 1 broke.")
         planes[1].starve((0,), gone)
-        with pytest.raises(PeerUnavailableError, match="rank 0 of view 1 broke"):
+        with pytest.raises(PeerUnavailableError, match=r"rank 0 of view 1 broke"):
             await whole
         outs = await asyncio.gather(*(collectives.allreduce(planes[r].session((2, 1)), x * r, op="sum", name="s",
                                                             chunk_bytes=16, timeout_s=T) for r in (1, 2)))
@@ -229,7 +230,7 @@ def test_a_key_names_its_ring_whatever_the_name_holds() -> None:
     assert keys.ring_of(sub, whole, 1) == Ring((3, 0, 2), 2)
     assert keys.source(Ring((3, 0, 2), 2)) == 0 and keys.source(Ring((4,), 0)) == -1
     for bad in ("x#1/0.1", "x#1/2.2", "x#1/2.9", "x#1/2.a", "x#1/."):
-        with pytest.raises(ProtocolError, match="names a ring"):
+        with pytest.raises(ProtocolError, match=r"names a ring"):
             keys.ring_of(bad, whole, 1)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from ringserve import topology
 from ringserve.worker.dataplane import programs_hd, routes
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import Ring
 
 SIZES = [*range(1, 70), 127, 128, 129, 255, 1000, 1023, 1024, 1025]
@@ -108,5 +109,9 @@ def test_an_unknown_algorithm_hears_from_the_ring_predecessor_only() -> None:
     ring = Ring(tuple(range(5)), 2)
     assert routes.sources("warp", ring) == {1} and routes.sinks("warp", ring) == {3}
     assert routes.algorithm_of("allreduce float32 (4,) op=sum") == routes.RING
-    assert routes.algorithm_of(routes.tagged("allreduce float32 (4,) op=sum", "tree")) == "tree"
-    assert routes.untagged(routes.tagged("barrier", "ring2d")) == "barrier"
+    tree = routes.tagged(Descriptor("allreduce", dtype="float32", shape=(4,), op="sum"), "tree")
+    assert tree.text == "allreduce float32 (4,) op=sum algo=tree" and Descriptor.parse(tree.text) == tree
+    assert routes.algorithm_of(tree) == routes.algorithm_of(tree.text) == "tree"
+    assert routes.untagged(routes.tagged(Descriptor("barrier"), "ring2d")).text == "barrier"
+    refused = tree.refused("a problem that says algo=warp")
+    assert routes.algorithm_of(refused.text) == "tree" and routes.algorithm_of(Descriptor("x", problem=" algo=warp").text) == routes.RING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -117,7 +118,7 @@ GARBAGE = {
 
 @pytest.mark.parametrize("data", GARBAGE.values(), ids=GARBAGE.keys())
 def test_garbage_is_rejected_with_a_protocol_error(data: bytes) -> None:
-    with pytest.raises(ProtocolError, match="frame"):
+    with pytest.raises(ProtocolError, match=r"frame"):
         wire.decode(data)
 
 
@@ -137,15 +138,11 @@ def test_corrupted_frames_either_decode_or_raise_a_protocol_error_and_nothing_el
             data[rng.randrange(len(data))] = rng.randrange(256)
         if rng.random() < 0.3:
             data = data[: rng.randrange(len(data))]
-        try:
+        with contextlib.suppress(ProtocolError):
             wire.decode(bytes(data))
-        except ProtocolError:
-            pass
     for _ in range(2000):
-        try:
+        with contextlib.suppress(ProtocolError):
             wire.decode(rng.randbytes(rng.randint(1, 64)))
-        except ProtocolError:
-            pass
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8])

@@ -273,13 +273,13 @@ class ControlClient:
             response = await self._stub.PutParams(chunks(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, timeout) from None
-        return response.version
+        version: int = response.version
+        return version
 
     async def get_params(self, key: str) -> bytes:
-        parts: list[bytes] = []
         try:
-            async for chunk in self._stub.GetParams(pb.GetParamsRequest(key=key), timeout=self._config.collective_timeout_s):
-                parts.append(chunk.data)
+            stream = self._stub.GetParams(pb.GetParamsRequest(key=key), timeout=self._config.collective_timeout_s)
+            parts = [chunk.data async for chunk in stream]
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, self._config.collective_timeout_s) from None
         return b"".join(parts)

@@ -23,25 +23,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ringserve import wire
 from ringserve.selection import Links
 from ringserve.worker.dataplane import executor, keys, programs, routes
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.partials import PartialRaw
 from ringserve.worker.dataplane.programs import Lead, Program, Recv, Ring, Signal, Take
 from ringserve.worker.dataplane.programs_hd import recursive_doubling
-from ringserve.worker.dataplane.session import Session
+from ringserve.worker.dataplane.session import Session, ViewPlane
 from ringserve.worker.dataplane.values import Values
 
-if TYPE_CHECKING:
-    from ringserve.worker.dataplane.plane import Plane
-
 NAME = "ringserve.links"
-DESCRIPTOR = routes.tagged("links", routes.PROBE)
+DESCRIPTOR = Descriptor("links", algo=routes.PROBE)
 ROUNDS = 3
 PROBE_FRAMES = 3
 PROBE_BYTES = 60 << 10  # a frame of it fits whatever chunk_bytes (max_message_bytes is chunk_bytes + 64 KiB)
@@ -120,11 +117,11 @@ class Measures:
             pending = self._start(session)
         return await asyncio.shield(pending)
 
-    def pull(self, descriptor: str, key: str, plane: Plane) -> bool:
+    def pull(self, descriptor: str, key: str, plane: ViewPlane) -> bool:
         """Whether a frame of ``key`` (with ``descriptor``) belongs to a measure; starts this rank's
         part in it on ``plane`` if it has not started yet. (The plane is an argument, not a field:
         the plane holds this, and a cycle would keep both until the garbage collector ran.)"""
-        if descriptor != DESCRIPTOR:
+        if descriptor != DESCRIPTOR.text:
             return False
         spec = keys.split(key)[2]
         if spec not in self._figures and self.given is None:

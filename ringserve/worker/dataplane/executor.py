@@ -24,6 +24,7 @@ import numpy as np
 from ringserve.errors import CollectiveTimeoutError, ProtocolError
 from ringserve.observe import Span
 from ringserve.worker.dataplane import programs, routes
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Fold,
@@ -49,7 +50,7 @@ def ring_of(session: Session) -> Ring:
     return session.ring
 
 
-async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Programs,
+async def run(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float, program: Programs,
               values: Values, *, key: str | None = None) -> str:
     """Runs one collective's program under its deadline, counts it, and forgets its frames afterwards.
 
@@ -60,7 +61,7 @@ async def run(session: Session, name: str | None, descriptor: str, timeout_s: fl
     return await run_stages(session, name, descriptor, timeout_s, iter([(program, values)]), key=key)
 
 
-async def run_stages(session: Session, name: str | None, descriptor: str, timeout_s: float,
+async def run_stages(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float,
                      stages: Iterator[tuple[Programs, Values]], *, key: str | None = None) -> str:
     """Runs a collective made of several programs, one after the other, under one key and deadline.
 
@@ -69,11 +70,11 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     communication with computation between them (Adasum) is still one collective, with one name,
     one descriptor and one timeline span. Each stage must use slots of its own (programs.shifted).
     """
-    key, inbox = session.open(name, descriptor, key=key)
-    kind = descriptor.split(" ", 1)[0]
+    text, kind = descriptor.text, descriptor.kind
     algorithm = routes.algorithm_of(descriptor)
+    key, inbox = session.open(name, text, key=key)
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
-        "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.plane.place.rank,
+        "op": kind, "op_key": key, "descriptor": text, "view": session.view_id, "rank": session.plane.place.rank,
         "algorithm": algorithm,
     })
     ok = False
@@ -92,7 +93,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
         ok = True
     except TimeoutError:
         raise CollectiveTimeoutError(
-            f"Collective {key!r} ({descriptor}) did not finish within {timeout_s:g} s on rank "
+            f"Collective {key!r} ({text}) did not finish within {timeout_s:g} s on rank "
             f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:

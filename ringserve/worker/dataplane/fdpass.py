@@ -26,6 +26,7 @@ also what lets a sender and a receiver share one loop (tests run several workers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -126,10 +127,8 @@ class RingServer:
             self._drop(conn)
         self._loop.remove_reader(listener.fileno())
         listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def fetch(directory: str, name: str, token: bytes, timeout_s: float) -> int | None:

@@ -33,7 +33,15 @@ class MemoryLink(Link):
         self._peer = peer
         self._rng = rng or random.Random(0)
         self._max_delay = max_delay
-        self.paused = asyncio.Event()  # set: frames stop moving (a peer that hangs)
+        self._flowing = asyncio.Event()  # clear: frames stop moving (a peer that hangs)
+        self._flowing.set()
+
+    def pause(self) -> None:
+        """Stops frames moving, as a peer that hangs would."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     async def _run(self, hello: wire.FrameHeader) -> None:
         peer, sender = self._peer(), hello.sender_rank
@@ -48,8 +56,7 @@ class MemoryLink(Link):
             while (raw := await self._next()) is not None:
                 for _ in range(self._rng.randint(0, self._max_delay)):
                     await asyncio.sleep(0)
-                while self.paused.is_set():
-                    await asyncio.sleep(0.01)
+                await self._flowing.wait()
                 header, payload = wire.decode(raw)
                 if header.HasField("shm_slot"):
                     if inbound is None:

@@ -16,36 +16,44 @@ ring's links (``probe``) pings both ring neighbours, then agrees by recursive do
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from ringserve import topology
 from ringserve.errors import ProtocolError
 from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import Ring
 
 PROBE = "probe"  # the measure of the links (worker/ops/calibration.py): pings both ways, then doubling
 ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D, PROBE)  # names from selection.py
 
 TOKEN = " algo="
+_PROBLEM = " invalid: "
 
 
-def algorithm_of(descriptor: str) -> str:
-    """The algorithm a descriptor names (``ring`` when it names none)."""
-    at = descriptor.rfind(TOKEN)
+def algorithm_of(descriptor: str | Descriptor) -> str:
+    """The algorithm a descriptor (or a frame's descriptor text) names (``ring`` when it names none).
+
+    On the text, the field is looked for before a refusal's free-form problem only, which may say anything.
+    """
+    if isinstance(descriptor, Descriptor):
+        return descriptor.algo or RING
+    end = descriptor.find(_PROBLEM)
+    at = descriptor.find(TOKEN, 0, len(descriptor) if end < 0 else end)
     if at < 0:
         return RING
     return descriptor[at + len(TOKEN):].split(" ", 1)[0]
 
 
-def tagged(descriptor: str, algorithm: str) -> str:
-    """``descriptor`` naming ``algorithm`` (a ring's stays as it is)."""
-    return descriptor if algorithm == RING else f"{descriptor}{TOKEN}{algorithm}"
+def tagged(descriptor: Descriptor, algorithm: str) -> Descriptor:
+    """``descriptor`` naming ``algorithm`` (a ring's names none)."""
+    return replace(descriptor, algo="" if algorithm == RING else algorithm)
 
 
-def untagged(descriptor: str) -> str:
+def untagged(descriptor: Descriptor) -> Descriptor:
     """``descriptor`` without the algorithm it names."""
-    at = descriptor.rfind(TOKEN)
-    return descriptor if at < 0 else descriptor[:at]
+    return replace(descriptor, algo="")
 
 
 def rooted(root: int) -> str:

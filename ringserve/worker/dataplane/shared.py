@@ -36,6 +36,7 @@ a worker write into any other file, nor shrink the ring under it (which would ra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import functools
 import logging
@@ -237,10 +238,9 @@ class InboundRing:
         if self._map.closed:
             return
         self._states = np.zeros(0, dtype=np.uint8)  # drops the view that pins the mapping
-        try:
+        # A view of a payload that outlived its lease (kept by a caller) refuses the close: the GC unmaps.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:  # a view of a payload outlived its lease (kept by a caller): the GC unmaps
-            pass
 
     def _free(self, slot: int, _: object = None) -> None:
         self._leases.pop(slot, None)
@@ -249,10 +249,8 @@ class InboundRing:
                 self._states[slot] = FREE
         elif not self._leases:
             # Called while the last view dies, which still pins the mapping: unmap just after.
-            try:
+            with contextlib.suppress(RuntimeError):  # no loop (a test, a thread): the GC unmaps it
                 asyncio.get_running_loop().call_soon(self._unmap)
-            except RuntimeError:  # no loop (a test, a thread): the GC unmaps it
-                pass
 
 
 def _open_by_pid(offer: peer_pb2.SharedRing) -> int | None:

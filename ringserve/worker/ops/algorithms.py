@@ -18,6 +18,7 @@ from ringserve.codecs import Codec
 from ringserve.ring import segment_bounds
 from ringserve.selection import Plan
 from ringserve.worker.dataplane import executor, programs_grid, programs_hd, programs_tree, routes
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.partials import PartialCoded, PartialRaw
 from ringserve.worker.dataplane.programs import Programs, Ring
 from ringserve.worker.dataplane.session import Session
@@ -74,7 +75,7 @@ def partial_values(ring: Ring, src: np.ndarray, buf: np.ndarray, op: str, world:
 
 
 async def allreduce(session: Session, algorithm: str, src: np.ndarray, buf: np.ndarray, *, op: str,
-                    name: str | None, descriptor: str, chunk_bytes: int, timeout_s: float,
+                    name: str | None, descriptor: Descriptor, chunk_bytes: int, timeout_s: float,
                     coder: Codec | None = None, residual: np.ndarray | None = None, key: str | None = None) -> str:
     """Reduces ``src`` into ``buf`` (which may be ``src``) under ``algorithm``; returns the key.
 
@@ -91,7 +92,7 @@ async def allreduce(session: Session, algorithm: str, src: np.ndarray, buf: np.n
 
 
 async def reduce_scatter(session: Session, src: np.ndarray, buf: np.ndarray, bounds: list[tuple[int, int]], *,
-                         op: str, name: str | None, descriptor: str, chunk_elems: int, timeout_s: float,
+                         op: str, name: str | None, descriptor: Descriptor, chunk_elems: int, timeout_s: float,
                          coder: Codec | None = None) -> str:
     """Reduce-scatter by halving over a power-of-two ring: position p ends with ``bounds[p]``."""
     values = partial_values(session.ring, src, buf, op, session.place.size, coder, None)
@@ -100,7 +101,7 @@ async def reduce_scatter(session: Session, src: np.ndarray, buf: np.ndarray, bou
                               program, values)
 
 
-async def allgather_blocks(session: Session, values: Blocks, total: int, *, name: str | None, descriptor: str,
+async def allgather_blocks(session: Session, values: Blocks, total: int, *, name: str | None, descriptor: Descriptor,
                            chunk_elems: int, timeout_s: float) -> str:
     """Allgather by doubling over a power-of-two ring, of blocks whose sizes differ by position."""
     program = programs_hd.allgather_doubling(session.ring, total, chunk_elems)
@@ -108,7 +109,7 @@ async def allgather_blocks(session: Session, values: Blocks, total: int, *, name
                               program, values)
 
 
-async def broadcast(session: Session, values: Blocks, root: int, total: int, *, name: str | None, descriptor: str,
+async def broadcast(session: Session, values: Blocks, root: int, total: int, *, name: str | None, descriptor: Descriptor,
                     chunk_elems: int, timeout_s: float) -> str:
     """Broadcast of block ``root`` down the binary tree rooted there, acknowledged and committed."""
     program = programs_tree.tree_broadcast(session.ring, root, total, chunk_elems)

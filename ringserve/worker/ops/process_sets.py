@@ -111,7 +111,7 @@ class WholeWorld(ProcessSet):
         self.process_set_id = 0
         self._view, self._rank, self._registry = None, -1, None
 
-    @property  # type: ignore[override]
+    @property
     def ranks(self) -> list[int]:
         """Every rank of the current view ([] before init, as Horovod's before hvd.init())."""
         try:

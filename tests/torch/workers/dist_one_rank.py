@@ -39,7 +39,7 @@ class _OneRank(dist.ProcessGroup):
         self.completer = Completer(10.0)
         self.calls = 0
 
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:
         return "one-rank"
 
     def _done(self, value: Any, error: BaseException | None = None) -> RingserveWork:

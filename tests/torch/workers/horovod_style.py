@@ -11,10 +11,9 @@ import os
 
 import horovod.torch as hvd
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-import torch.optim as optim
 import torch.utils.data.distributed
+from torch import nn, optim
 
 parser = argparse.ArgumentParser(description="PyTorch synthetic example")
 parser.add_argument("save_dir", nargs="?", default=".", help="where each rank saves its checkpoint")

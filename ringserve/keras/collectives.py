@@ -1,0 +1,120 @@
+"""Collectives on Keras backend tensors: ``hvd.allreduce``, ``allgather``, ``broadcast``, ...
+
+Each takes a backend tensor (a ``tf.Tensor`` or a ``torch.Tensor``), a variable or an array, and
+returns a backend tensor. They work eagerly and, on the TensorFlow backend, inside a traced
+function (see ringserve/keras/_backend.py for how, and at what cost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringserve import api, bindings
+from ringserve.bindings import Average, Compression, ReduceOp
+from ringserve.errors import InvalidArgumentError
+from ringserve.keras import _backend
+from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
+
+
+def _set(process_set: object) -> ProcessSet | None:
+    """None for the global set (or None), else the registered set given.
+
+    Raises:
+        InvalidArgumentError: not a ProcessSet.
+    """
+    if process_set is None or isinstance(process_set, WholeWorld):
+        return None
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
+    return process_set
+
+
+def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, op: ReduceOp | str | None = None,
+              compression: object = Compression.none, process_set: object = None) -> Any:
+    """Reduces ``value`` over every rank (Horovod's ``hvd.allreduce``); the average by default.
+
+    Args:
+        value: a backend tensor, variable or array; every rank passes one of the same shape and dtype.
+        name: the collective's name (ranks must call same-named collectives in the same order).
+        average: deprecated Horovod flag (False means Sum); use ``op``.
+        prescale_factor, postscale_factor: multiply before and after the reduction.
+        op: Average (default), Sum, Min, Max or Product.
+        compression: Compression.none, fp16, bf16 or int8 (how floating point values travel).
+        process_set: reduce over this registered set's members only.
+
+    Returns:
+        A backend tensor of value's shape and dtype.
+    """
+    reduce_op = bindings.resolve_op(op, average)
+    ps = _set(process_set)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.allreduce",
+                                        compression=compression, prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor, process_set=ps)
+
+    return _backend.host_call(run, [value])[0]
+
+
+def grouped_allreduce(values: list[Any], name: str | None = None, op: ReduceOp | str | None = Average,
+                      compression: object = Compression.none, process_set: object = None) -> list[Any]:
+    """Reduces every tensor of ``values`` in one collective per dtype; returns backend tensors."""
+    reduce_op = bindings.resolve_op(op)
+    ps = _set(process_set)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.grouped_allreduce",
+                                        compression=compression, process_set=ps)
+
+    return _backend.host_call(run, values)
+
+
+def allgather(value: Any, name: str | None = None, process_set: object = None) -> Any:
+    """Every rank's ``value`` concatenated along the first axis, in rank order (ranks may differ in
+    that axis only)."""
+    ps = _set(process_set)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(api.allgather(arrays[0], name=name, process_set=ps))]
+
+    return _backend.host_call(run, [value], same_shapes=False)[0]
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None, process_set: object = None) -> Any:
+    """``root_rank``'s ``value`` on every rank, bit for bit."""
+    ps = _set(process_set)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(api.broadcast(arrays[0], root=root_rank, name=name, process_set=ps))]
+
+    return _backend.host_call(run, [value])[0]
+
+
+def reducescatter(value: Any, name: str | None = None, op: ReduceOp | str | None = Average,
+                  process_set: object = None) -> Any:
+    """This rank's block (along the first axis) of the reduction of every rank's ``value``."""
+    reduce_op = bindings.resolve_op(op)
+    ps = _set(process_set)
+
+    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(api.reduce_scatter(arrays[0], op=reduce_op.value, name=name, process_set=ps))]
+
+    return _backend.host_call(run, [value], same_shapes=False)[0]
+
+
+def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None, process_set: object = None) -> object:
+    """``root_rank``'s picklable object on every rank."""
+    return api.broadcast_object(obj, root=root_rank, name=name, process_set=_set(process_set))
+
+
+def allgather_object(obj: object, name: str | None = None, process_set: object = None) -> list[object]:
+    """Every rank's picklable object, in rank order."""
+    return api.allgather_object(obj, name=name, process_set=_set(process_set))
+
+
+def barrier(process_set: object = None) -> None:
+    """Returns once every rank (of the set) has called it."""
+    api.barrier(process_set=_set(process_set))
