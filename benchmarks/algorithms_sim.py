@@ -17,6 +17,7 @@ Large cells run scaled (netsim.Model.scale): each payload byte stands for ``scal
 
     .venv/bin/python benchmarks/algorithms_sim.py                      # the full table (long)
     .venv/bin/python benchmarks/algorithms_sim.py --worlds 8,64 --out /tmp/sim.json
+    .venv/bin/python benchmarks/algorithms_sim.py --table /tmp/sim.json     # its markdown table
 """
 
 from __future__ import annotations
@@ -113,6 +114,28 @@ def judge(rows: list[dict[str, Any]], latency_s: float, bytes_per_s: float) -> l
     return lines
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table of a run (as --out saves it): one row per (N, size), one column per setting, each
+    cell the time in seconds and the bytes each rank sent, as a multiple of the size."""
+    settings = [a for a in ALGORITHMS if any(r["setting"] == a for r in rows)]
+    lines = ["| N | size | " + " | ".join(settings) + " |", "| --- | --- |" + " --- |" * len(settings)]
+    cells: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault((row["world"], row["bytes"]), {})[row["setting"]] = row
+    for (world, nbytes), by in sorted(cells.items()):
+        size = f"{nbytes >> 20} MiB" if nbytes >= MiB else f"{nbytes >> 10} KiB"
+        texts = []
+        for setting in settings:
+            row = by.get(setting)
+            if row is None:
+                texts.append("-")
+                continue
+            ran = f" {row['algorithm']}" if setting == "auto" else ""
+            texts.append(f"{row['seconds']:.3f} s ({row['sent_per_rank']:.2f} S){ran}")
+        lines.append(f"| {world} | {size} | " + " | ".join(texts) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="8,64,256,1024")
@@ -121,7 +144,15 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--out", default="")
+    parser.add_argument("--table", default="", help="print the markdown table of a run saved by --out, and stop")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        print(markdown(saved["rows"]))
+        for line in judge(saved["rows"], saved["latency_s"], saved["bytes_per_s"]):
+            print(line)
+        return
     latency_s, bytes_per_s = args.latency_ms / 1e3, args.mbps * 1e6 / 8
     rows: list[dict[str, Any]] = []
     print(f"alpha = {args.latency_ms:g} ms, beta = 1 / {args.mbps:g} Mbit/s; time (bytes sent per rank / size)",

@@ -180,6 +180,33 @@ def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: Links, chun
     return Plan(RING, chunk_bytes, 0.0)
 
 
+# By host (hierarchy.py) under auto only where predicted at most this fraction of the flat plan's time.
+BY_HOST_MARGIN = 0.85
+
+
+def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> bool:
+    """Whether an allreduce of ``nbytes`` over ``hosts`` hosts of ``local`` ranks each runs by host
+    under ``auto`` (a reduce-scatter within each host, an allreduce of each 1/local slice across
+    hosts, an allgather within each host: worker/ops/hierarchy.py) rather than flat over all ranks.
+
+    A host's uplink is shared by its ranks wherever they cross hosts at once: the ``local``
+    concurrent cross stages, or a flat algorithm's exchanges with partners on other hosts (each gets
+    1/local of its bandwidth); only the flat ring, whose neighbours share a host but for one, crosses
+    once per host. The local stages move bytes at memory speed and are counted as free. By host only
+    where that is clearly faster than the best flat plan (``BY_HOST_MARGIN``): its three stages run
+    one after the other, where the flat plan pipelines everything, and where the two are close (a
+    large tensor over few ranks per host against the flat ring, whose cross-host bytes differ by
+    2 S (1/hosts - 1/n) only) the model's error is larger than the gain. Small tensors win by host:
+    log2(hosts) hops instead of log2(n).
+    """
+    n = local * hosts
+    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+    flat = min(predict(RING, nbytes, n, links, chunk_bytes).seconds,
+               choose(AUTO, "allreduce", nbytes, n, shared, chunk_bytes).seconds)
+    cross = choose(AUTO, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes).seconds
+    return cross < BY_HOST_MARGIN * flat
+
+
 def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chunk_bytes: int, *,
            coded: bool = False) -> Plan:
     """The plan for one call: ``setting`` (RINGSERVE_ALGORITHM) when it names an algorithm that can

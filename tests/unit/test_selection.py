@@ -93,3 +93,13 @@ def test_a_trees_chunk_depends_on_the_call_and_the_world_only(n: int) -> None:
         assert selection.predict(TREE, size, n, WAN, MiB).chunk_bytes == chunk
         assert selection.predict(TREE, size, n, LAN, MiB).chunk_bytes == chunk
     assert topology.tree_depth(n) <= n.bit_length()
+
+
+def test_by_host_pays_for_small_tensors_and_not_for_large_ones_over_few_ranks_per_host() -> None:
+    # 16 workers on 8 hosts 20 ms apart: 3 cross-host hops instead of 4 for 64 KiB; for 64 MiB the
+    # flat ring crosses each uplink once and sends 2 S (1/8 - 1/16) more only: not worth three stages.
+    assert selection.by_host(64 << 10, 2, 8, WAN, 2 * MiB)
+    assert not selection.by_host(64 * MiB, 2, 8, WAN, 2 * MiB)
+    # Many ranks per host: a flat algorithm's partners on other hosts share the uplink, and by host wins.
+    assert selection.by_host(64 * MiB, 8, 128, WAN, 2 * MiB)
+    assert selection.by_host(4096, 8, 128, LAN, 2 * MiB)

@@ -39,6 +39,19 @@ async def plan(session: Session, op: str, nbytes: int, *, chunk_bytes: int, time
     return selection.choose(setting, op, nbytes * scale, n, links, chunk_bytes * scale, coded=coded)
 
 
+async def by_host(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, *,
+                  chunk_bytes: int) -> bool:
+    """Whether an allreduce of ``nbytes`` runs by host over ``rings`` (hierarchy.chosen's), or flat:
+    by host always unless both RINGSERVE_ALGORITHM and RINGSERVE_HIERARCHICAL are ``auto``; then
+    where the cost model says it pays (selection.by_host), by the whole ring's link figures, alike
+    on every rank."""
+    if session.algorithm != selection.AUTO or session.hierarchical != "auto":
+        return True
+    links = await session.plane.measures.links(session)
+    scale = session.plane.scale
+    return selection.by_host(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
+
+
 def chunk_of(session: Session, algorithm: str, nbytes: int, chunk_bytes: int) -> int:
     """The chunk an allreduce of ``nbytes`` runs in over the session's ring: a tree's own
     (selection.tree_chunk), else ``chunk_bytes``."""

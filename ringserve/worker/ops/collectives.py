@@ -67,6 +67,8 @@ async def allreduce(
     flat_residual = None if residual is None else residual.reshape(-1)
 
     rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
+    if rings is not None and not await algorithms.by_host(session, rings, buf.nbytes, chunk_bytes=chunk_bytes):
+        rings = None
     algorithm = selection.RING
     if rings is None:
         wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
