@@ -39,8 +39,12 @@ def worlds_for(algorithm: str, worlds: tuple[int, ...]) -> list[int]:
     return [w for w in worlds if algorithm != RING2D or topology.grid(w)[0] >= 2]
 
 
+# A slow case takes up to 100 s on a machine at load 35: room past the default 120 s.
+SLOW = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
 def cases(worlds: tuple[int, ...]) -> list[Any]:
-    return [pytest.param(a, w, marks=[pytest.mark.slow] if w not in QUICK else [], id=f"{a}-{w}")
+    return [pytest.param(a, w, marks=SLOW if w not in QUICK else [], id=f"{a}-{w}")
             for a in ALGORITHMS for w in worlds_for(a, worlds)]
 
 
