@@ -15,6 +15,7 @@ from typing import Any
 
 from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
+from ringserve.selection import SETTINGS as ALGORITHMS
 
 MiB = 1 << 20
 
@@ -336,6 +337,13 @@ class WorkerConfig(SecuritySettings):
             each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
             the same number, more than one, of workers on each; ``1``: whenever every host has
             the same number of workers; ``0``: the flat ring always. Every worker must agree.
+        algorithm: which algorithm collectives run (see ringserve/selection.py and
+            docs/design/algorithms.md): ``auto`` picks, call by call, the fastest by a cost model of
+            the call's size, the ring's size and its links' latency and bandwidth (measured once
+            per view, or link_latency_s and link_mbps); ``ring``, ``halving_doubling``, ``tree``
+            and ``ring2d`` name one (the ring where it cannot run the call). Every worker must agree.
+        link_latency_s, link_mbps: the one-way latency (seconds) and bandwidth (Mbit/s) of the
+            links between workers, for ``auto``; both 0 (the default): measured once per view.
         result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
             buffers from a pool of at most this many bytes, reusing a buffer only once nothing
             outside the pool refers to it (see worker/dataplane/pool.py); it saves the page faults of a
@@ -397,6 +405,9 @@ class WorkerConfig(SecuritySettings):
     payload_connect_timeout_s: float = 1.0
     result_pool_bytes: int = 512 * MiB
     hierarchical: str = "auto"
+    algorithm: str = "auto"
+    link_latency_s: float = 0.0
+    link_mbps: float = 0.0
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
@@ -423,6 +434,16 @@ class WorkerConfig(SecuritySettings):
         if self.hierarchical not in ("auto", "1", "0"):
             raise InvalidArgumentError(
                 f"WorkerConfig.hierarchical ({self.hierarchical!r}, RINGSERVE_HIERARCHICAL) must be auto, 1 or 0."
+            )
+        if self.algorithm not in ALGORITHMS:
+            raise InvalidArgumentError(
+                f"WorkerConfig.algorithm ({self.algorithm!r}, RINGSERVE_ALGORITHM) must be one of "
+                f"{', '.join(ALGORITHMS)}."
+            )
+        if not (self.link_latency_s >= 0 and self.link_mbps >= 0) or (self.link_latency_s > 0) != (self.link_mbps > 0):
+            raise InvalidArgumentError(
+                f"WorkerConfig.link_latency_s ({self.link_latency_s!r}, RINGSERVE_LINK_LATENCY_S) and link_mbps "
+                f"({self.link_mbps!r}, RINGSERVE_LINK_MBPS) must both be greater than zero, or both 0 (measured)."
             )
         if self.shared_dir:
             _check_shared_dir(self.shared_dir)

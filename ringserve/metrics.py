@@ -47,6 +47,12 @@ class WorkerCollector(Collector):
             latency.add_metric([*values, op], cumulative, entry.total_s)
         yield ops
         yield latency
+        chosen = CounterMetricFamily("ringserve_collectives_by_algorithm",
+                                     "Collectives completed, by op and by the algorithm they ran.",
+                                     labels=[*labels, "op", "algorithm"])
+        for (op, algorithm), count in sorted(c.algorithms.items()):
+            chosen.add_metric([*values, op, algorithm], count)
+        yield chosen
         yield counter("sent_bytes", "Bytes sent to the ring successor.", c.bytes_sent)
         yield counter("shared_sent_bytes", "Of those, payload bytes sent through same-host shared memory.",
                       c.shared_bytes_sent)

@@ -50,13 +50,15 @@ class Counters:
     heartbeats_missed: int = 0
     stall_warnings: int = 0
     latency: dict[str, Latency] = field(default_factory=dict)
+    algorithms: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, algorithm): collectives done
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, algorithm: str = "ring") -> None:
         self.collectives_done += 1
         entry = self.latency.get(kind)
         if entry is None:
             entry = self.latency[kind] = Latency()
         entry.observe(seconds)
+        self.algorithms[(kind, algorithm)] = self.algorithms.get((kind, algorithm), 0) + 1
 
 
 class Span:

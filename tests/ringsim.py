@@ -24,6 +24,7 @@ from typing import Any
 from ringserve._proto import peer_pb2
 from ringserve.errors import RingChangedError
 from ringserve.observe import Counters
+from ringserve.selection import Links
 from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
 from ringserve.worker.dataplane.laneserver import LaneServer
 from ringserve.worker.dataplane.link import SEND_WINDOW
@@ -40,10 +41,11 @@ DELAYS = (0, 1, 3, 8)
 
 
 def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: bool = False,
-              lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0,
-              tcp_lanes: list[LaneServer] | None = None) -> list[Plane]:
+              lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0, algorithm: str = "ring",
+              links: Links | None = None, tcp_lanes: list[LaneServer] | None = None) -> list[Plane]:
     """``world`` planes of view 1; each opens a MemoryLink to any rank it sends to (its successor
-    at once, others on first use), each link with its own random delays and window.
+    at once, others on first use), each link with its own random delays and window. ``algorithm``
+    (RINGSERVE_ALGORITHM) and ``links`` (the link figures, None: measured) are the planes'.
 
     ``tcp_lanes`` (a list, which gets one LaneServer per rank, on 127.0.0.1): every link also has a
     real TCP payload lane, which its frames take once attached (the rest, on the delayed link)."""
@@ -71,7 +73,7 @@ def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: 
     for r in range(world):
         counters = Counters()
         place = Place(view_id=1, rank=r, size=world, addresses=addresses)
-        planes.append(Plane(place, counters, abort_grace_s, checksum=checksum,
+        planes.append(Plane(place, counters, abort_grace_s, checksum=checksum, algorithm=algorithm, links=links,
                             connect=lambda to, r=r, counters=counters: connect(r, counters, to)))
     return planes
 

@@ -55,3 +55,15 @@ async def test_every_collective_over_tcp_lanes_gives_the_same_bytes_as_over_the_
         assert all(same(a, b) for a, b in zip(over_lanes[rank][0], alone[rank][0], strict=True)), f"rank {rank}"
         assert over_lanes[rank][1] > 0 and alone[rank][1] == 0  # the lanes carried frames
     assert all(same(a, b) for a, b in zip(over_lanes[0][0][:3], over_lanes[-1][0][:3], strict=True))
+
+
+@pytest.mark.parametrize("algorithm", ["halving_doubling", "tree", "ring2d"])
+async def test_the_latency_algorithms_over_tcp_lanes_give_the_same_bytes_as_over_the_links_alone(algorithm: str) -> None:
+    """Their programs send to several links at once (partners, a tree's children): the buffers
+    are the caller's again only once every one of those lanes has sent from them."""
+    world = 6  # a fold for halving-doubling, two children in a tree, a grid of 2 x 3
+    over_lanes = await simulate(world, every_collective, seed=7, tcp=True, algorithm=algorithm)
+    alone = await simulate(world, every_collective, seed=7, algorithm=algorithm)
+    for rank in range(world):
+        assert all(same(a, b) for a, b in zip(over_lanes[rank][0], alone[rank][0], strict=True)), f"rank {rank}"
+        assert over_lanes[rank][1] > 0

@@ -30,7 +30,7 @@ class Layer:
 GROUND = tuple(
     f"ringserve.{name}"
     for name in ("errors", "config", "constants", "wire", "codecs", "ring", "commits", "security", "transport",
-                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd")
+                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd", "topology", "selection")
 )
 
 LAYERS: dict[str, Layer] = {

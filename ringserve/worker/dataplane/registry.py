@@ -22,6 +22,7 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError, RingChangedError
 from ringserve.observe import Counters, Timeline
+from ringserve.selection import Links
 from ringserve.worker.dataplane import policy, shared
 from ringserve.worker.dataplane.channels import ChannelCache
 from ringserve.worker.dataplane.fdpass import RingServer
@@ -153,7 +154,9 @@ class Planes:
         self.current = Plane(
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
             timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
-            hierarchical=cfg.hierarchical,
+            hierarchical=cfg.hierarchical, algorithm=cfg.algorithm,
+            links=Links.of(cfg.link_latency_s, cfg.link_mbps * 1e6 / 8) if cfg.link_mbps > 0 else None,
+            measure_timeout_s=cfg.collective_timeout_s,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 
