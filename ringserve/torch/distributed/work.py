@@ -39,6 +39,7 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -174,7 +175,7 @@ _C10D = "torch.distributed.distributed_c10d"
 def from_python_api() -> bool:
     """Whether the op being made was called through torch.distributed's Python functions
     (``dist.all_reduce``), not from C++ (DDP's reducer): the first caller outside ringserve says."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ringserve."):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__") == _C10D
