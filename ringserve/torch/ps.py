@@ -52,6 +52,7 @@ from ringserve.ps import api as ps_api
 from ringserve.ps.client import AsyncClient
 from ringserve.ps.optim import Optimizer
 from ringserve.ps.rules import check_mode
+from ringserve.torch._wrapping import Wrapping
 
 __all__ = ["ParameterServerOptimizer", "server_optimizer"]
 
@@ -83,7 +84,7 @@ def server_optimizer(optimizer: torch.optim.Optimizer, group: dict[str, Any], mo
     )
 
 
-class ParameterServerOptimizer(torch.optim.Optimizer):
+class ParameterServerOptimizer(Wrapping):
     """Wraps an optimizer so that ``step()`` trains ``model`` through the parameter server.
 
     A static wrapper, as DistributedOptimizer: ``param_groups``, ``state``, ``state_dict()`` and the
@@ -164,43 +165,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.rounds = 0
         self.outcomes: collections.Counter[str] = collections.Counter()
 
-    # -- delegation ------------------------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("_optimizer")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._optimizer.defaults = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state_dict)
+    # -- the wrapped optimizer's state and attributes are delegated by Wrapping -------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)

@@ -103,3 +103,15 @@ def test_by_host_pays_for_small_tensors_and_not_for_large_ones_over_few_ranks_pe
     # Many ranks per host: a flat algorithm's partners on other hosts share the uplink, and by host wins.
     assert selection.by_host(64 * MiB, 8, 128, WAN, 2 * MiB)
     assert selection.by_host(4096, 8, 128, LAN, 2 * MiB)
+
+
+def test_a_flat_allreduce_over_hosts_plans_with_the_uplink_shared_by_the_hosts_ranks() -> None:
+    # Links measured at 1 Gbit/s, 20 ms: planned per rank, a 2D ring beats the ring at 64 MiB
+    # over 16 ranks; but 2 ranks share each host's uplink, and every partner of a 2D ring's
+    # column stage is on another host, while the ring crosses each uplink once.
+    fast = Links.of(0.02, 1e9 / 8)
+    assert selection.choose("auto", "allreduce", 64 * MiB, 16, fast, 2 * MiB).algorithm == "ring2d"
+    assert not selection.by_host(64 * MiB, 2, 8, fast, 2 * MiB)
+    assert selection.flat_plan(64 * MiB, 2, 8, fast, 2 * MiB).algorithm == "ring"
+    # Small tensors still go by the latency: recursive doubling's log2(16) hops, not the ring's 30.
+    assert selection.flat_plan(64 << 10, 2, 8, WAN, 2 * MiB).algorithm != "ring"

@@ -52,6 +52,15 @@ async def by_host(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...
     return selection.by_host(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
 
 
+async def flat_plan(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, *,
+                    chunk_bytes: int) -> Plan:
+    """The plan of an allreduce of ``nbytes`` that runs flat over a view of hosts (``rings``,
+    hierarchy.chosen's) because by_host said so: selection.flat_plan, alike on every rank."""
+    links = await session.plane.measures.links(session)
+    scale = session.plane.scale
+    return selection.flat_plan(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
+
+
 def chunk_of(session: Session, algorithm: str, nbytes: int, chunk_bytes: int) -> int:
     """The chunk an allreduce of ``nbytes`` runs in over the session's ring: a tree's own
     (selection.tree_chunk), else ``chunk_bytes``."""

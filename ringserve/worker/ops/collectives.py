@@ -67,10 +67,11 @@ async def allreduce(
     flat_residual = None if residual is None else residual.reshape(-1)
 
     rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
-    if rings is not None and not await algorithms.by_host(session, rings, buf.nbytes, chunk_bytes=chunk_bytes):
-        rings = None
     algorithm = selection.RING
-    if rings is None:
+    if rings is not None and not await algorithms.by_host(session, rings, buf.nbytes, chunk_bytes=chunk_bytes):
+        algorithm = (await algorithms.flat_plan(session, rings, buf.nbytes, chunk_bytes=chunk_bytes)).algorithm
+        rings = None
+    elif rings is None:
         wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
         algorithm = (await algorithms.plan(session, "allreduce", wire_bytes, chunk_bytes=chunk_bytes,
                                            timeout_s=timeout_s, coded=coder is not None)).algorithm
