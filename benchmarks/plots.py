@@ -1,0 +1,207 @@
+"""Charts from the benchmarks' JSON: what docs/benchmarks/ shows beside its tables.
+
+    python benchmarks/plots.py                                  # benchmarks/results -> docs/benchmarks/charts
+    python benchmarks/plots.py --results DIR --out DIR
+
+Reads what the benchmarks wrote with ``--json`` (see _results.py) and draws, as SVG:
+
+- ``allreduce-busbw.svg`` (allreduce.py): bus bandwidth against size, one panel per world, for
+  ringserve through shared memory, ringserve stream-only, gloo, and any other ringserve lane the
+  JSON has a ``*_ms`` column for (the payload lane once it lands);
+- ``training-step.svg`` (training_step.py): step time against world size for each configuration,
+  with one process alone at world 1;
+- ``wan.svg`` (wan.py): the WAN step time of each configuration;
+- ``failover-<name>.svg`` (the chaos tests, CHAOS_TIMELINE_DIR): every worker's committed step over
+  time, with the faults marked.
+
+Each chart's subtitle gives its run's date, the machine and the load average at the end of the
+run, so that a chart is never read without the conditions it was measured in. A file that is
+missing is skipped with a note; what is drawn is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+import statistics
+import sys
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after use("Agg"): no display is needed
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+# allreduce.py's time columns: which lane each one measured. A *_ms column not named here (a new
+# lane) is drawn too, under its column name.
+LANES = {"rs_ms": "ringserve, shared memory", "stream_ms": "ringserve, stream only", "gloo_ms": "gloo"}
+SKIP_COLUMNS = {"tls_ms"}
+STYLE = {"ringserve, shared memory": ("#1565c0", "o"), "ringserve, stream only": ("#43a047", "s"),
+         "gloo": ("#e65100", "^")}
+
+
+def subtitle(record: dict[str, Any]) -> str:
+    """The run's date, machine and load, for a chart's subtitle."""
+    m = record.get("machine", {})
+    load = m.get("load_average")
+    load_text = f"load average {load[0]:g} (5 min {load[1]:g})" if load else "load not recorded"
+    cpu = f" {m['cpu']}" if m.get("cpu") else ""
+    memory = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
+    return f"{record.get('date', '?')[:16].replace('T', ' ')} UTC; {m.get('cores', '?')} cores{cpu}{memory}; {load_text}"
+
+
+def size_bytes(text: str) -> int:
+    """'64 KiB' -> 65536."""
+    number, unit = text.split()
+    return int(float(number) * UNITS[unit])
+
+
+def number(value: object) -> float:
+    """A table cell as a float ('1.57', '2.40x', '49%'); NaN for '-' or 'stalled'."""
+    match = re.match(r"^\s*(-?[0-9.]+)", str(value))
+    return float(match.group(1)) if match else math.nan
+
+
+def _save(fig: Any, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+def allreduce_chart(record: dict[str, Any], out: pathlib.Path) -> None:
+    """Bus bandwidth against size, one panel per world."""
+    rows = record["rows"]
+    worlds = sorted({int(r["world"]) for r in rows})
+    lanes = dict(LANES)
+    for key in rows[0]:
+        if key.endswith("_ms") and key not in lanes and key not in SKIP_COLUMNS:
+            lanes[key] = f"ringserve, {key[:-3].replace('_', ' ')}"
+    fig, axes = plt.subplots(1, len(worlds), figsize=(5.2 * len(worlds), 4.2), sharey=True, squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        mine = [r for r in rows if int(r["world"]) == world]
+        sizes = [size_bytes(r["size"]) for r in mine]
+        factor = 2 * (world - 1) / world
+        for key, label in lanes.items():
+            ms = [number(r.get(key, "-")) for r in mine]
+            if all(math.isnan(v) for v in ms):
+                continue
+            busbw = [s / (t / 1e3) * factor / 1e9 if t > 0 else math.nan for s, t in zip(sizes, ms, strict=True)]
+            color, marker = STYLE.get(label, (None, "D"))
+            ax.plot(sizes, busbw, marker=marker, color=color, label=label, linewidth=1.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [r["size"] for r in mine])
+        ax.set_title(f"world {world}")
+        ax.set_xlabel("allreduce size (float32)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("bus bandwidth, GB/s (higher is better)")
+    axes[0][-1].legend(loc="upper left", fontsize=9)
+    fig.suptitle("Allreduce on loopback: ringserve and gloo in the same run", fontsize=12)
+    fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
+    _save(fig, out / "allreduce-busbw.svg")
+
+
+def training_chart(record: dict[str, Any], out: pathlib.Path) -> None:
+    """Step time against world size, one line per configuration."""
+    rows = record["rows"]
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    alone = record.get("alone_ms")
+    colors = ["#e65100", "#1565c0", "#43a047", "#6a1b9a", "#00838f"]
+    for i, run in enumerate(runs):
+        mine = sorted((int(r["world"]), number(r["step"])) for r in rows if r["run"] == run)
+        worlds = [w for w, _ in mine]
+        steps = [s for _, s in mine]
+        if alone:
+            worlds, steps = [1, *worlds], [alone, *steps]
+        ax.plot(worlds, steps, marker="o", color=colors[i % len(colors)], label=run, linewidth=1.8)
+    all_worlds = sorted({int(r["world"]) for r in rows} | ({1} if alone else set()))
+    ax.set_xticks(all_worlds)
+    ax.set_xlabel("world size (workers on one host)" + ("; world 1: one process alone" if alone else ""))
+    ax.set_ylabel("step time, ms (lower is better)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.suptitle("Training step (MLP 784-2048-2048-10, batch 64 per worker), best of the rounds", fontsize=11)
+    fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
+    _save(fig, out / "training-step.svg")
+
+
+def wan_chart(record: dict[str, Any], out: pathlib.Path) -> None:
+    """The WAN step time of each configuration, as bars."""
+    rows = record["rows"]
+    labels = [r["config"] for r in rows]
+    steps = [number(r["step"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7.6, 0.45 * len(rows) + 1.6))
+    colors = ["#1565c0" if label.startswith("ringserve") else "#e65100" for label in labels]
+    finite = [0.0 if math.isnan(s) else s for s in steps]
+    ax.barh(range(len(rows)), finite, color=colors)
+    top = max(finite) if any(finite) else 1.0
+    for i, s in enumerate(steps):
+        ax.text((0 if math.isnan(s) else s) + top * 0.01, i, "stalled" if math.isnan(s) else f"{s:.0f} ms",
+                va="center", fontsize=9)
+    ax.set_yticks(range(len(rows)), labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time, ms (lower is better); orange: DDP baselines, blue: ringserve")
+    ax.set_xlim(0, top * 1.18)
+    ax.grid(True, axis="x", alpha=0.3)
+    where = (f"{record.get('hosts', '?')} hosts, {record.get('rate_mbit', '?'):g} Mbit/s uplinks, "
+             f"{record.get('delay_ms', '?'):g} ms one way, MTU {record.get('mtu', '?')}")
+    fig.suptitle(f"Training step over an emulated WAN: {where}", fontsize=11)
+    fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
+    _save(fig, out / "wan.svg")
+
+
+def failover_chart(record: dict[str, Any], out: pathlib.Path, stem: str) -> None:
+    """Every worker's committed step over time, the faults marked."""
+    commits = record["commits"]
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    pids = list(dict.fromkeys(c["pid"] for c in commits))
+    cmap = plt.get_cmap("tab20")
+    for i, pid in enumerate(pids):
+        mine = [c for c in commits if c["pid"] == pid]
+        ax.plot([c["time"] for c in mine], [c["step"] for c in mine], ".", markersize=2.5, color=cmap(i % 20))
+    for j, fault in enumerate(record["faults"]):
+        ax.axvline(fault["time"], color="#c62828", linewidth=0.9, alpha=0.8,
+                   label=fault["kind"] if j == 0 else None)
+    recovery = record.get("recovery_s") or []
+    summary = (f"{len(record['faults'])} faults; recovery to the next view's first commit: median "
+               f"{statistics.median(recovery):.2f} s, max {max(recovery):.2f} s" if recovery else "")
+    ax.set_xlabel("seconds since the launch" + (f"\n{summary}" if summary else ""))
+    ax.set_ylabel("committed step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=9)
+    fig.suptitle(f"Failover: {record['name']} ({len(pids)} worker processes, one colour each)", fontsize=11)
+    fig.text(0.5, -0.06, subtitle(record), ha="center", fontsize=8, color="#555555")
+    _save(fig, out / f"failover-{stem}.svg")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks" / "charts")
+    args = p.parse_args()
+    plt.rcParams["svg.hashsalt"] = "ringserve"  # stable ids: the same JSON draws the same SVG
+    drawers = {"allreduce.json": allreduce_chart, "training_step.json": training_chart, "wan.json": wan_chart}
+    drawn = 0
+    for name, draw in drawers.items():
+        path = args.results / name
+        if not path.exists():
+            print(f"skipped {name}: {path} does not exist")
+            continue
+        draw(json.loads(path.read_text()), args.out)
+        drawn += 1
+    for path in sorted((args.results / "failover").glob("*.json")):
+        failover_chart(json.loads(path.read_text()), args.out, path.stem)
+        drawn += 1
+    if not drawn:
+        sys.exit(f"plots.py: no results in {args.results}")
+
+
+if __name__ == "__main__":
+    main()

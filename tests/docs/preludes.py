@@ -1,0 +1,42 @@
+"""What a docs fragment names without making it: its arrays, its model, its data.
+
+A block marked ``<!-- run: prelude=NAME -->`` runs with PRELUDES[NAME] before it, in the same
+script. Keep them small: the block is what is tested, the prelude only lets it run.
+"""
+
+from __future__ import annotations
+
+PRELUDES = {
+    # The numpy API's fragments: a (rows to split), b (another dtype), g and its residual r, obj.
+    "arrays": """
+import numpy as np
+a = np.arange(24, dtype=np.float32).reshape(8, 3)
+b = np.arange(4, dtype=np.int64)
+g = np.linspace(-1.0, 1.0, 1000, dtype=np.float32)
+r = np.zeros_like(g)
+obj = {"epoch": 3}
+""",
+    # The torch fragments: a small model of the shape the demos train, its optimizer, a loader of
+    # three batches, and torch.distributed's rank and world size from the launcher's variables.
+    "torch_model": """
+import os
+import torch
+torch.manual_seed(0)
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+loss_fn = torch.nn.CrossEntropyLoss()
+loader = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+metric = 0.5
+epochs = 2
+rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+""",
+}
