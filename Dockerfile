@@ -18,7 +18,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY ringserve ./ringserve
-RUN pip install ".[torch]"
+RUN pip install ".[torch,status]"
 COPY examples ./examples
 
 RUN groupadd --gid 10001 ringserve && useradd --create-home --uid 10001 --gid 10001 ringserve

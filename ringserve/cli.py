@@ -31,6 +31,8 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="stretch the heartbeat interval as the world grows to keep under this rate, "
                         "within a third of the timeout (default 1000; 0: never)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the live status page on this port (0: any free port; needs ringserve[status])")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="answer RESOURCE_EXHAUSTED beyond this many RPCs at once (default 16384)")
     p.add_argument("--max-param-bytes", type=int, default=None,
@@ -70,7 +72,7 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "http_port", "max_concurrent_rpcs", "max_param_bytes",
                  "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 
@@ -90,6 +92,8 @@ async def _serve(config: CoordinatorConfig) -> None:
         print(f"ringserve coordinator listening on {coord.address} ({mode}{token})", flush=True)
         if coord.metrics is not None:
             print(f"ringserve coordinator metrics on {coord.metrics.url}", flush=True)
+        if coord.status_page is not None:
+            print(f"ringserve coordinator status page on {coord.status_page.url}", flush=True)
         await stop.wait()
 
 
@@ -163,6 +167,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         max_workers=max(max_np, ns.np),
         settle_s=0.2,
         heartbeat_timeout_s=ns.heartbeat_timeout,
+        http_port=ns.http_port,
         **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
     )
     env = dict(os.environ)
@@ -263,6 +268,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="serve the coordinator's live status page on this port of --host (needs ringserve[status])")
     hosts = p.add_argument_group("hosts (as horovodrun)")
     one = hosts.add_mutually_exclusive_group()
     one.add_argument("-H", "--hosts", default=None,

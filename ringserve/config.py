@@ -131,6 +131,9 @@ class CoordinatorConfig(SecuritySettings):
         tick_s: how often the coordinator checks deadlines.
         metrics_port: serve Prometheus metrics on ``host`` at this port (0: any free port);
             -1 (the default) serves none.
+        http_port: serve the live status page (see ringserve/coordinator/http.py) on ``host`` at
+            this port (0: any free port); -1 (the default) serves none. It needs the ``status``
+            extra (aiohttp), and requires the job's token and TLS as the gRPC service does.
         tls_*, token, token_file: see SecuritySettings.
         max_concurrent_rpcs: a server answers RESOURCE_EXHAUSTED to RPCs beyond this many at
             once (a flood of streams); long-lived streams count too.
@@ -162,6 +165,7 @@ class CoordinatorConfig(SecuritySettings):
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
     metrics_port: int = -1
+    http_port: int = -1
     # Each worker holds a WatchView and a Heartbeats stream and a unary call or two at a time:
     # 2,000 workers need about 6,000. The caps on the two kinds of stream (a half and a quarter
     # of this at most) leave a quarter to unary calls whatever floods them.
@@ -195,6 +199,11 @@ class CoordinatorConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "
                 f"negative (0 turns the stretching of the interval off)."
+            )
+        if not -1 <= self.http_port <= 65535:
+            raise InvalidArgumentError(
+                f"CoordinatorConfig.http_port ({self.http_port!r}, RINGSERVE_HTTP_PORT) must be in [0, 65535], "
+                f"or -1 for no status page."
             )
         if self.max_workers < self.min_workers:
             raise InvalidArgumentError(

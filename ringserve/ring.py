@@ -17,6 +17,8 @@ from ringserve.errors import InvalidArgumentError
 Bounds = tuple[int, int]
 
 REDUCE_OPS = ("sum", "average", "min", "max", "product")
+# Bitwise ops, for integer (and boolean) arrays only: torch.distributed's BAND, BOR and BXOR.
+BITWISE_OPS = ("band", "bor", "bxor")
 
 
 def segment_bounds(units: int, world: int, granule: int = 1) -> list[Bounds]:
@@ -78,12 +80,15 @@ def predecessor(rank: int, world: int) -> int:
     return (rank - 1) % world
 
 
-def check_op(op: str) -> str:
-    """Returns ``op`` if it is a known reduce op, else raises InvalidArgumentError."""
-    if op not in REDUCE_OPS:
+def check_op(op: str, dtype: np.dtype | None = None) -> str:
+    """Returns ``op`` if it is a known reduce op (for ``dtype``, when given), else raises
+    InvalidArgumentError."""
+    if op not in REDUCE_OPS and op not in BITWISE_OPS:
         raise InvalidArgumentError(
-            f"The reduce op {op!r} is not supported; use one of {', '.join(REDUCE_OPS)}."
+            f"The reduce op {op!r} is not supported; use one of {', '.join(REDUCE_OPS + BITWISE_OPS)}."
         )
+    if op in BITWISE_OPS and dtype is not None and np.dtype(dtype).kind not in "iub":
+        raise InvalidArgumentError(f"The reduce op {op!r} needs an integer array, not one of {np.dtype(dtype)}.")
     return op
 
 
@@ -93,6 +98,9 @@ _COMBINE: dict[str, Callable[..., object]] = {
     "min": np.minimum,
     "max": np.maximum,
     "product": np.multiply,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
 }
 
 

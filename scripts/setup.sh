@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything ringserve needs: torch first (pinned, CPU build), then the package
-# with its torch, spark and dev extras. Safe to run again: it only installs what is missing.
+# with its torch, spark, status and dev extras. Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,6 +26,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
   .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
 # The spark extra (pyspark) runs the Spark tests; it needs Java 17 or newer on the machine. The keras
-# extra is Keras 3 alone (small); the tensorflow extra is large and installed by scripts/test_tf.sh. The docs
-# extra builds the site (scripts/docs.sh) and draws the benchmark charts.
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[torch,dev,spark,keras,docs]"
+# extra is Keras 3 alone (small); the tensorflow extra is large and installed by scripts/test_tf.sh.
+# The status extra (aiohttp) serves the coordinator's status page. The docs extra builds the site
+# (scripts/docs.sh) and draws the benchmark charts.
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[torch,dev,spark,keras,status,docs]"

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eringserve/v1/coordinator.proto\x12\x0cringserve.v1\"\x9c\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\"r\n\x04View\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12%\n\x07members\x18\x02 \x03(\x0b\x32\x14.ringserve.v1.Member\x12\x17\n\x0fleft_worker_ids\x18\x03 \x03(\t\x12\x19\n\x11\x66\x61iled_worker_ids\x18\x04 \x03(\t\"\x88\x01\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x11\n\trank_hint\x18\x03 \x01(\x05\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07view_id\x18\x05 \x01(\x04\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x11\n\tview_size\x18\x07 \x01(\r\"\\\n\x0cJoinResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"V\n\x0eWorkerCounters\x12\x18\n\x10\x63ollectives_done\x18\x01 \x01(\x04\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\"\xef\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12.\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x1c.ringserve.v1.WorkerCounters\x12\x0f\n\x07stalled\x18\x04 \x03(\t\x12\x1b\n\x0e\x63ommitted_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x11\x63ommitted_lineage\x18\x06 \x01(\x04\x12\x13\n\x0blinked_view\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ommitted_view\x18\x08 \x01(\x04\x42\x11\n\x0f_committed_step\"\xbe\x01\n\x11HeartbeatResponse\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x17\n\x0fpending_workers\x18\x03 \x01(\r\x12\x16\n\x0estall_warnings\x18\x04 \x03(\t\x12\x16\n\tmark_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cmark_lineage\x18\x06 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x42\x0c\n\n_mark_step\"N\n\x0c\x41\x64mitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x1a\n\x12leaving_worker_ids\x18\x03 \x03(\t\"!\n\rAdmitResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\r\"%\n\x10WatchViewRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"b\n\x14ReportFailureRequest\x12\x13\n\x0breporter_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x14\n\x0csuspect_rank\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x17\n\x15ReportFailureResponse\"L\n\nParamChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x11PutParamsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1f\n\x10GetParamsRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"D\n\rStatusRequest\x12\x14\n\x0csummary_only\x18\x01 \x01(\x08\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05limit\x18\x03 \x01(\r\"\x85\x01\n\x0cMemberStatus\x12$\n\x06member\x18\x01 \x01(\x0b\x32\x14.ringserve.v1.Member\x12\x1f\n\x17seconds_since_heartbeat\x18\x02 \x01(\x01\x12.\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x1c.ringserve.v1.WorkerCounters\"\xdd\x01\n\x0eStatusResponse\x12 \n\x04view\x18\x01 \x01(\x0b\x32\x12.ringserve.v1.View\x12+\n\x07members\x18\x02 \x03(\x0b\x32\x1a.ringserve.v1.MemberStatus\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x14\n\x0cviews_formed\x18\x04 \x01(\x04\x12\x17\n\x0fpending_workers\x18\x05 \x01(\r\x12\x13\n\x0bmin_workers\x18\x06 \x01(\r\x12\x13\n\x0bmax_workers\x18\x07 \x01(\r\x12\x11\n\tview_size\x18\x08 \x01(\r\"&\n\x11\x43ommitMarkRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"b\n\x0c\x43ommitHolder\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07view_id\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0f\n\x07present\x18\x05 \x01(\x08\"o\n\x12\x43ommitMarkResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\x04\x12+\n\x07holders\x18\x04 \x03(\x0b\x32\x1a.ringserve.v1.CommitHolder2\xb7\x06\n\x0b\x43oordinator\x12=\n\x04Join\x12\x19.ringserve.v1.JoinRequest\x1a\x1a.ringserve.v1.JoinResponse\x12@\n\x05Leave\x12\x1a.ringserve.v1.LeaveRequest\x1a\x1b.ringserve.v1.LeaveResponse\x12L\n\tHeartbeat\x12\x1e.ringserve.v1.HeartbeatRequest\x1a\x1f.ringserve.v1.HeartbeatResponse\x12Q\n\nHeartbeats\x12\x1e.ringserve.v1.HeartbeatRequest\x1a\x1f.ringserve.v1.HeartbeatResponse(\x01\x30\x01\x12\x41\n\tWatchView\x12\x1e.ringserve.v1.WatchViewRequest\x1a\x12.ringserve.v1.View0\x01\x12X\n\rReportFailure\x12\".ringserve.v1.ReportFailureRequest\x1a#.ringserve.v1.ReportFailureResponse\x12@\n\x05\x41\x64mit\x12\x1a.ringserve.v1.AdmitRequest\x1a\x1b.ringserve.v1.AdmitResponse\x12H\n\tPutParams\x12\x18.ringserve.v1.ParamChunk\x1a\x1f.ringserve.v1.PutParamsResponse(\x01\x12G\n\tGetParams\x12\x1e.ringserve.v1.GetParamsRequest\x1a\x18.ringserve.v1.ParamChunk0\x01\x12\x43\n\x06Status\x12\x1b.ringserve.v1.StatusRequest\x1a\x1c.ringserve.v1.StatusResponse\x12O\n\nCommitMark\x12\x1f.ringserve.v1.CommitMarkRequest\x1a .ringserve.v1.CommitMarkResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eringserve/v1/coordinator.proto\x12\x0cringserve.v1\"\x9c\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x12\n\nlocal_rank\x18\x05 \x01(\r\x12\x12\n\nlocal_size\x18\x06 \x01(\r\x12\x12\n\ncross_rank\x18\x07 \x01(\r\x12\x12\n\ncross_size\x18\x08 \x01(\r\"r\n\x04View\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12%\n\x07members\x18\x02 \x03(\x0b\x32\x14.ringserve.v1.Member\x12\x17\n\x0fleft_worker_ids\x18\x03 \x03(\t\x12\x19\n\x11\x66\x61iled_worker_ids\x18\x04 \x03(\t\"\x88\x01\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x11\n\trank_hint\x18\x03 \x01(\x05\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x0f\n\x07view_id\x18\x05 \x01(\x04\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x11\n\tview_size\x18\x07 \x01(\r\"\\\n\x0cJoinResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x81\x01\n\x0eWorkerCounters\x12\x18\n\x10\x63ollectives_done\x18\x01 \x01(\x04\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12)\n\x05links\x18\n \x03(\x0b\x32\x1a.ringserve.v1.LinkCounters\"T\n\x0cLinkCounters\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12\x11\n\tpeer_rank\x18\x02 \x01(\r\x12\x0c\n\x04lane\x18\x03 \x01(\t\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\"\xef\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12.\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x1c.ringserve.v1.WorkerCounters\x12\x0f\n\x07stalled\x18\x04 \x03(\t\x12\x1b\n\x0e\x63ommitted_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x11\x63ommitted_lineage\x18\x06 \x01(\x04\x12\x13\n\x0blinked_view\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ommitted_view\x18\x08 \x01(\x04\x42\x11\n\x0f_committed_step\"\xbe\x01\n\x11HeartbeatResponse\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x17\n\x0fpending_workers\x18\x03 \x01(\r\x12\x16\n\x0estall_warnings\x18\x04 \x03(\t\x12\x16\n\tmark_step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cmark_lineage\x18\x06 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x07 \x01(\x01\x42\x0c\n\n_mark_step\"N\n\x0c\x41\x64mitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x1a\n\x12leaving_worker_ids\x18\x03 \x03(\t\"!\n\rAdmitResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\r\"%\n\x10WatchViewRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"b\n\x14ReportFailureRequest\x12\x13\n\x0breporter_id\x18\x01 \x01(\t\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x14\n\x0csuspect_rank\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x17\n\x15ReportFailureResponse\"L\n\nParamChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x11PutParamsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1f\n\x10GetParamsRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"D\n\rStatusRequest\x12\x14\n\x0csummary_only\x18\x01 \x01(\x08\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05limit\x18\x03 \x01(\r\"\xd0\x01\n\x0cMemberStatus\x12$\n\x06member\x18\x01 \x01(\x0b\x32\x14.ringserve.v1.Member\x12\x1f\n\x17seconds_since_heartbeat\x18\x02 \x01(\x01\x12.\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x1c.ringserve.v1.WorkerCounters\x12\x1b\n\x0e\x63ommitted_step\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x11\x63ommitted_lineage\x18\x0b \x01(\x04\x42\x11\n\x0f_committed_step\"I\n\x0cHistoryEvent\x12\x0c\n\x04\x61t_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07view_id\x18\x03 \x01(\x04\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x99\x03\n\x0eStatusResponse\x12 \n\x04view\x18\x01 \x01(\x0b\x32\x12.ringserve.v1.View\x12+\n\x07members\x18\x02 \x03(\x0b\x32\x1a.ringserve.v1.MemberStatus\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x14\n\x0cviews_formed\x18\x04 \x01(\x04\x12\x17\n\x0fpending_workers\x18\x05 \x01(\r\x12\x13\n\x0bmin_workers\x18\x06 \x01(\r\x12\x13\n\x0bmax_workers\x18\x07 \x01(\r\x12\x11\n\tview_size\x18\x08 \x01(\r\x12\x1b\n\x13heartbeat_timeout_s\x18\x14 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x15 \x01(\x01\x12+\n\x07history\x18\x16 \x03(\x0b\x32\x1a.ringserve.v1.HistoryEvent\x12\x16\n\tmark_step\x18\x17 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cmark_lineage\x18\x18 \x01(\x04\x12\x16\n\x0estall_warnings\x18\x19 \x03(\tB\x0c\n\n_mark_step\"&\n\x11\x43ommitMarkRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"b\n\x0c\x43ommitHolder\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07view_id\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0f\n\x07present\x18\x05 \x01(\x08\"o\n\x12\x43ommitMarkResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\x04\x12+\n\x07holders\x18\x04 \x03(\x0b\x32\x1a.ringserve.v1.CommitHolder2\xb7\x06\n\x0b\x43oordinator\x12=\n\x04Join\x12\x19.ringserve.v1.JoinRequest\x1a\x1a.ringserve.v1.JoinResponse\x12@\n\x05Leave\x12\x1a.ringserve.v1.LeaveRequest\x1a\x1b.ringserve.v1.LeaveResponse\x12L\n\tHeartbeat\x12\x1e.ringserve.v1.HeartbeatRequest\x1a\x1f.ringserve.v1.HeartbeatResponse\x12Q\n\nHeartbeats\x12\x1e.ringserve.v1.HeartbeatRequest\x1a\x1f.ringserve.v1.HeartbeatResponse(\x01\x30\x01\x12\x41\n\tWatchView\x12\x1e.ringserve.v1.WatchViewRequest\x1a\x12.ringserve.v1.View0\x01\x12X\n\rReportFailure\x12\".ringserve.v1.ReportFailureRequest\x1a#.ringserve.v1.ReportFailureResponse\x12@\n\x05\x41\x64mit\x12\x1a.ringserve.v1.AdmitRequest\x1a\x1b.ringserve.v1.AdmitResponse\x12H\n\tPutParams\x12\x18.ringserve.v1.ParamChunk\x1a\x1f.ringserve.v1.PutParamsResponse(\x01\x12G\n\tGetParams\x12\x1e.ringserve.v1.GetParamsRequest\x1a\x18.ringserve.v1.ParamChunk0\x01\x12\x43\n\x06Status\x12\x1b.ringserve.v1.StatusRequest\x1a\x1c.ringserve.v1.StatusResponse\x12O\n\nCommitMark\x12\x1f.ringserve.v1.CommitMarkRequest\x1a .ringserve.v1.CommitMarkResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,40 +44,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVEREQUEST']._serialized_end=589
   _globals['_LEAVERESPONSE']._serialized_start=591
   _globals['_LEAVERESPONSE']._serialized_end=606
-  _globals['_WORKERCOUNTERS']._serialized_start=608
-  _globals['_WORKERCOUNTERS']._serialized_end=694
-  _globals['_HEARTBEATREQUEST']._serialized_start=697
-  _globals['_HEARTBEATREQUEST']._serialized_end=936
-  _globals['_HEARTBEATRESPONSE']._serialized_start=939
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1129
-  _globals['_ADMITREQUEST']._serialized_start=1131
-  _globals['_ADMITREQUEST']._serialized_end=1209
-  _globals['_ADMITRESPONSE']._serialized_start=1211
-  _globals['_ADMITRESPONSE']._serialized_end=1244
-  _globals['_WATCHVIEWREQUEST']._serialized_start=1246
-  _globals['_WATCHVIEWREQUEST']._serialized_end=1283
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1285
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1383
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1385
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1408
-  _globals['_PARAMCHUNK']._serialized_start=1410
-  _globals['_PARAMCHUNK']._serialized_end=1486
-  _globals['_PUTPARAMSRESPONSE']._serialized_start=1488
-  _globals['_PUTPARAMSRESPONSE']._serialized_end=1524
-  _globals['_GETPARAMSREQUEST']._serialized_start=1526
-  _globals['_GETPARAMSREQUEST']._serialized_end=1557
-  _globals['_STATUSREQUEST']._serialized_start=1559
-  _globals['_STATUSREQUEST']._serialized_end=1627
-  _globals['_MEMBERSTATUS']._serialized_start=1630
-  _globals['_MEMBERSTATUS']._serialized_end=1763
-  _globals['_STATUSRESPONSE']._serialized_start=1766
-  _globals['_STATUSRESPONSE']._serialized_end=1987
-  _globals['_COMMITMARKREQUEST']._serialized_start=1989
-  _globals['_COMMITMARKREQUEST']._serialized_end=2027
-  _globals['_COMMITHOLDER']._serialized_start=2029
-  _globals['_COMMITHOLDER']._serialized_end=2127
-  _globals['_COMMITMARKRESPONSE']._serialized_start=2129
-  _globals['_COMMITMARKRESPONSE']._serialized_end=2240
-  _globals['_COORDINATOR']._serialized_start=2243
-  _globals['_COORDINATOR']._serialized_end=3066
+  _globals['_WORKERCOUNTERS']._serialized_start=609
+  _globals['_WORKERCOUNTERS']._serialized_end=738
+  _globals['_LINKCOUNTERS']._serialized_start=740
+  _globals['_LINKCOUNTERS']._serialized_end=824
+  _globals['_HEARTBEATREQUEST']._serialized_start=827
+  _globals['_HEARTBEATREQUEST']._serialized_end=1066
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1069
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1259
+  _globals['_ADMITREQUEST']._serialized_start=1261
+  _globals['_ADMITREQUEST']._serialized_end=1339
+  _globals['_ADMITRESPONSE']._serialized_start=1341
+  _globals['_ADMITRESPONSE']._serialized_end=1374
+  _globals['_WATCHVIEWREQUEST']._serialized_start=1376
+  _globals['_WATCHVIEWREQUEST']._serialized_end=1413
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1415
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1513
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1515
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1538
+  _globals['_PARAMCHUNK']._serialized_start=1540
+  _globals['_PARAMCHUNK']._serialized_end=1616
+  _globals['_PUTPARAMSRESPONSE']._serialized_start=1618
+  _globals['_PUTPARAMSRESPONSE']._serialized_end=1654
+  _globals['_GETPARAMSREQUEST']._serialized_start=1656
+  _globals['_GETPARAMSREQUEST']._serialized_end=1687
+  _globals['_STATUSREQUEST']._serialized_start=1689
+  _globals['_STATUSREQUEST']._serialized_end=1757
+  _globals['_MEMBERSTATUS']._serialized_start=1760
+  _globals['_MEMBERSTATUS']._serialized_end=1968
+  _globals['_HISTORYEVENT']._serialized_start=1970
+  _globals['_HISTORYEVENT']._serialized_end=2043
+  _globals['_STATUSRESPONSE']._serialized_start=2046
+  _globals['_STATUSRESPONSE']._serialized_end=2455
+  _globals['_COMMITMARKREQUEST']._serialized_start=2457
+  _globals['_COMMITMARKREQUEST']._serialized_end=2495
+  _globals['_COMMITHOLDER']._serialized_start=2497
+  _globals['_COMMITHOLDER']._serialized_end=2595
+  _globals['_COMMITMARKRESPONSE']._serialized_start=2597
+  _globals['_COMMITMARKRESPONSE']._serialized_end=2708
+  _globals['_COORDINATOR']._serialized_start=2711
+  _globals['_COORDINATOR']._serialized_end=3534
 # @@protoc_insertion_point(module_scope)

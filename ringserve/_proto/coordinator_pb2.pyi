@@ -78,14 +78,28 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("collectives_done", "bytes_sent", "bytes_received")
+    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "links")
     COLLECTIVES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     collectives_done: int
     bytes_sent: int
     bytes_received: int
-    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkCounters]
+    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounters, _Mapping]]] = ...) -> None: ...
+
+class LinkCounters(_message.Message):
+    __slots__ = ("view_id", "peer_rank", "lane", "bytes_sent")
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANK_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    view_id: int
+    peer_rank: int
+    lane: str
+    bytes_sent: int
+    def __init__(self, view_id: _Optional[int] = ..., peer_rank: _Optional[int] = ..., lane: _Optional[str] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view")
@@ -198,17 +212,33 @@ class StatusRequest(_message.Message):
     def __init__(self, summary_only: _Optional[bool] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("member", "seconds_since_heartbeat", "counters")
+    __slots__ = ("member", "seconds_since_heartbeat", "counters", "committed_step", "committed_lineage")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     member: Member
     seconds_since_heartbeat: float
     counters: WorkerCounters
-    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ...) -> None: ...
+    committed_step: int
+    committed_lineage: int
+    def __init__(self, member: _Optional[_Union[Member, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ...) -> None: ...
+
+class HistoryEvent(_message.Message):
+    __slots__ = ("at_s", "kind", "view_id", "text")
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VIEW_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    at_s: float
+    kind: str
+    view_id: int
+    text: str
+    def __init__(self, at_s: _Optional[float] = ..., kind: _Optional[str] = ..., view_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers", "view_size")
+    __slots__ = ("view", "members", "uptime_s", "views_formed", "pending_workers", "min_workers", "max_workers", "view_size", "heartbeat_timeout_s", "heartbeat_interval_s", "history", "mark_step", "mark_lineage", "stall_warnings")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +247,12 @@ class StatusResponse(_message.Message):
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    MARK_STEP_FIELD_NUMBER: _ClassVar[int]
+    MARK_LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    STALL_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     view: View
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     uptime_s: float
@@ -225,7 +261,13 @@ class StatusResponse(_message.Message):
     min_workers: int
     max_workers: int
     view_size: int
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., view_size: _Optional[int] = ...) -> None: ...
+    heartbeat_timeout_s: float
+    heartbeat_interval_s: float
+    history: _containers.RepeatedCompositeFieldContainer[HistoryEvent]
+    mark_step: int
+    mark_lineage: int
+    stall_warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., views_formed: _Optional[int] = ..., pending_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., view_size: _Optional[int] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., history: _Optional[_Iterable[_Union[HistoryEvent, _Mapping]]] = ..., mark_step: _Optional[int] = ..., mark_lineage: _Optional[int] = ..., stall_warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitMarkRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -23,6 +23,7 @@ from ringserve.security import Security
 from ringserve.transport import server_options
 
 if TYPE_CHECKING:
+    from ringserve.coordinator.http import StatusPage
     from ringserve.metrics import MetricsServer
 
 log = logging.getLogger("ringserve.coordinator")
@@ -108,6 +109,7 @@ class Coordinator:
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.metrics: MetricsServer | None = None
+        self.status_page: StatusPage | None = None
         self.port = 0
 
     @property
@@ -138,6 +140,14 @@ class Coordinator:
             from ringserve.metrics import CoordinatorCollector, MetricsServer
 
             self.metrics = MetricsServer(CoordinatorCollector(self.service.metrics), self.config.host, self.config.metrics_port)
+        if self.config.http_port >= 0:
+            from ringserve.coordinator.http import StatusPage
+
+            try:
+                self.status_page = await StatusPage(self.service.status, self.config, self.security).start()
+            except BaseException:
+                await self.stop(0)  # a port in use: nothing of this coordinator is left running
+                raise
         log.info(
             "coordinator serving on %s (min_workers=%d, %s, %s)", self.address, self.config.min_workers,
             ("mTLS" if self.security.require_client_auth else "TLS") if self.security.tls else "plaintext",
@@ -169,6 +179,9 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.status_page is not None:
+            await self.status_page.stop()
+            self.status_page = None
 
     async def __aenter__(self) -> Coordinator:
         return await self.start()

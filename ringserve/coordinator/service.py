@@ -18,6 +18,7 @@ from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
+from ringserve.coordinator.board import Board, stall_warnings
 from ringserve.coordinator.params import ParamsFullError, ParamStore
 from ringserve.security import Security
 
@@ -116,6 +117,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.mark = commits.Mark()
         self._recent_views: dict[int, membership.ViewInfo] = {}
         self._made: tuple[commits.Commit, int] | None = None  # the (commit, view) last named whole
+        self.board = Board(self._started)  # the history and commits the status page shows (board.py)
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -138,7 +140,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def apply(self, event: membership.Event) -> None:
         """Feeds one event to the state machine and carries out its actions."""
-        self._state, actions = membership.step(self._state, event, self._clock())
+        before, now = self._state, self._clock()
+        self._state, actions = membership.step(before, event, now)
+        self.board.applied(before, event, self._state, actions, now)
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
@@ -261,6 +265,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.apply(membership.Linked(request.worker_id, request.linked_view))
             if request.HasField("committed_step"):
                 self._record_commit(request)
+            self.board.beat(request.worker_id, request, self.mark, self._clock())
         answer = pb.HeartbeatResponse(
             view_id=self._state.view.view_id, known=known, pending_workers=self._admissible(),
             stall_warnings=warnings, heartbeat_interval_s=membership.heartbeat_interval(self._state),
@@ -299,17 +304,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if view_id != view.view_id or not keys:
             return []
         warnings = []
-        for key in sorted(keys):
-            waiting = sorted(
-                rank for rank, m in enumerate(view.members)
-                if self._stalled.get(m.worker_id, (0, frozenset()))[0] == view_id
-                and key in self._stalled[m.worker_id][1]
-            )
-            missing = [r for r in range(len(view.members)) if r not in waiting]
-            text = (
-                f"{key!r}: ranks {', '.join(map(str, missing)) or 'none'} have not submitted it; "
-                f"ranks {', '.join(map(str, waiting))} wait"
-            )
+        for key, text in stall_warnings(view, self._stalled, keys):
             warnings.append(text)
             if (view_id, key) not in self._warned:
                 # Only this view's warnings matter: forget older views' (the set would grow forever).
@@ -450,8 +445,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        return self.status(request)
+
+    def status(self, request: pb.StatusRequest) -> pb.StatusResponse:
         """The view and the members' health: all of them by default, a page of them with
-        ``offset`` and ``limit``, none with ``summary_only`` (the view then lists no members)."""
+        ``offset`` and ``limit``, none with ``summary_only`` (the view then lists no members).
+        The status page (http.py) reads this, and nothing else."""
         now = self._clock()
         encoded = self._encode()
         view = encoded.view
@@ -462,6 +461,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             min_workers=self._config.min_workers,
             max_workers=self._config.max_workers,
             view_size=len(view.members),
+            heartbeat_timeout_s=self._config.heartbeat_timeout_s,
+            heartbeat_interval_s=membership.heartbeat_interval(self._state),
         )
         if request.summary_only:
             answer.view.view_id = view.view_id
@@ -481,5 +482,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     counters=self._counters.get(worker_id, no_counters),
                 )
             )
+        self.board.fill(answer, self.mark, [text for _, text in stall_warnings(view, self._stalled)])
         return answer
 

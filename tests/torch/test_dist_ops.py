@@ -17,7 +17,7 @@ from _dist_worlds import DIST_WORKERS, run_dist
 MUST = ["all_reduce sum torch.bfloat16", "all_reduce of a strided view", "reduce", "reduce_scatter_tensor",
         "reduce_scatter (list)", "broadcast torch.bool", "all_gather (uneven) from rank 1", "all_gather_into_tensor",
         "scatter", "barrier", "all_gather_object", "scatter_object_list", "12 async all_reduces in flight at once",
-        "recv from any source names what to use", "isend/irecv round the ring", "the world works after the refusals",
+        "BAND of floats names the op and the dtype", "AVG of integers says why", "isend/irecv round the ring", "the world works after the refusals",
         "new_group of every rank", "a gloo group beside the ringserve one"]
 
 

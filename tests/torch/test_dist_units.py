@@ -92,16 +92,38 @@ def test_rank_0_advertises_its_coordinator_on_the_host_of_torchs_store() -> None
 
 @pytest.mark.parametrize(("op", "core"), [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "average"),
                                           (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.MAX, "max"),
-                                          (dist.ReduceOp.PRODUCT, "product")])
+                                          (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.BAND, "band"),
+                                          (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor")])
 def test_torchs_reduce_ops_map_onto_ringserves(op: Any, core: str) -> None:
     assert ops.core_op(op, "all_reduce") == core
     assert ops.core_op(dist.ReduceOp(op), "all_reduce") == core
 
 
+@pytest.mark.parametrize(("op", "core"), [(dist.ReduceOp.SUM, "max"), (dist.ReduceOp.MAX, "max"),
+                                          (dist.ReduceOp.BOR, "max"), (dist.ReduceOp.PRODUCT, "min"),
+                                          (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.BAND, "min"),
+                                          (dist.ReduceOp.BXOR, "bxor")])
+def test_bool_tensors_reduce_as_gloo_reduces_them_any_all_or_odd(op: Any, core: str) -> None:
+    assert ops.core_op(op, "all_reduce", torch.bool) == core
+
+
 @pytest.mark.parametrize("op", [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR])
-def test_the_bitwise_reduce_ops_are_refused_naming_the_op_and_what_to_use(op: Any) -> None:
-    with pytest.raises(NotImplementedError, match=f"reduce_scatter with ReduceOp.{op.name} is not supported.*use SUM"):
-        ops.core_op(op, "reduce_scatter")
+def test_the_bitwise_reduce_ops_of_floats_are_refused_naming_the_op_and_the_dtype(op: Any) -> None:
+    with pytest.raises(ValueError, match=f"Cannot use ReduceOp.{op.name} with non-integral dtype torch.bfloat16"):
+        ops.core_op(op, "reduce_scatter", torch.bfloat16)
+    assert ops.core_op(op, "reduce_scatter", torch.int16) == op.name.lower()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
+def test_avg_of_integers_is_refused_as_gloo_refuses_it(dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=r"AVG .* result type Float can't be cast"):
+        ops.core_op(dist.ReduceOp.AVG, "all_reduce", dtype)
+    assert ops.core_op(dist.ReduceOp.AVG, "all_reduce", torch.float16) == "average"
+
+
+def test_premul_sum_is_refused_naming_what_to_use() -> None:
+    with pytest.raises(NotImplementedError, match=r"PREMUL_SUM is not supported.*multiply the tensor"):
+        ops.core_op(dist._make_nccl_premul_sum(2.0), "all_reduce", torch.float32)
 
 
 def test_tensors_travel_as_their_bytes_and_come_back_bit_for_bit() -> None:
@@ -211,7 +233,7 @@ def test_a_wait_with_a_timeout_gives_up_with_dist_backend_error() -> None:
     slow = _completing(1, delay_s=2.0)
     work = completer.track("barrier", [slow], lambda r: [])
     t0 = time.monotonic()
-    with pytest.raises(dist.DistBackendError, match=r"barrier did not complete within 0.2 s"):
+    with pytest.raises(dist.DistBackendError, match=r"barrier Timed out: it did not complete within 0.2 s"):
         work.wait(timedelta(seconds=0.2))
     assert time.monotonic() - t0 < 1.5
     assert work.wait() is True  # the op itself still finishes

@@ -14,13 +14,17 @@ survivor (a torch group's members are fixed). Recovery is a new group (see docs/
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
-from ringserve.torch.distributed import ops
+from ringserve.torch.distributed import ops, sparse
 from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.rendezvous import World, join_world
 from ringserve.torch.distributed.settings import Settings
@@ -29,6 +33,7 @@ from ringserve.torch.distributed.work import Completer, RingserveWork, backend_e
 BACKEND_NAME = "ringserve"
 # A waiting caller gives up this long after a collective's own deadline (which fails it first).
 _WAIT_SLACK_S = 30.0
+_MONITORED = "monitored_barrier"  # the name of monitored_barrier's messages (torch's tags are ints)
 
 
 def _opt(opts: Any, kind: type) -> Any:
@@ -53,6 +58,12 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _seconds(timeout: Any) -> float | None:
+    """A timeout in seconds; None when unset (torch's options leave it at -1 ms) or zero."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+    return seconds if seconds is not None and seconds > 0 else None
+
+
 class ProcessGroupRingserve(dist.ProcessGroup):
     """torch.distributed's "ringserve" backend (made by ``init_process_group("ringserve")``).
 
@@ -67,7 +78,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self.plane = plane
         self.settings = settings
         self._world = world
-        self._completer = Completer(plane.context.config.collective_timeout_s + _WAIT_SLACK_S)
+        self._completer = Completer(plane.timeout_s + _WAIT_SLACK_S)
         self._residuals = ops.Residuals() if settings.error_feedback else None
         self._closed = False
         self._group_name = ""
@@ -92,8 +103,18 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupRingserve(rank={self.plane.rank}, size={self.plane.size}, view={self.plane.view_id})"
 
-    def _run(self, what: str, started: ops.Started) -> RingserveWork:
-        return self._completer.track(what, started.parts, started.finish)
+    def _run(self, what: str, started: ops.Started, opts: Any = None) -> RingserveWork:
+        return self._completer.track(what, started.parts, started.finish, self._limit(opts))
+
+    def _on(self, opts: Any) -> Plane:
+        """The plane an op runs on: the group's, under the op's own timeout where it has one."""
+        seconds = _seconds(getattr(opts, "timeout", None))
+        return self.plane if seconds is None else self.plane.with_timeout(seconds)
+
+    def _limit(self, opts: Any) -> float:
+        """How long a caller waits for an op: its deadline, and a slack for the ring to fail it first."""
+        seconds = _seconds(getattr(opts, "timeout", None))
+        return (self.plane.timeout_s if seconds is None else seconds) + _WAIT_SLACK_S
 
     def _check(self, what: str) -> None:
         """Fails an op at once, before it starts, once the group's view is gone: every later op
@@ -110,36 +131,40 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.AllreduceOptions)
         tensor = ops.single(_tensor_list(tensors), "all_reduce")
-        op = ops.core_op(opts.reduceOp, "all_reduce")
+        op = ops.core_op(opts.reduceOp, "all_reduce", tensor.dtype)
+        if tensor.is_sparse:
+            return self._run("all_reduce", sparse.allreduce(self._on(opts), tensor, op), opts)
         return self._run("all_reduce", ops.allreduce(
-            self.plane, tensor, op, compression=self.settings.compression, residuals=self._residuals))
+            self._on(opts), tensor, op, compression=self.settings.compression, residuals=self._residuals), opts)
 
     @_op("all_reduce_coalesced")
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.AllreduceCoalescedOptions)
-        op = ops.core_op(opts.reduceOp, "all_reduce_coalesced")
+        tensors = _tensor_list(tensors)
+        op = ops.core_op(opts.reduceOp, "all_reduce_coalesced", tensors[0].dtype if tensors else None)
         return self._run("all_reduce_coalesced", ops.allreduce_coalesced(
-            self.plane, _tensor_list(tensors), op, compression=self.settings.compression))
+            self._on(opts), tensors, op, compression=self.settings.compression), opts)
 
     @_op("reduce")
     def reduce(self, tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ReduceOptions)
         tensor = ops.single(_tensor_list(tensors), "reduce")
-        return self._run("reduce", ops.reduce(self.plane, tensor, opts.rootRank, ops.core_op(opts.reduceOp, "reduce")))
+        op = ops.core_op(opts.reduceOp, "reduce", tensor.dtype)
+        return self._run("reduce", ops.reduce(self._on(opts), tensor, opts.rootRank, op), opts)
 
     @_op("reduce_scatter")
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ReduceScatterOptions)
         output = ops.single(_tensor_list(output_tensors), "reduce_scatter")
         inputs = input_tensors[0] if input_tensors and not isinstance(input_tensors[0], torch.Tensor) else input_tensors
-        op = ops.core_op(opts.reduceOp, "reduce_scatter")
-        return self._run("reduce_scatter", ops.reduce_scatter_list(self.plane, output, list(inputs), op))
+        op = ops.core_op(opts.reduceOp, "reduce_scatter", output.dtype)
+        return self._run("reduce_scatter", ops.reduce_scatter_list(self._on(opts), output, list(inputs), op), opts)
 
     @_op("reduce_scatter_tensor")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ReduceScatterOptions)
-        op = ops.core_op(opts.reduceOp, "reduce_scatter_tensor")
-        return self._run("reduce_scatter_tensor", ops.reduce_scatter_into(self.plane, output, input, op))
+        op = ops.core_op(opts.reduceOp, "reduce_scatter_tensor", output.dtype)
+        return self._run("reduce_scatter_tensor", ops.reduce_scatter_into(self._on(opts), output, input, op), opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -147,9 +172,10 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                                         opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ReduceScatterOptions)
-        op = ops.core_op(opts.reduceOp, "reduce_scatter_tensor_coalesced")
+        op = ops.core_op(opts.reduceOp, "reduce_scatter_tensor_coalesced", outputs[0].dtype if outputs else None)
+        plane = self._on(opts)
         return self._many("reduce_scatter_tensor_coalesced",
-                          [ops.reduce_scatter_into(self.plane, o, i, op) for o, i in zip(outputs, inputs, strict=True)])
+                          [ops.reduce_scatter_into(plane, o, i, op) for o, i in zip(outputs, inputs, strict=True)], opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -159,52 +185,55 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     def broadcast(self, tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.BroadcastOptions)
         tensor = ops.single(_tensor_list(tensors), "broadcast")
-        return self._run("broadcast", ops.broadcast(self.plane, tensor, opts.rootRank))
+        return self._run("broadcast", ops.broadcast(self._on(opts), tensor, opts.rootRank), opts)
 
     @_op("all_gather")
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RingserveWork:
         tensor = ops.single(_tensor_list(input_tensors), "all_gather")
         outputs = output_tensors[0] if output_tensors and not isinstance(output_tensors[0], torch.Tensor) else output_tensors
-        return self._run("all_gather", ops.allgather(self.plane, list(outputs), tensor))
+        return self._run("all_gather", ops.allgather(self._on(opts), list(outputs), tensor), opts)
 
     @_op("all_gather_into_tensor")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingserveWork:
-        return self._run("all_gather_into_tensor", ops.allgather_into(self.plane, output, input))
+        return self._run("all_gather_into_tensor", ops.allgather_into(self._on(opts), output, input), opts)
 
     _allgather_base = all_gather_single
 
     @_op("all_gather_into_tensor_coalesced")
     def all_gather_single_coalesced(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                                     opts: Any = None) -> RingserveWork:
+        plane = self._on(opts)
         return self._many("all_gather_into_tensor_coalesced",
-                          [ops.allgather_into(self.plane, o, i) for o, i in zip(outputs, inputs, strict=True)])
+                          [ops.allgather_into(plane, o, i) for o, i in zip(outputs, inputs, strict=True)], opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     @_op("all_gather_coalesced")
     def allgather_coalesced(self, output_lists: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
                             opts: Any = None) -> RingserveWork:
-        return self._many("all_gather_coalesced",
-                          [ops.allgather(self.plane, list(o), i) for o, i in zip(output_lists, inputs, strict=True)])
+        """``output_lists[src][i]`` gets group rank src's ``inputs[i]`` (torch hands the lists by
+        source rank first)."""
+        return self._run("all_gather_coalesced", ops.allgather_coalesced(self._on(opts), output_lists, list(inputs)),
+                         opts)
 
     @_op("gather")
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.GatherOptions)
         tensor = ops.single(_tensor_list(input_tensors), "gather")
         outputs = output_tensors[0] if output_tensors else []
-        return self._run("gather", ops.gather(self.plane, list(outputs), tensor, opts.rootRank))
+        return self._run("gather", ops.gather(self._on(opts), list(outputs), tensor, opts.rootRank), opts)
 
     @_op("scatter")
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RingserveWork:
         opts = _opt(opts, dist.ScatterOptions)
         output = ops.single(_tensor_list(output_tensors), "scatter")
         inputs = input_tensors[0] if input_tensors else []
-        return self._run("scatter", ops.scatter(self.plane, output, list(inputs), opts.rootRank))
+        return self._run("scatter", ops.scatter(self._on(opts), output, list(inputs), opts.rootRank), opts)
 
     @_op("barrier")
     def barrier(self, opts: Any = None) -> RingserveWork:
-        part = self.plane.barrier()
-        return self._completer.track("barrier", [part], lambda _: [])
+        part = self._on(opts).barrier()
+        return self._completer.track("barrier", [part], lambda _: [], self._limit(opts))
 
     # -- point-to-point and all-to-all ------------------------------------------------------
 
@@ -213,7 +242,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         """Sends to group rank ``dst``; done once the bytes are on the link (gloo's send too)."""
         tensor = ops.single(_tensor_list(tensors), "send")
         part = self.plane.send(ops.as_bytes(tensor), dst, tag)
-        return self._completer.track("send", [part], lambda _: [tensor])
+        return self._completer.track("send", [part], lambda _: [tensor], self._limit(None))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> RingserveWork:
         return self._recv(_tensor_list(tensors), src, tag)
@@ -223,6 +252,8 @@ class ProcessGroupRingserve(dist.ProcessGroup):
 
     @_op("recv")
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> RingserveWork:
+        """A recv from group rank ``src`` (None: from any); the work's ``_source_rank()`` is the
+        sender's group rank once it is done (what ``dist.recv`` returns, as a global rank)."""
         tensor = ops.single(tensors, "recv")
         buffer = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8).numpy()
         part = self.plane.recv(buffer, src, tag)
@@ -231,24 +262,67 @@ class ProcessGroupRingserve(dist.ProcessGroup):
             ops.fill(tensor, buffer)
             return [tensor]
 
-        return self._completer.track("recv", [part], finish)
+        work = self._completer.track("recv", [part], finish, self._limit(None))
+        work.sender_of = part  # its result is the sender's group rank
+        return work
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``, as gloo's does it: every other rank checks in
+        with group rank 0 and waits for its answer; rank 0 waits for each within ``timeout`` (the
+        group's when None) and raises RuntimeError naming the ranks that did not come (the first
+        one, or with ``wait_all_ranks`` all of them). torch's ``dist.monitored_barrier`` itself
+        refuses every backend but gloo; this is the process group's own method.
+        """
+        self._check("monitored_barrier")
+        seconds = self.plane.timeout_s if timeout is None else max(timeout.total_seconds(), 0.0)
+        ms = int(seconds * 1000)
+        plane = self.plane.with_timeout(max(seconds, 1e-3))
+        token = np.zeros(1, dtype=np.uint8)
+        if self.plane.rank != 0:
+            try:
+                plane.send(token, 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
+                plane.recv(np.zeros(1, dtype=np.uint8), 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"Rank {self.plane.rank} successfully reached monitoredBarrier, but received errors while waiting "
+                    f"for send/recv from rank 0. Please check rank 0 logs for faulty rank ({exc})."
+                ) from exc
+            return
+        start = time.monotonic()
+        if seconds <= 0:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.")
+        arrivals = {r: plane.recv(np.zeros(1, dtype=np.uint8), r, _MONITORED) for r in range(1, self.plane.size)}
+        failed: list[int] = []
+        for r, arrival in arrivals.items():
+            left = seconds if wait_all_ranks else seconds - (time.monotonic() - start)
+            try:
+                arrival.result(max(left, 0.0))
+            except Exception as exc:
+                if not wait_all_ranks:
+                    raise RuntimeError(f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms") from exc
+                failed.append(r)
+        if failed:
+            raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
+        for r in arrivals:
+            plane.send(token, r, _MONITORED).result(seconds + _WAIT_SLACK_S)
 
     @_op("all_to_all_single")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> RingserveWork:
-        return self._run("all_to_all_single", ops.all_to_all(self.plane, output, input, output_split_sizes,
-                                                             input_split_sizes))
+        return self._run("all_to_all_single", ops.all_to_all(self._on(opts), output, input, output_split_sizes,
+                                                             input_split_sizes), opts)
 
     alltoall_base = all_to_all_single
 
     @_op("all_to_all")
     def alltoall(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
                  opts: Any = None) -> RingserveWork:
-        return self._run("all_to_all", ops.all_to_all_list(self.plane, list(output_tensors), list(input_tensors)))
+        return self._run("all_to_all", ops.all_to_all_list(self._on(opts), list(output_tensors), list(input_tensors)),
+                         opts)
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _many(self, what: str, started: list[ops.Started]) -> RingserveWork:
+    def _many(self, what: str, started: list[ops.Started], opts: Any = None) -> RingserveWork:
         parts = [p for s in started for p in s.parts]
         counts = [len(s.parts) for s in started]
 
@@ -259,7 +333,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
                 offset += n
             return values
 
-        return self._completer.track(what, parts, finish)
+        return self._completer.track(what, parts, finish, self._limit(opts))
 
     def shutdown(self) -> None:
         """Releases the group: its completion threads, and for the default group the worker and the
@@ -278,6 +352,16 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self.shutdown()
 
 
+def _group_timeout(opts: Any, settings: Settings, default_s: float) -> float:
+    """The deadline of every op of a new group: the timeout given to init_process_group or
+    new_group. Where none was given (torch's default, 30 minutes), RINGSERVE_COLLECTIVE_TIMEOUT_S
+    (or ``Options(worker={"collective_timeout_s": ...})``) when set, which ``default_s`` holds."""
+    given = _seconds(getattr(opts, "timeout", None))
+    if given is None or (settings.timeout_from_env and opts.timeout == default_pg_timeout):
+        return default_s
+    return given
+
+
 def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.ProcessGroup:
     """torch's factory of the "ringserve" backend (``register_backend(..., extended_api=True)``).
 
@@ -290,7 +374,8 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
     default = dist.distributed_c10d._world.default_pg
     if ranks and isinstance(default, ProcessGroupRingserve):
         plane = default.plane.subset(ranks, tag=f"torch.group.{opts.group_id}")
-        return ProcessGroupRingserve(plane, settings)
+        timeout_s = _group_timeout(opts, settings, default.plane.context.config.collective_timeout_s)
+        return ProcessGroupRingserve(plane.with_timeout(timeout_s), settings)
     if ranks and sorted(ranks) != list(range(max(opts.group_size, len(ranks)))):
         raise NotImplementedError(
             f"A ringserve group of ranks {ranks} under a default group of another backend is not supported: its "
@@ -300,7 +385,8 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
     world = join_world(opts.store, opts.group_rank, opts.group_size, opts.timeout, settings)
     worker = world.context.worker
     try:
-        plane = Plane(world.context, tag=None if not ranks else f"torch.group.{opts.group_id}", view_id=worker.view_id)
+        plane = Plane(world.context, tag=None if not ranks else f"torch.group.{opts.group_id}", view_id=worker.view_id,
+                      timeout_s=_group_timeout(opts, settings, world.context.config.collective_timeout_s))
         # The group's members are fixed: once the view moves on, every op fails (see the docstring).
         worker.pin_view(plane.view_id)
         world.view_id = plane.view_id

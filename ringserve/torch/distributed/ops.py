@@ -38,7 +38,12 @@ from ringserve.torch.distributed.plane import Plane
 
 _CORE: dict[Any, str] = {
     ReduceOp.SUM: "sum", ReduceOp.AVG: "average", ReduceOp.MIN: "min", ReduceOp.MAX: "max", ReduceOp.PRODUCT: "product",
+    ReduceOp.BAND: "band", ReduceOp.BOR: "bor", ReduceOp.BXOR: "bxor",
 }
+_BITWISE = ("band", "bor", "bxor")
+# Bool tensors are reduced as their 0/1 bytes, each op as gloo computes it on bool: SUM, MAX and BOR
+# are "any", PRODUCT, MIN and BAND "all", BXOR "an odd count".
+_ON_BOOL = {"sum": "max", "max": "max", "bor": "max", "product": "min", "min": "min", "band": "min", "bxor": "bxor"}
 # How many tensors keep an error-feedback residual at once (the least recently reduced goes first):
 # DDP reduces a handful of buckets, the same tensors every step.
 RESIDUALS_KEPT = 32
@@ -52,19 +57,38 @@ class Started:
     finish: Callable[[list[Any]], Any]
 
 
-def core_op(op: Any, what: str) -> str:
-    """ringserve's name of a torch ReduceOp; NotImplementedError for those it lacks."""
+def core_op(op: Any, what: str, dtype: torch.dtype | None = None) -> str:
+    """ringserve's name of a torch ReduceOp on tensors of ``dtype`` (None: any).
+
+    Raises:
+        NotImplementedError: PREMUL_SUM (gloo has none either).
+        InvalidArgumentError: an op the dtype has not, as gloo refuses it: BAND, BOR, BXOR on a
+            floating point or complex tensor; AVG on an integer or bool tensor (its mean is a float,
+            which torch does not cast back in place).
+    """
     red = getattr(op, "op", op)  # a ReduceOp holds its RedOpType
     core = _CORE.get(red)
+    name = getattr(red, "name", str(red))
     if core is None:
-        name = getattr(red, "name", str(red))
-        hint = ("multiply the tensor by the factor, then use SUM" if name == "PREMUL_SUM"
-                else "for 0/1 tensors BAND is MIN and BOR is MAX")
         raise NotImplementedError(
-            f"{what} with ReduceOp.{name} is not supported by the ringserve backend; use SUM, AVG, MIN, MAX or "
-            f"PRODUCT ({hint})."
+            f"{what} with ReduceOp.{name} is not supported by the ringserve backend (nor by gloo); use SUM, AVG, MIN, "
+            "MAX, PRODUCT, BAND, BOR or BXOR (for PREMUL_SUM, multiply the tensor by the factor, then use SUM)."
         )
-    return core
+    if dtype is None:
+        return core
+    if core in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgumentError(f"Cannot use ReduceOp.{name} with non-integral dtype {dtype} ({what}).")
+    if core == "average" and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgumentError(
+            f"{what} with ReduceOp.AVG on a {dtype} tensor: result type Float can't be cast to the desired output "
+            f"type {dtype} (as on gloo); reduce with SUM and divide in a floating point dtype."
+        )
+    return _ON_BOOL[core] if dtype == torch.bool else core
+
+
+def wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor to reduce for ``tensor``: itself, or for a bool tensor its 0/1 bytes (a view)."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def single(tensors: Sequence[torch.Tensor] | torch.Tensor, what: str) -> torch.Tensor:
@@ -92,9 +116,17 @@ def fill(tensor: torch.Tensor, data: np.ndarray) -> None:
         raise InvalidArgumentError(
             f"Received {data.nbytes} bytes for a tensor of {tuple(tensor.shape)} {tensor.dtype}: the ranks' tensors differ in size."
         )
-    source = torch.from_numpy(np.ascontiguousarray(data)).view(tensor.dtype).reshape(tensor.shape)
+    if data.nbytes == 0:
+        return  # nothing to write (and numpy's empty arrays may not view as another dtype)
     with torch.no_grad():
-        tensor.copy_(source)
+        tensor.copy_(from_bytes(data, tensor.dtype, tuple(tensor.shape)))
+
+
+def from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over a copy of ``data``, its bytes."""
+    if data.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(data)).view(dtype).reshape(shape)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -132,6 +164,8 @@ def _reducible(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
 
 def allreduce(plane: Plane, tensor: torch.Tensor, op: str, *, compression: str | None,
               residuals: Residuals | None) -> Started:
+    """``tensor`` reduced in place (``op`` from ``core_op`` for its dtype)."""
+    given, tensor = tensor, wire(tensor)
     array, in_place = _reducible(tensor)
     lossy = compression if op in ("sum", "average") and array.dtype.kind == "f" else None
     codec = wire_codec(lossy, tensor.dtype, array.dtype.kind)
@@ -142,14 +176,16 @@ def allreduce(plane: Plane, tensor: torch.Tensor, op: str, *, compression: str |
     def finish(results: list[Any]) -> list[torch.Tensor]:
         if not in_place:
             _restore_into(tensor, results[0])
-        return [tensor]
+        return [given]
 
     return Started([part], finish)
 
 
 def allreduce_coalesced(plane: Plane, tensors: Sequence[torch.Tensor], op: str, *, compression: str | None) -> Started:
     if len({t.dtype for t in tensors}) > 1:
-        raise InvalidArgumentError("all_reduce_coalesced needs tensors of one dtype.")
+        raise InvalidArgumentError(
+            f"all_reduce_coalesced needs tensors of one dtype, not {sorted({str(t.dtype) for t in tensors})}."
+        )
     flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors]) if tensors else torch.zeros(0)
     started = allreduce(plane, flat, op, compression=compression, residuals=None)
 
@@ -210,6 +246,30 @@ def allgather(plane: Plane, outputs: Sequence[torch.Tensor], tensor: torch.Tenso
     return Started([part], finish)
 
 
+def allgather_coalesced(plane: Plane, output_lists: Sequence[Sequence[torch.Tensor]],
+                        inputs: Sequence[torch.Tensor]) -> Started:
+    """torch's all_gather_coalesced: ``output_lists[src][i]`` receives ``inputs[i]`` of group rank
+    ``src`` (torch's layout: the source rank first). Every rank's inputs go round as one allgather."""
+    if len(output_lists) != plane.size:
+        raise InvalidArgumentError(
+            f"all_gather_coalesced needs one list of outputs per rank of the group ({plane.size}), not "
+            f"{len(output_lists)}."
+        )
+    lengths = [len(o) for o in output_lists]
+    if any(n != len(inputs) for n in lengths):
+        raise InvalidArgumentError(
+            f"all_gather_coalesced needs {len(inputs)} outputs (one per input) in each rank's list, not {lengths}."
+        )
+    data = np.concatenate([as_bytes(t) for t in inputs]) if inputs else np.zeros(0, np.uint8)
+    part = plane.allgather(data)
+
+    def finish(results: list[Any]) -> list[list[torch.Tensor]]:
+        _split_into([t for outputs in output_lists for t in outputs], results[0])
+        return [list(outputs) for outputs in output_lists]
+
+    return Started([part], finish)
+
+
 def allgather_into(plane: Plane, output: torch.Tensor, tensor: torch.Tensor) -> Started:
     if output.numel() != tensor.numel() * plane.size:
         raise InvalidArgumentError(
@@ -230,7 +290,7 @@ def reduce_scatter_into(plane: Plane, output: torch.Tensor, tensor: torch.Tensor
         raise InvalidArgumentError(
             f"reduce_scatter's input has {tensor.numel()} elements; it needs {plane.size} x {output.numel()} (the output's)."
         )
-    array, _ = _tensors.reducible(tensor)
+    array, _ = _tensors.reducible(wire(tensor))
     part = plane.reduce_scatter(array.reshape(plane.size, -1), op)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -252,6 +312,7 @@ def reduce_scatter_list(plane: Plane, output: torch.Tensor, inputs: Sequence[tor
 
 
 def reduce(plane: Plane, tensor: torch.Tensor, root: int, op: str) -> Started:
+    given, tensor = tensor, wire(tensor)
     array, in_place = _reducible(tensor)
     keep = plane.rank == root
     part = plane.allreduce(array, op, out=array if keep or not in_place else None, compression=None, residual=None)
@@ -259,7 +320,7 @@ def reduce(plane: Plane, tensor: torch.Tensor, root: int, op: str) -> Started:
     def finish(results: list[Any]) -> list[torch.Tensor]:
         if keep and not in_place:
             _restore_into(tensor, results[0])
-        return [tensor]
+        return [given]
 
     return Started([part], finish)
 

@@ -14,8 +14,13 @@ the worker's event loop.
 - **send / recv** run over the two-member ring (sender, receiver) of their global ranks
   (worker/ops/p2p.py), under a name per group and tag: ``<tag>.p2p.<torch tag>``. So messages of one
   direction, group and tag are matched in order, as torch matches them, and 0 -> 2 and 2 -> 0 in
-  flight at once are keyed apart. A recv from any source is refused (``recv``).
+  flight at once are keyed apart. A recv from any source (``recv`` with ``src`` None) takes the
+  next message of its tag from whichever rank of the group sent one first (worker/ops/p2p.py).
 - **all_to_all** is ringserve's alltoall over the group's ring, on bytes.
+
+**Deadlines.** Every call of a plane runs under the plane's ``timeout_s``: the timeout given to
+``init_process_group`` or ``new_group`` (``with_timeout`` makes a plane that names its ops alike
+under another, for an op given its own timeout).
 
 Ops of one plane are matched across ranks by their order of issue, as torch requires of every
 group: each plane names its ops ``<tag>`` so that ringserve numbers them ``<tag>#1``, ``<tag>#2``,
@@ -26,6 +31,7 @@ session on the loop before its first await, so calls start there in the order th
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -52,11 +58,13 @@ class Plane:
         tag: the name its ops are numbered under (None: ringserve's unnamed sequence).
         view_id: the view the group was formed in; the group's ops run only in it.
         members: the group's ranks in the view, in group-rank order (None: every rank, in order).
+        timeout_s: the deadline of each of its calls (None: the worker's collective deadline).
     """
 
     def __init__(self, context: Context, *, tag: str | None, view_id: int,
-                 members: tuple[int, ...] | None = None) -> None:
+                 members: tuple[int, ...] | None = None, timeout_s: float | None = None) -> None:
         self.context = context
+        self.timeout_s = context.config.collective_timeout_s if timeout_s is None else float(timeout_s)
         self.tag = tag
         self.view_id = view_id
         self.members = members
@@ -66,6 +74,14 @@ class Plane:
             self.rank, self.size = worker.rank, worker.size
         else:
             self.rank, self.size = members.index(worker.rank), len(members)
+
+    def with_timeout(self, timeout_s: float) -> Plane:
+        """This plane (its ring, and the same sequence of op names) with calls under ``timeout_s``."""
+        if timeout_s == self.timeout_s:
+            return self
+        other = copy.copy(self)
+        other.timeout_s = float(timeout_s)
+        return other
 
     def global_rank(self, rank: int) -> int:
         """The view rank of group rank ``rank``.
@@ -91,12 +107,12 @@ class Plane:
     def _start(self, call: Call[T], ring: tuple[int, ...] | None) -> Future[T]:
         """Starts ``call(session, options)`` on the loop, on the session over the view ranks
         ``ring`` (None: the whole view), taken there before the call's first await."""
+        timeout_s = self.timeout_s
 
         async def run(worker: Worker) -> T:
             # The worker's session over a member tuple (the sub-ring its process sets use too).
             session = worker._session(ring)
-            config = worker.config
-            return await call(session, {"chunk_bytes": config.chunk_bytes, "timeout_s": config.collective_timeout_s})
+            return await call(session, {"chunk_bytes": worker.config.chunk_bytes, "timeout_s": timeout_s})
 
         return self.context.submit(run)
 
@@ -115,6 +131,12 @@ class Plane:
         """Every rank's ``array`` concatenated along axis 0 in group-rank order (lengths may differ)."""
         tag = self.tag
         return self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o))
+
+    def allgather_blocks(self, array: np.ndarray, what: str) -> Future[list[np.ndarray]]:
+        """Every rank's 1-D uint8 ``array`` (lengths may differ), one per group rank, in order;
+        ``what`` names what the blocks hold, and ranks that disagree on it fail (MismatchError)."""
+        tag, descriptor = self.tag, f"allgather_blocks uint8 {what}"
+        return self._on(lambda s, o: collectives.allgather_blocks(s, array, row=1, name=tag, descriptor=descriptor, **o))
 
     def reduce_scatter(self, array: np.ndarray, op: str) -> Future[np.ndarray]:
         """Row ``rank`` of the reduction of every rank's ``array`` (shaped (size, n))."""
@@ -155,30 +177,35 @@ class Plane:
 
         return self._on(call)
 
-    def _p2p_name(self, tag: int) -> str:
-        return f"{self.tag or 'torch'}.p2p.{int(tag)}"
+    def _p2p_name(self, tag: int | str) -> str:
+        """The name of the messages of ``tag``: torch's int tags, or a name of ours (never an int's)."""
+        return f"{self.tag or 'torch'}.p2p.{tag if isinstance(tag, str) else int(tag)}"
 
-    def send(self, array: np.ndarray, dst: int, tag: int) -> Future[None]:
+    def send(self, array: np.ndarray, dst: int, tag: int | str) -> Future[None]:
         """Sends ``array`` to group rank ``dst``; done once it is on the link (see worker/ops/p2p.py)."""
         ring = p2p.pair(self.global_rank_of_self, self.global_rank(dst))
         name = self._p2p_name(tag)
         return self._start(lambda s, o: p2p.send(s, array, name=name, **o), ring)
 
-    def recv(self, array: np.ndarray, src: int | None, tag: int) -> Future[np.ndarray]:
-        """Receives the next message of ``tag`` from group rank ``src`` into ``array``.
-
-        Raises:
-            NotImplementedError: ``src`` is None (a recv from any source).
-        """
-        if src is None:
-            raise NotImplementedError(
-                "recv/irecv from any source (src=None) is not supported by the ringserve backend: a message is "
-                "matched on the ring from its sender, so name the source (dist.recv(t, src=r)). To take data from "
-                "whichever ranks have some, exchange the sizes first with all_to_all_single or all_gather."
-            )
-        ring = p2p.pair(self.global_rank(src), self.global_rank_of_self)
+    def recv(self, array: np.ndarray, src: int | None, tag: int | str) -> Future[int]:
+        """Receives into ``array`` the next message of ``tag`` from group rank ``src`` (None: from
+        whichever rank of the group sent one first); returns the sender's group rank."""
         name = self._p2p_name(tag)
-        return self._start(lambda s, o: p2p.recv(s, array, name=name, **o), ring)
+        if src is not None:
+            ring = p2p.pair(self.global_rank(src), self.global_rank_of_self)
+
+            async def named(session: Session, options: dict[str, Any]) -> int:
+                await p2p.recv(session, array, name=name, **options)
+                return int(src)
+
+            return self._start(named, ring)
+        others = [self.global_rank(r) for r in range(self.size) if r != self.rank]
+
+        async def anyone(session: Session, options: dict[str, Any]) -> int:
+            sender = await p2p.recv_any(session.plane, array, name=name, sources=others, **options)
+            return sender if self.members is None else self.members.index(sender)
+
+        return self._on(anyone)
 
     def subset(self, ranks: Sequence[int], tag: str) -> Plane:
         """The plane of a new group of ``ranks`` (this plane's ranks, in group-rank order; torch
@@ -191,7 +218,8 @@ class Plane:
         if len(set(members)) != len(members) or self.global_rank_of_self not in members:
             raise InvalidArgumentError(f"A group of ranks {list(ranks)} must list distinct ranks, this one's among them.")
         whole = members == tuple(range(self.context.worker.size))
-        return Plane(self.context, tag=tag, view_id=self.view_id, members=None if whole else members)
+        return Plane(self.context, tag=tag, view_id=self.view_id, members=None if whole else members,
+                     timeout_s=self.timeout_s)
 
 
 async def _discard(call: Any) -> None:

@@ -60,7 +60,8 @@ class Settings:
         coordinator: the coordinator to join ("" : rank 0 starts one).
         coordinator_port: the port of a coordinator that rank 0 starts (0: any free one).
         worker: WorkerConfig overrides from Options.
-        timeout_from_env: RINGSERVE_COLLECTIVE_TIMEOUT_S is set, so it wins over torch's timeout.
+        timeout_from_env: RINGSERVE_COLLECTIVE_TIMEOUT_S is set, so it wins over torch's default
+            timeout (a timeout given to init_process_group or new_group wins over it).
         bind_from_env: RINGSERVE_BIND_HOST or RINGSERVE_ADVERTISE_HOST is set, so the backend does
             not choose the addresses for a world spread over several hosts.
         attempt: torchrun's restart count (TORCHELASTIC_RESTART_COUNT), so that a restarted

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringserve.errors import InvalidArgumentError, NotInitializedError
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
 
 # Completion threads per process group at most: each callback blocked in a nested wait holds one.
 MAX_THREADS = 32
@@ -42,6 +42,12 @@ def backend_error(exc: BaseException, what: str) -> BaseException:
         return exc
     if isinstance(exc, concurrent.futures.CancelledError):
         error = dist.DistBackendError(f"ringserve: {what} was cancelled (the process group was shut down).")
+    elif isinstance(exc, CollectiveTimeoutError):
+        # Worded as gloo's timeouts are ("Timed out waiting 1000ms for ..."), which torch's tests match.
+        error = dist.DistBackendError(
+            f"ringserve: {what} failed: Timed out waiting for the other ranks, past the process group's timeout "
+            f"(init_process_group's or new_group's timeout=): {type(exc).__name__}: {exc}"
+        )
     else:
         error = dist.DistBackendError(f"ringserve: {what} failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
@@ -63,6 +69,8 @@ class RingserveWork(dist._Work):
         self.done = threading.Event()
         self._wait_limit_s = wait_limit_s
         self._error: BaseException | None = None
+        # A recv's call on the ring, whose result is the sender's group rank (None: not a recv).
+        self.sender_of: concurrent.futures.Future[Any] | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the op (at most ``timeout``; a zero or no timeout: the op's own deadline).
@@ -73,7 +81,8 @@ class RingserveWork(dist._Work):
         limit = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
         if not self.done.wait(self._wait_limit_s if limit is None else limit):
             raise dist.DistBackendError(
-                f"ringserve: {self.what} did not complete within {limit if limit is not None else self._wait_limit_s:g} s."
+                f"ringserve: {self.what} Timed out: it did not complete within "
+                f"{limit if limit is not None else self._wait_limit_s:g} s of wait()."
             )
         if self._error is not None:
             raise self._error
@@ -81,6 +90,14 @@ class RingserveWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self.future
+
+    def _source_rank(self) -> int:
+        """The group rank a recv's message came from (torch's ``Work._source_rank``), once the
+        recv is done; -1 before, or for another op."""
+        part = self.sender_of
+        if part is None or not part.done() or part.cancelled() or part.exception() is not None:
+            return -1
+        return int(part.result())
 
     def is_completed(self) -> bool:
         return self.done.is_set()
@@ -132,11 +149,11 @@ class Completer:
         self._closed = False
 
     def track(self, what: str, parts: list[concurrent.futures.Future[Any]],
-              finish: Callable[[list[Any]], Any]) -> RingserveWork:
+              finish: Callable[[list[Any]], Any], wait_limit_s: float | None = None) -> RingserveWork:
         """A Work that completes once every one of ``parts`` has: with ``finish(results)`` (run on
         a completion thread; it puts the outputs in place and returns the future's value), or with
-        the first part's error."""
-        work = RingserveWork(what, self._wait_limit_s)
+        the first part's error. ``wait_limit_s``: how long its ``wait()`` waits (None: the group's)."""
+        work = RingserveWork(what, self._wait_limit_s if wait_limit_s is None else wait_limit_s)
         remaining = [len(parts)]
         lock = threading.Lock()
 

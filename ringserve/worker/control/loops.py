@@ -129,6 +129,9 @@ class Lifeline:
             )
             plane = self.planes.current
             view_id = plane.view_id if plane is not None else 0
+            if plane is not None:
+                counters.links.extend(cpb.LinkCounters(view_id=view_id, peer_rank=rank, lane=lane, bytes_sent=sent)
+                                      for rank, lane, sent in plane.link_report())
             stalled = plane.stalled(self.config.stall_warning_s) if plane is not None else []
             sent_at = asyncio.get_running_loop().time()
             committed, committed_view = self.held.committed, self.held.view

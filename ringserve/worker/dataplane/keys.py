@@ -90,6 +90,10 @@ class Numbering:
             self.opened += 1
         return make(base, self._counts[(base, spec)], spec)
 
+    def peek(self, base: str, spec: str) -> str:
+        """The key that ``next(base, spec)`` would hand out, without handing it out."""
+        return make(base, self._counts.get((base, spec), 0) + 1, spec)
+
     def claim(self, key: str) -> None:
         """Takes ``key``, a whole-view key the others opened (a joined rank stands in for it); the
         keys of its name it passes over stay open to their frames until claimed.

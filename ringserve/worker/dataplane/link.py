@@ -50,6 +50,10 @@ from ringserve.worker.dataplane.shared import OutboundRing
 log = logging.getLogger("ringserve.worker")
 
 SEND_WINDOW = 32
+# How a link's payloads travel, as its heartbeat names it to the status page (a new lane names
+# itself: the coordinator shows whatever text a worker reports).
+LANE_STREAM = "stream"
+LANE_SHARED = "shared memory"
 STREAM_METHOD = "/ringserve.v1.Peer/Stream"
 
 Payload = np.ndarray | memoryview | bytes
@@ -75,6 +79,12 @@ class Link:
         self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._on_failure: OnFailure = _ignore
+        self.bytes_sent = 0  # this link's share of counters.bytes_sent
+
+    @property
+    def lane_name(self) -> str:
+        """How payloads travel on this link now (the status page's lane)."""
+        return LANE_SHARED if self.lane is not None and self.lane.attached else LANE_STREAM
 
     # -- the sending side ------------------------------------------------------------------
 
@@ -213,6 +223,7 @@ class Link:
         if self._closed:
             return
         self.counters.bytes_sent += len(frame) + shared_bytes
+        self.bytes_sent += len(frame) + shared_bytes
         self._frames.append((frame, data))
         if data:
             self._queued += 1

@@ -20,6 +20,7 @@ each a ring over some of the view's ranks: the whole view, or a sub-ring such as
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -90,6 +91,8 @@ class Plane:
         # Frames that reached a collective which then finished without taking them: always 0
         # for programs whose ranks agree (the simulator checks it).
         self.unused = 0
+        # Resolved when frames of a collective not opened here arrive, or the plane ends (``arrival``).
+        self._arrival: asyncio.Future[None] | None = None
         if place.size > 1:
             self.link_to(self.ring.next)
 
@@ -109,6 +112,12 @@ class Plane:
     def linked_ranks(self) -> tuple[int, ...]:
         """The ranks this plane holds a link to."""
         return tuple(self._links)
+
+    def link_report(self) -> list[tuple[int, str, int]]:
+        """(rank, lane, bytes sent) of each link, the ring successor's first (for heartbeats)."""
+        first = self.ring.next
+        ranks = sorted(self._links, key=lambda r: (r != first, r))
+        return [(r, self._links[r].lane_name, self._links[r].bytes_sent) for r in ranks]
 
     # -- the collectives' side -------------------------------------------------------------
 
@@ -152,6 +161,31 @@ class Plane:
         self._active += 1
         self._opened[key] = time.monotonic()
         return key, inbox, link
+
+    def waiting(self, key: str) -> bool:
+        """Whether frames of ``key``, a collective not opened here yet, have arrived."""
+        inbox = self._inboxes.get(key)
+        return inbox is not None and inbox.descriptor is None
+
+    async def arrival(self) -> None:
+        """Waits until frames of a collective not opened here arrive (a recv from any of several
+        senders waits for the first of them, p2p.recv_any), or the plane ends.
+
+        Raises:
+            the plane's error once it is closed, or why it retired.
+        """
+        if self._arrival is None or self._arrival.done():
+            self._arrival = asyncio.get_running_loop().create_future()
+        if self.error is None and self.retired is None:
+            await asyncio.shield(self._arrival)
+        if self.error is not None:
+            raise self.error
+        if self.retired is not None:
+            raise self.retired
+
+    def _arrived(self) -> None:
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
 
     def unopened(self) -> list[tuple[str, str]]:
         """(key, descriptor) of the whole view's collectives with frames here not opened here."""
@@ -280,6 +314,7 @@ class Plane:
             return
         if inbox is None:
             inbox = self._inbox(key, ring)
+            self._arrived()
         if (inbox.descriptor is None and self.on_unopened is not None and not inbox.announced
                 and not keys.split(key)[2]):
             inbox.announced = True
@@ -307,6 +342,7 @@ class Plane:
         if self.retired is not None or self.error is not None:
             return
         self.retired = exc
+        self._arrived()
         if self._active == 0:
             self._end_links()
 
@@ -328,6 +364,7 @@ class Plane:
             self.error = exc
         for inbox in self._inboxes.values():
             inbox.fail(exc)
+        self._arrived()
         self._ended = True
         for link in self._links.values():
             link.close()

@@ -118,7 +118,7 @@ async def allreduce(
     raises NonFiniteError; as the result is bit-identical everywhere, every rank raises it.
     """
     array = _as_array(a)
-    check_op(op)
+    check_op(op, array.dtype)
     coder = _coder(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
     buf = _output(session, array, out)
@@ -147,7 +147,7 @@ async def allreduce(
 async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float,
                          compression: str | None = None) -> np.ndarray:
     array = _as_array(a)
-    check_op(op)
+    check_op(op, array.dtype)
     if array.ndim == 0:
         raise InvalidArgumentError("reduce_scatter needs an array with at least one dimension.")
     coder = _coder(array, op, compression, None)

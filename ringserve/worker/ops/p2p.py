@@ -13,18 +13,29 @@ its recv to be posted.
   the receiver too.
 - **A recv** places the frames straight into its buffer. The descriptor carries the dtype and
   size, so a recv whose buffer differs from what was sent fails with MismatchError naming both.
+- **A recv from any source** (``recv_any``) waits for the first frame of the next message of its
+  name from any of its candidate senders (frames that came before it was posted count), then
+  receives that message as a recv from that sender would: so it takes the message a recv from
+  that sender would have taken, and leaves the others' messages to later recvs.
 - **Failures** are the executor's and the plane's: the deadline (CollectiveTimeoutError), the
   sender's stream ending (PeerUnavailableError), the view changing (RingChangedError).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ringserve.errors import InvalidArgumentError
-from ringserve.worker.dataplane import executor, programs
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError
+from ringserve.worker.dataplane import executor, keys, programs
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks
+
+if TYPE_CHECKING:
+    from ringserve.worker.dataplane.plane import Plane
 
 
 def pair(src: int, dst: int) -> tuple[int, int]:
@@ -84,3 +95,38 @@ async def recv(session: Session, out: np.ndarray, *, name: str, chunk_bytes: int
     program = programs.message(session.ring, flat.size, max(1, chunk_bytes // flat.dtype.itemsize))
     await executor.run(session, name, _descriptor(flat), timeout_s, program, values)
     return out
+
+
+async def recv_any(plane: Plane, out: np.ndarray, *, name: str, sources: Sequence[int], chunk_bytes: int,
+                   timeout_s: float) -> int:
+    """Receives into ``out`` the next message called ``name`` from whichever of the view ranks
+    ``sources`` sent one first (the lowest rank among those already here), and returns its rank.
+
+    Raises:
+        CollectiveTimeoutError: no message came within ``timeout_s`` (or it did not finish in it).
+        InvalidArgumentError, MismatchError, PeerUnavailableError, RingChangedError: as ``recv``.
+    """
+    me = plane.place.rank
+    rings = {int(s): pair(s, me) for s in sorted(sources)}
+    if not rings:
+        raise InvalidArgumentError(f"A recv from any source needs a rank to receive from besides rank {me}.")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    sender = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            while sender is None:
+                # Checked after every wake-up, and opened below before any other await: two recvs
+                # from any source never pick the same message.
+                sender = next((s for s, ring in rings.items()
+                               if plane.waiting(plane.numbering.peek(name, keys.spec_of(ring)))), None)
+                if sender is None:
+                    await plane.arrival()
+    except TimeoutError:
+        raise CollectiveTimeoutError(
+            f"A recv of {name!r} from any of ranks {list(rings)} timed out: no message came within {timeout_s:g} s "
+            f"on rank {me} of view {plane.view_id}."
+        ) from None
+    await recv(plane.session(rings[sender]), out, name=name, chunk_bytes=chunk_bytes,
+               timeout_s=max(deadline - loop.time(), 1e-3))
+    return sender

@@ -170,11 +170,12 @@ def asynchronous(rank: int, size: int) -> None:
 
 def refusals(rank: int, size: int) -> None:
     peer = (rank + 1) % size
-    raises("BAND names the op", NotImplementedError, ["BAND", "MIN"], lambda: dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND))
+    raises("BAND of floats names the op and the dtype", ValueError, ["BAND", "non-integral", "float32"],
+           lambda: dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BAND))
+    raises("AVG of integers says why", ValueError, ["AVG", "can't be cast"],
+           lambda: dist.all_reduce(torch.ones(1, dtype=torch.int64), op=dist.ReduceOp.AVG))
     premul = dist._make_nccl_premul_sum(2.0)
     raises("PREMUL_SUM names the op", NotImplementedError, ["PREMUL_SUM", "SUM"], lambda: dist.all_reduce(torch.ones(1), op=premul))
-    raises("recv from any source names what to use", NotImplementedError, ["recv", "src="], lambda: dist.recv(torch.ones(1)))
-    raises("irecv from any source names what to use", NotImplementedError, ["recv", "src="], lambda: dist.irecv(torch.ones(1)))
     solo = dist.new_group([0])  # the other ranks are not members: torch gives them no group, and calls nothing
     if rank == 0:
         t = torch.full((2,), 3.0)

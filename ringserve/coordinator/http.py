@@ -1,0 +1,245 @@
+"""The coordinator's live status page: a small read-only HTTP server (aiohttp) beside the gRPC one.
+
+Routes, all of them reads (GET, and HEAD), except ``POST /login``, which only sets a cookie:
+
+- ``/``: the page (``static/index.html``); it polls ``/status.json`` every second and redraws;
+- ``/status.json``: the newest snapshot (statusview.py) of the coordinator's own ``Status``,
+  sampled once a second by a task this server owns, so that any number of viewers cost one
+  Status a second and the page never holds state of its own;
+- ``/static/<file>``: the page's script and style, shipped in the package, so the page works
+  without the internet (no CDN); they are the same for every job and hold no data, so they are
+  served to anyone;
+- ``/login``: a form for the job's token, when the job has one.
+
+Security follows the job's: with a token, ``/`` and ``/status.json`` require it, as an
+``Authorization: Bearer <token>`` header (scripts, curl) or as a cookie that ``/login`` (or the
+first ``/?token=...``) sets. The cookie holds an HMAC of the token, never the token, so it opens
+this page and nothing else. With TLS, the page is served over HTTPS with the coordinator's
+certificate, and with ``tls_require_client_auth`` a client must present a certificate the job's CA
+signed, as on gRPC. No route changes the job: nothing here calls anything but ``Status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import html
+import json
+import logging
+import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
+from importlib import resources
+
+try:
+    from aiohttp import web
+except ImportError:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "The coordinator's status page (http_port, --http-port) needs aiohttp: install it with "
+        "`pip install 'ringserve[status]'`."
+    ) from None
+
+from ringserve._proto import coordinator_pb2 as pb
+from ringserve.config import CoordinatorConfig
+from ringserve.coordinator import statusview
+from ringserve.security import Security
+
+log = logging.getLogger("ringserve.coordinator")
+
+SAMPLE_S = 1.0
+# At thousands of workers the page lists the first ranks only (the counts cover every member).
+MAX_LISTED = 256
+COOKIE = "ringserve_status"
+STATIC = ("index.html", "status.js", "status.css")
+_TYPES = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
+# Everything the page loads comes from here; no inline script, no other origin.
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def cookie_value(token: str) -> str:
+    """What the cookie holds for ``token``: an HMAC that opens the page and nothing else."""
+    return hmac.new(token.encode(), b"ringserve status page", hashlib.sha256).hexdigest()
+
+
+def _static(name: str) -> bytes:
+    return resources.files("ringserve.coordinator").joinpath("static", name).read_bytes()
+
+
+def server_ssl_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
+    """HTTPS with the coordinator's certificate (and client certificates when gRPC requires them);
+    None without TLS."""
+    if not config.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_require_client_auth:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=config.tls_ca)
+    return context
+
+
+class StatusPage:
+    """The status page of one coordinator's service, on ``config.host:config.http_port``.
+
+    Example::
+
+        page = await StatusPage(service.status, config, security).start()
+        print(page.url)          # http://127.0.0.1:<port>/
+        await page.stop()
+    """
+
+    def __init__(self, status: Callable[[pb.StatusRequest], pb.StatusResponse], config: CoordinatorConfig,
+                 security: Security) -> None:
+        self._status = status
+        self._config = config
+        self._token = security.token
+        self._cookie = cookie_value(security.token) if security.token else ""
+        self._ssl = server_ssl_context(config)
+        self._samples: deque[statusview.Sample] = deque(maxlen=int(statusview.CHART_S / SAMPLE_S) + 1)
+        self._snapshot = b"{}"
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        host = self._config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self._ssl else 'http'}://{host}:{self.port}/"
+
+    async def start(self) -> StatusPage:
+        """Binds the port and starts sampling.
+
+        Raises:
+            OSError: the port could not be bound.
+        """
+        app = web.Application(middlewares=[self._secure])
+        app.router.add_get("/", self._index)
+        app.router.add_get("/status.json", self._json)
+        app.router.add_get("/static/{name}", self._file)
+        app.router.add_get("/login", self._login_form)
+        app.router.add_post("/login", self._login)
+        self._take_sample()
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self._config.host, self._config.http_port, ssl_context=self._ssl)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        self._sampler = asyncio.get_running_loop().create_task(self._sample(), name="ringserve-status-sampler")
+        log.info("status page on %s", self.url)
+        return self
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
+            self._sampler = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- the samples -------------------------------------------------------------------------
+
+    async def _sample(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            self._take_sample()
+
+    def _take_sample(self) -> None:
+        status = self._status(pb.StatusRequest(limit=MAX_LISTED))
+        self._samples.append(statusview.sample(status))
+        self._snapshot = json.dumps(statusview.snapshot(status, list(self._samples)), separators=(",", ":")).encode()
+
+    # -- access ------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self._token:
+            return True
+        header = request.headers.get("Authorization", "")
+        if header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), self._token.encode()):
+            return True
+        return hmac.compare_digest(request.cookies.get(COOKIE, "").encode(), self._cookie.encode())
+
+    def _set_cookie(self, response: web.StreamResponse) -> None:
+        response.set_cookie(COOKIE, self._cookie, httponly=True, samesite="Strict", secure=self._ssl is not None,
+                            path="/")
+
+    @web.middleware
+    async def _secure(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Asks for the token where it is needed, and adds the security headers to every answer."""
+        public = request.path == "/login" or request.path.startswith("/static/")
+        if not public and not self._authorized(request):
+            given = request.query.get("token", "")
+            if given and request.method == "GET" and hmac.compare_digest(given.encode(), self._token.encode()):
+                # The token in the address works once: it becomes the cookie, and leaves the address.
+                found: web.StreamResponse = _see_other(request.path)
+                self._set_cookie(found)
+            elif request.path == "/status.json":
+                found = web.json_response({"error": "This job requires its token."}, status=401)
+            else:
+                found = self._login_page("This job requires its token.", status=401)
+            found.headers.update(_HEADERS)
+            return found
+        response = await handler(request)
+        response.headers.update(_HEADERS)
+        return response
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=_static("index.html"), content_type="text/html", charset="utf-8")
+
+    async def _json(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self._snapshot, content_type="application/json")
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound(text=f"No static file {name!r}: the page has {', '.join(STATIC)}.")
+        return web.Response(body=_static(name), content_type=_TYPES[name.rsplit(".", 1)[1]], charset="utf-8")
+
+    async def _login_form(self, request: web.Request) -> web.StreamResponse:
+        if not self._token:
+            return _see_other("/")
+        return self._login_page("")
+
+    async def _login(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()
+        given = str(form.get("token", ""))
+        if not self._token:
+            return _see_other("/")
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            return self._login_page("That is not the job token.", status=401)
+        response = _see_other("/")
+        self._set_cookie(response)
+        return response
+
+    def _login_page(self, message: str, status: int = 200) -> web.Response:
+        note = f'<p class="error">{html.escape(message)}</p>' if message else ""
+        body = (
+            '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>ringserve: sign in</title>'
+            '<link rel="stylesheet" href="/static/status.css"></head><body class="login">'
+            '<form method="post" action="/login"><h1>ringserve status</h1>'
+            f"{note}<label>Job token <input type=\"password\" name=\"token\" autofocus></label>"
+            '<button type="submit">Open</button></form></body></html>'
+        )
+        return web.Response(text=body, content_type="text/html", status=status)
+
+
+def _see_other(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location})
