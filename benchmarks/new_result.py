@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     from ringserve import api
 
     rs.init()
-    pool = api.context().worker._planes.pool  # read only: how many results it handed out again
+    pool = api.context().worker.node.planes.pool  # read only: how many results it handed out again
     results = {str(size): {**measure(rs, size, args.rounds), "reused": [float(pool.reused)]} for size in args.sizes}
     pathlib.Path(args.out).write_text(json.dumps(results))
     rs.shutdown()

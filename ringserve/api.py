@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ringserve.config import WorkerConfig
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.errors import CollectiveTimeoutError, NotInitializedError
 from ringserve.loop import LoopThread
 from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
@@ -22,8 +23,6 @@ from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
 
-# Slack on top of a collective's own deadline before the caller's thread gives up waiting.
-_WAIT_SLACK_S = 10.0
 
 
 class Context:
@@ -36,7 +35,7 @@ class Context:
 
     def start(self) -> Context:
         try:
-            self._thread.run(self.worker.start(), self.config.rendezvous_timeout_s + self.config.connect_timeout_s + _WAIT_SLACK_S)
+            self._thread.run(self.worker.start(), self.config.rendezvous_timeout_s + self.config.connect_timeout_s + THREAD_WAIT_SLACK_S)
         except BaseException:
             self._thread.stop()
             raise
@@ -52,7 +51,7 @@ class Context:
         Raises:
             CollectiveTimeoutError: the call did not finish in time; it is cancelled.
         """
-        wait = self.config.collective_timeout_s + _WAIT_SLACK_S if timeout_s is None else timeout_s
+        wait = self.config.collective_timeout_s + THREAD_WAIT_SLACK_S if timeout_s is None else timeout_s
         future = self.submit(call)
         try:
             return future.result(wait)
@@ -63,7 +62,7 @@ class Context:
     def close(self) -> None:
         cfg = self.config
         try:
-            self._thread.run(self.worker.close(), cfg.drain_timeout_s + cfg.rpc_timeout_s + _WAIT_SLACK_S)
+            self._thread.run(self.worker.close(), cfg.drain_timeout_s + cfg.rpc_timeout_s + THREAD_WAIT_SLACK_S)
         finally:
             self._thread.stop()
 
@@ -263,7 +262,7 @@ def join() -> int:
     """
     ctx = context()
     return ctx.call(lambda w: w.join(), timeout_s=ctx.config.join_timeout_s + ctx.config.collective_timeout_s
-                    + _WAIT_SLACK_S)
+                    + THREAD_WAIT_SLACK_S)
 
 
 def barrier(*, process_set: ProcessSet | None = None) -> None:

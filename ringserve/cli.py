@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.constants import ELASTIC_TIMEOUT_S, REMOTE_START_TIMEOUT_S
 from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError, RingserveError
 
 
@@ -152,9 +153,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     min_np = ns.min_np if ns.min_np is not None else ns.np
     max_np = ns.max_np if ns.max_np is not None else ns.np
     if ns.start_timeout is None:
-        ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or 30.0)
+        ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or REMOTE_START_TIMEOUT_S)
     if ns.elastic_timeout is None:
-        ns.elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or 600.0)
+        ns.elastic_timeout = float(os.environ.get("HOROVOD_ELASTIC_TIMEOUT") or ELASTIC_TIMEOUT_S)
     placement = _placement(ns)
     # The embedded coordinator takes the job's TLS and token from the environment, as the
     # workers it starts do.
@@ -285,10 +286,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     hosts.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with")
     hosts.add_argument("--ssh-config-file", default=None, help="an ssh config file to use instead of ~/.ssh/config")
     hosts.add_argument("--start-timeout", type=float, default=None,
-                       help="seconds a remote worker may take to start (default 30, or HOROVOD_START_TIMEOUT)")
+                       help=f"seconds a remote worker may take to start (default {REMOTE_START_TIMEOUT_S:g}, or "
+                            "HOROVOD_START_TIMEOUT)")
     hosts.add_argument("--elastic-timeout", type=float, default=None,
                        help="elastic: seconds to wait for -np slots, and for a new view "
-                            "(default 600, or HOROVOD_ELASTIC_TIMEOUT)")
+                            f"(default {ELASTIC_TIMEOUT_S:g}, or HOROVOD_ELASTIC_TIMEOUT)")
     hosts.add_argument("--blacklist-cooldown-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
                        help="elastic: a failing host stays out MIN seconds, doubling with each failure up to MAX "
                             "(default: for good)")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 
 MiB = 1 << 20
@@ -42,25 +44,28 @@ def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
 
 def _check_timeline(template: str) -> None:
     """A timeline path must name a file in a directory that exists or can be made (it is made when
-    the first view is installed), so that a typo fails here and not in the middle of a rendezvous."""
+    the first view is installed), so that a typo fails when the worker starts and not in the middle
+    of a rendezvous (as a ViewInstallError). Whether a directory can be made there is tried, not
+    guessed from its mode bits (which say yes to root under /proc): one is made and removed again in
+    the nearest directory that exists."""
+    name = f"WorkerConfig.timeline ({template!r}, RINGSERVE_TIMELINE)"
     try:
         path = template.format(rank=0) if "{rank}" in template else f"{template}.0.json"
     except (KeyError, IndexError, ValueError) as exc:
-        raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) may hold only {{rank}} in braces: {exc!r}."
-        ) from None
+        raise InvalidArgumentError(f"{name} may hold only {{rank}} in braces: {exc!r}.") from None
     directory = os.path.dirname(os.path.abspath(path))
     existing = directory
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
+        raise InvalidArgumentError(f"{name} cannot be written: {existing!r} is not a directory.")
+    try:
+        probe = tempfile.mkdtemp(prefix=".ringserve-timeline-", dir=existing)
+    except OSError as exc:
         raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) cannot be written: {existing!r} is not a directory."
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(
-            f"WorkerConfig.timeline ({template!r}) cannot be written: the directory {existing!r} is not writable."
-        )
+            f"{name} cannot be written: no directory can be made in {existing!r} ({exc.strerror or exc})."
+        ) from None
+    os.rmdir(probe)
 
 
 def _check_shared_dir(directory: str) -> None:
@@ -342,7 +347,7 @@ class WorkerConfig(SecuritySettings):
     tune_malloc: bool = True
     metrics_port: int = -1
     timeline: str = ""
-    elastic_timeout_s: float = 600.0
+    elastic_timeout_s: float = ELASTIC_TIMEOUT_S
     join_timeout_s: float = 3600.0
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16

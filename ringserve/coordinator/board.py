@@ -23,7 +23,7 @@ What each kind of event means:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ringserve import commits
@@ -138,25 +138,3 @@ class Board:
             held = self._commits.get(member.member.worker_id)
             if held is not None:
                 member.committed_step, member.committed_lineage = held.step, held.lineage
-
-
-def stall_warnings(view: membership.ViewInfo, stalled: Mapping[str, tuple[int, frozenset[str]]],
-                   keys: Iterable[str] | None = None) -> list[tuple[str, str]]:
-    """Horovod's stall inspector: for each collective some ranks of ``view`` have waited on too long
-    (``stalled``: each worker's last report, the view it ran in and the keys it waits on), the
-    ranks that have not submitted it. ``keys``: only these (default: every key reported in this view).
-
-    Returns:
-        (key, sentence) pairs in key order, e.g. ``'grad.w#3': ranks 2 have not submitted it; ranks
-        0, 1, 3 wait``.
-    """
-    view_id = view.view_id
-    current = {w: k for w, (v, k) in stalled.items() if v == view_id}
-    wanted = sorted(set().union(*current.values()) if keys is None else set(keys))
-    warnings = []
-    for key in wanted:
-        waiting = sorted(rank for rank, m in enumerate(view.members) if key in current.get(m.worker_id, ()))
-        missing = [r for r in range(len(view.members)) if r not in waiting]
-        warnings.append((key, f"{key!r}: ranks {', '.join(map(str, missing)) or 'none'} have not submitted it; "
-                              f"ranks {', '.join(map(str, waiting))} wait"))
-    return warnings

@@ -62,3 +62,70 @@ class ParamStore:
 
     def get(self, key: str) -> bytes | None:
         return self._blobs.get(key)
+
+
+class ParamsInvalidError(RingserveError):
+    """A put's chunks do not make the blobs they declare (out of order, too long, cut short)."""
+
+
+class Upload:
+    """One PutParams call's blobs, chunk by chunk, each counted against the store's cap for its
+    whole declared size from its first chunk on; ``release()`` gives the reservation back.
+
+    Example::
+
+        upload = Upload(store)
+        try:
+            for chunk in chunks:
+                upload.add(chunk.key, chunk.offset, chunk.total_bytes, chunk.data)
+            version = upload.commit()
+        finally:
+            upload.release()
+    """
+
+    def __init__(self, store: ParamStore) -> None:
+        self._store = store
+        self._parts: dict[str, list[bytes]] = {}
+        self._received: dict[str, int] = {}
+        self._totals: dict[str, int] = {}
+
+    def add(self, key: str, offset: int, total_bytes: int, data: bytes) -> None:
+        """Takes the chunk of ``key`` at ``offset`` of a blob of ``total_bytes``.
+
+        Raises:
+            ParamsFullError: the blob's declared size does not fit under the cap.
+            ParamsInvalidError: the chunk does not follow the bytes received, or runs past the total.
+        """
+        if key not in self._totals:
+            self._store.reserve(total_bytes, key)
+            self._totals[key], self._parts[key], self._received[key] = total_bytes, [], 0
+        received, total = self._received[key], self._totals[key]
+        if offset != received or total_bytes != total:
+            raise ParamsInvalidError(
+                f"Chunk of {key!r} at offset {offset} does not follow the {received} bytes received so far of {total}."
+            )
+        if received + len(data) > total:
+            raise ParamsInvalidError(f"{key!r} is longer than its total.")
+        self._parts[key].append(data)
+        self._received[key] = received + len(data)
+
+    def commit(self) -> int:
+        """Stores every blob of the put; returns the last one's version (0: the put was empty).
+
+        Raises:
+            ParamsInvalidError: a blob ended before its total.
+        """
+        for key, total in self._totals.items():
+            if self._received[key] != total:
+                raise ParamsInvalidError(f"{key!r} ended after {self._received[key]} of {total} bytes.")
+        version = 0
+        for key, pieces in self._parts.items():
+            version = self._store.commit(key, b"".join(pieces))
+            pieces.clear()
+        return version
+
+    def release(self) -> None:
+        """Gives back the bytes this put reserved (stored blobs are counted as stored now)."""
+        self._store.release(sum(self._totals.values()))
+        self._totals.clear()
+        self._parts.clear()  # a put cut short lets go of its chunks now, not when its frame does

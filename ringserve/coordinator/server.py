@@ -18,9 +18,10 @@ from ringserve import _malloc
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership
-from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService, view_bytes
+from ringserve.coordinator.service import PARAM_CHUNK_BYTES, CoordinatorService
+from ringserve.coordinator.views import view_bytes
 from ringserve.security import Security
-from ringserve.transport import server_options
+from ringserve.transport import MAX_STREAMS_PER_CONNECTION, server_options
 
 if TYPE_CHECKING:
     from ringserve.coordinator.http import StatusPage
@@ -48,6 +49,7 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
     # The data plane's window (four messages) would let each of thousands of streams park up to
     # 256 MiB in gRPC's buffers, outside every cap; parameter chunks are 1 MiB.
     options["grpc.http2.lookahead_bytes"] = 4 * PARAM_CHUNK_BYTES
+    options["grpc.max_concurrent_streams"] = connection_stream_cap(config)
     return [
         *options.items(),
         ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
@@ -59,6 +61,22 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
         ("grpc.server.max_pending_requests", max(1000, config.max_concurrent_rpcs)),
         ("grpc.server.max_pending_requests_hard_limit", max(3000, config.max_concurrent_rpcs)),
     ]
+
+
+def connection_stream_cap(config: CoordinatorConfig) -> int:
+    """The HTTP/2 streams one connection may hold open on the coordinator: twice max_concurrent_rpcs.
+
+    The coordinator's limits are its named caps (max_watch_streams, max_heartbeat_streams,
+    max_concurrent_rpcs, all connections together), each refused with RESOURCE_EXHAUSTED. The
+    transport's own limit per connection (256 for the workers' servers) must not bite first: a
+    client that multiplexes its calls (gRPC in most languages shares one connection per process)
+    and holds some 250 WatchView streams on it got 20% of its unary Heartbeat calls refused with
+    REFUSED_STREAM, an HTTP/2 refusal that names nothing. gRPC refuses a new stream once the
+    streams it still holds for a connection pass the limit, and it holds a finished call's stream
+    a while after the client has counted it free, so near the limit even a client that keeps
+    within it is refused; twice the RPC cap leaves that lag room, and the caps answer first.
+    """
+    return max(MAX_STREAMS_PER_CONNECTION, 2 * config.max_concurrent_rpcs)
 
 
 class _Handlers:

@@ -1,16 +1,21 @@
-"""Thin grpc.aio servicer over the membership state machine: protos in, domain calls, protos out."""
+"""Thin grpc.aio servicer over the coordinator's domain: protos in, domain calls, protos out.
+
+The decisions live in pure modules beside it: membership.py (the state machine, whose actions
+``apply`` carries out), ledger.py (the job's commit mark), stalls.py (the stall inspector),
+params.py (the parameter store and one put's chunks), watches.py (the caps on WatchView streams)
+and pacing.py. Here each RPC turns its request into calls on them, and their errors into status
+codes.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve import commits
 from ringserve._proto import coordinator_pb2 as pb
@@ -18,8 +23,13 @@ from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
-from ringserve.coordinator.board import Board, stall_warnings
-from ringserve.coordinator.params import ParamsFullError, ParamStore
+from ringserve.coordinator.board import Board
+from ringserve.coordinator.ledger import CommitLedger
+from ringserve.coordinator.params import ParamsFullError, ParamsInvalidError, ParamStore, Upload
+from ringserve.coordinator.probes import Prober
+from ringserve.coordinator.stalls import StallInspector
+from ringserve.coordinator.views import EncodedView
+from ringserve.coordinator.watches import WatchCaps, WatchRefusedError
 from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
@@ -34,39 +44,6 @@ PUTS_AT_ONCE = 2
 PUT_STALL_S = 10.0
 # Claimed view numbers above this are refused; the world can then still number 2**32 more views.
 MAX_VIEW_ID = (1 << 64) - (1 << 32)
-RECENT_VIEWS = 8
-
-
-def view_to_proto(view: membership.ViewInfo) -> pb.View:
-    """The view's message, in one pass over its members (their local ranks come from one table)."""
-    members = [
-        pb.Member(
-            worker_id=m.worker_id, rank=rank, address=m.address, hostname=m.hostname,
-            local_rank=local_rank, local_size=local_size, cross_rank=cross_rank, cross_size=cross_size,
-        )
-        for rank, (m, (local_rank, local_size, cross_rank, cross_size)) in enumerate(
-            zip(view.members, view.placements, strict=True)
-        )
-    ]
-    return pb.View(
-        view_id=view.view_id, members=members,
-        left_worker_ids=view.left, failed_worker_ids=view.failed,
-    )
-
-
-class _EncodedView:
-    """A view's message, built and serialized once and shared by every watcher and Status call:
-    at 2,000 members it is some 150 KB, sent to 2,000 watchers."""
-
-    def __init__(self, view: membership.ViewInfo) -> None:
-        self.view = view
-        self.message = view_to_proto(view)
-        self.data = self.message.SerializeToString()
-
-
-def view_bytes(message: bytes | pb.View) -> bytes:
-    """WatchView's response serializer: views arrive already encoded."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -91,10 +68,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()
-        self._watches_by_worker: dict[str, int] = {}
-        self.watch_streams = 0
+        self.watches = WatchCaps(config.watch_stream_cap, config.max_watches_per_worker)
         self.heartbeat_streams = HeartbeatStreams(config.heartbeat_stream_cap, config.heartbeat_timeout_s)
-        self._encoded = _EncodedView(self._state.view)
+        self._encoded = EncodedView(self._state.view)
         # Workers waiting to be admitted, recomputed only when the workers or the view change
         # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
         self._waiting: tuple[tuple[object, object, object] | None, int] = (None, 0)
@@ -102,30 +78,33 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.params = ParamStore(config.max_param_bytes)
         self._puts = asyncio.Semaphore(PUTS_AT_ONCE)
         self.views_formed = 0
-        self._probes: set[asyncio.Task[None]] = set()
-        # A dead process refuses the probe at once; the timeout only matters for a stopped or cut
-        # off one, which heartbeats catch anyway. Too short, and a loaded machine's live worker
-        # fails its probe and is dropped for nothing.
-        self.probe_timeout_s = min(2.5, config.heartbeat_timeout_s / 2)
+        # Suspects' health is asked on the side; each answer comes back as a ProbeResult event.
+        self.prober = Prober(self._security, config.heartbeat_timeout_s,
+                             lambda worker_id, alive: self.apply(membership.ProbeResult(worker_id, alive)))
         self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0, "stall_warnings": 0}
-        self._stalled: dict[str, tuple[int, frozenset[str]]] = {}
-        self._warned: set[tuple[int, str]] = set()
+        self.stalls = StallInspector()
         self.view_changed = asyncio.Event()
-        # The job's committed high-water mark, from the workers' heartbeats (see commits.py),
-        # and the last few views, to name a holder's rank in the view it reported from (its
-        # report can trail the view that admits the next members).
-        self.mark = commits.Mark()
-        self._recent_views: dict[int, membership.ViewInfo] = {}
-        self._made: tuple[commits.Commit, int] | None = None  # the (commit, view) last named whole
+        # The job's committed high-water mark, from the workers' heartbeats (see ledger.py).
+        self.ledger = CommitLedger()
         self.board = Board(self._started)  # the history and commits the status page shows (board.py)
 
     @property
     def view(self) -> membership.ViewInfo:
         return self._state.view
 
-    def _encode(self) -> _EncodedView:
+    @property
+    def mark(self) -> commits.Mark:
+        """The job's committed high-water mark (see ledger.py)."""
+        return self.ledger.mark
+
+    @property
+    def watch_streams(self) -> int:
+        """The WatchView streams open now."""
+        return self.watches.open
+
+    def _encode(self) -> EncodedView:
         if self._encoded.view is not self._state.view:
-            self._encoded = _EncodedView(self._state.view)
+            self._encoded = EncodedView(self._state.view)
         return self._encoded
 
     def _admissible(self) -> int:
@@ -146,57 +125,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         for action in actions:
             if isinstance(action, membership.PublishView):
                 self.views_formed += 1
-                self._recent_views[action.view.view_id] = action.view
-                for old in sorted(self._recent_views)[:-RECENT_VIEWS]:
-                    del self._recent_views[old]
+                self.ledger.view_published(action.view)
                 log.info("view %d formed with %d workers", action.view.view_id, len(action.view.members))
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("view %d: %s", action.view.view_id, [m.address for m in action.view.members])
                 # Encoded once, here; every watcher's queue holds the same bytes.
-                data = _EncodedView(action.view).data if action.view is not self._state.view else self._encode().data
+                data = EncodedView(action.view).data if action.view is not self._state.view else self._encode().data
                 for queue in self._watchers:
                     queue.put_nowait(data)
                 self.view_changed.set()
                 self.view_changed = asyncio.Event()
             elif isinstance(action, membership.Probe):
-                task = asyncio.get_running_loop().create_task(self._probe(action), name="ringserve-probe")
-                self._probes.add(task)
-                task.add_done_callback(self._probes.discard)
+                self.prober.start(action)
             elif isinstance(action, membership.Removed):
                 log.info("worker %s removed: %s", action.worker_id, action.reason)
                 self.counts["workers_left" if action.reason == "left" else "workers_removed_silent"] += 1
-                self._stalled.pop(action.worker_id, None)
+                self.stalls.forget(action.worker_id)
                 self._counters.pop(action.worker_id, None)
-
-    async def _probe(self, probe: membership.Probe) -> None:
-        """Asks a suspect's health service whether it still answers, within probe_timeout_s."""
-        alive = False
-        try:
-            async with self._security.channel(probe.address) as channel:
-                answer = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s
-                )
-                alive = answer.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            alive = False
-        except Exception as exc:
-            log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
-            alive = False
-        log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
-        if alive:
-            log.warning(
-                "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
-                "dropping a worker if a link is still down in %g s", probe.worker_id, self._config.heartbeat_timeout_s,
-            )
-        self.apply(membership.ProbeResult(probe.worker_id, alive))
 
     async def close(self) -> None:
         """Cancels the probes in flight."""
-        for task in list(self._probes):
-            task.cancel()
-        for task in list(self._probes):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.prober.close()
 
     def metrics(self) -> dict[str, float]:
         """The numbers the coordinator's Prometheus endpoint exposes."""
@@ -259,8 +208,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.counts["heartbeats"] += 1
             self.apply(membership.Heartbeat(request.worker_id))
             self._counters[request.worker_id] = request.counters
-            self._stalled[request.worker_id] = (request.view_id, frozenset(request.stalled))
-            warnings = self._stall_warnings(request.view_id, set(request.stalled))
+            stalled = frozenset(request.stalled)
+            self.stalls.heard(request.worker_id, request.view_id, stalled)
+            warnings, new = self.stalls.warnings(self._state.view, request.view_id, stalled)
+            for text in new:
+                self.counts["stall_warnings"] += 1
+                log.warning("view %d: stalled collective %s", request.view_id, text)
             if request.linked_view and membership.checking(self._state):
                 self.apply(membership.Linked(request.worker_id, request.linked_view))
             if request.HasField("committed_step"):
@@ -275,63 +228,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return answer
 
     def _record_commit(self, request: pb.HeartbeatRequest) -> None:
-        view = self._recent_views.get(request.view_id)
-        rank = view.rank_of(request.worker_id) if view is not None else None
         member = self._state.workers.get(request.worker_id)
-        holder = commits.Holder(
-            worker_id=request.worker_id, address=member.address if member else "",
-            view_id=request.view_id, rank=-1 if rank is None else rank,
+        before, after = self.ledger.record(
+            worker_id=request.worker_id, address=member.address if member else "", view_id=request.view_id,
+            held=commits.Commit(request.committed_lineage, request.committed_step), made_in=request.committed_view,
         )
-        before = self.mark.commit
-        held = commits.Commit(request.committed_lineage, request.committed_step)
-        made_in = self._recent_views.get(request.committed_view) if request.committed_view else None
-        if made_in is not None and made_in.rank_of(request.worker_id) is not None and (held, made_in.view_id) != self._made:
-            # Every member of the view the commit was made in holds it (see worker/control/reports.py),
-            # named once per (commit, view): the other members' own reports then change nothing.
-            self._made = (held, made_in.view_id)
-            members = [commits.Holder(m.worker_id, m.address, made_in.view_id, r)
-                       for r, m in enumerate(made_in.members[: commits.MAX_HOLDERS])]
-            self.mark = commits.record_view(self.mark, members, held)
-        else:
-            self.mark = commits.record(self.mark, holder, held)
-        if before is not None and self.mark.commit is not None and self.mark.commit.lineage > before.lineage:
-            log.warning("the job resumed at %s after losing %s", self.mark.commit, before)
-
-    def _stall_warnings(self, view_id: int, keys: set[str]) -> list[str]:
-        """Horovod's stall inspector: for each collective some ranks have waited on too long, the
-        ranks of the current view that have not submitted it. Logged once per collective."""
-        view = self._state.view
-        if view_id != view.view_id or not keys:
-            return []
-        warnings = []
-        for key, text in stall_warnings(view, self._stalled, keys):
-            warnings.append(text)
-            if (view_id, key) not in self._warned:
-                # Only this view's warnings matter: forget older views' (the set would grow forever).
-                self._warned = {w for w in self._warned if w[0] == view_id}
-                self._warned.add((view_id, key))
-                self.counts["stall_warnings"] += 1
-                log.warning("view %d: stalled collective %s", view_id, text)
-        return warnings
+        if before is not None and after is not None and after.lineage > before.lineage:
+            log.warning("the job resumed at %s after losing %s", after, before)
 
     async def WatchView(self, request: pb.WatchViewRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Yields views already encoded (see ``view_bytes``), within the caps on streams."""
         worker_id = request.worker_id
-        total, mine = self.watch_streams, self._watches_by_worker.get(worker_id, 0)
-        if total >= self._config.watch_stream_cap:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"The coordinator already serves {total} WatchView streams, its cap (max_watch_streams, "
-                f"at most half of max_concurrent_rpcs).",
-            )
-        if mine >= self._config.max_watches_per_worker:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"Worker id {worker_id!r} already holds {mine} WatchView streams, the cap per worker "
-                f"(max_watches_per_worker).",
-            )
-        self._watches_by_worker[worker_id] = mine + 1
-        self.watch_streams += 1
+        try:
+            self.watches.admit(worker_id)
+        except WatchRefusedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._watchers.add(queue)
         try:
@@ -341,17 +252,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield await queue.get()
         finally:
             self._watchers.discard(queue)
-            self.watch_streams -= 1
-            left = self._watches_by_worker[worker_id] - 1
-            if left:
-                self._watches_by_worker[worker_id] = left
-            else:
-                del self._watches_by_worker[worker_id]
-                if membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
-                    # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
-                    # its elastic loop handles one, a kill), or it watches again, hears it is unknown
-                    # and rejoins: dropped now, no commit admits a dead process into its members' sync.
-                    self.apply(membership.Leave(worker_id))
+            last = self.watches.release(worker_id)
+            if last and membership.is_known(self._state, worker_id) and self._state.view.rank_of(worker_id) is None:
+                # A worker waiting to be admitted whose last watch ended is gone (a SIGTERM before
+                # its elastic loop handles one, a kill), or it watches again, hears it is unknown
+                # and rejoins: dropped now, no commit admits a dead process into its members' sync.
+                self.apply(membership.Leave(worker_id))
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext) -> pb.ReportFailureResponse:
         log.warning(
@@ -373,54 +279,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.AdmitResponse(admitted=admitted)
 
     async def PutParams(self, request_iterator: AsyncIterator[pb.ParamChunk], context: grpc.aio.ServicerContext) -> pb.PutParamsResponse:
-        """Stores blobs streamed in chunks. Each blob's declared total is counted against the cap
-        from its first chunk on, so that puts at once are admitted whole or refused at once,
-        instead of all growing until every one of them is refused halfway."""
-        parts: dict[str, list[bytes]] = {}
-        received: dict[str, int] = {}
-        totals: dict[str, int] = {}
+        """Stores blobs streamed in chunks (see params.Upload): each blob's declared total is
+        counted against the cap from its first chunk on, so that puts at once are admitted whole
+        or refused at once, instead of all growing until every one of them is refused halfway."""
+        upload = Upload(self.params)
+        refusal: tuple[grpc.StatusCode, str] | None = None
+        version = 0
         try:
             async with self._puts:
-                stream = aiter(request_iterator)
-                while True:
-                    try:
-                        chunk = await asyncio.wait_for(anext(stream), PUT_STALL_S)
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
-                        await context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED, f"The put sent nothing for {PUT_STALL_S:g} s."
-                        )
-                    key = chunk.key
-                    if key not in totals:
-                        try:
-                            self.params.reserve(chunk.total_bytes, key)
-                        except ParamsFullError as exc:
-                            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                        totals[key], parts[key], received[key] = chunk.total_bytes, [], 0
-                    if chunk.offset != received[key] or chunk.total_bytes != totals[key]:
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Chunk of {key!r} at offset {chunk.offset} does not follow the "
-                            f"{received[key]} bytes received so far of {totals[key]}.",
-                        )
-                    data = chunk.data
-                    if received[key] + len(data) > totals[key]:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key!r} is longer than its total.")
-                    parts[key].append(data)
-                    received[key] += len(data)
-            for key, total in totals.items():
-                if received[key] != total:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"{key!r} ended after {received[key]} of {total} bytes."
-                    )
-            version = 0
-            for key, pieces in parts.items():
-                version = self.params.commit(key, b"".join(pieces))
-                pieces.clear()
-            return pb.PutParamsResponse(version=version)
+                chunks = aiter(request_iterator)
+                while (chunk := await _next_within(chunks, PUT_STALL_S)) is not None:
+                    upload.add(chunk.key, chunk.offset, chunk.total_bytes, chunk.data)
+            version = upload.commit()
+        except TimeoutError:
+            refusal = grpc.StatusCode.DEADLINE_EXCEEDED, f"The put sent nothing for {PUT_STALL_S:g} s."
+        except ParamsFullError as exc:
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except ParamsInvalidError as exc:
+            refusal = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         finally:
-            self.params.release(sum(totals.values()))
+            upload.release()
+        if refusal is not None:
+            # Outside the handlers, so that the abort chains no exception of ours and its frames:
+            # aborted from inside them, a flood of refused puts left the coordinator's memory some
+            # 5 MiB higher after it (tests/security/test_coordinator_bounds.py).
+            await context.abort(*refusal)
+        return pb.PutParamsResponse(version=version)
 
     async def GetParams(self, request: pb.GetParamsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ParamChunk]:
         data = self.params.get(request.key)
@@ -482,6 +366,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     counters=self._counters.get(worker_id, no_counters),
                 )
             )
-        self.board.fill(answer, self.mark, [text for _, text in stall_warnings(view, self._stalled)])
+        self.board.fill(answer, self.mark, self.stalls.current(view))
         return answer
 
+
+async def _next_within(chunks: AsyncIterator[pb.ParamChunk], stall_s: float) -> pb.ParamChunk | None:
+    """The next chunk of a put (None at its end), failing with TimeoutError after ``stall_s``."""
+    try:
+        return await asyncio.wait_for(anext(chunks), stall_s)
+    except StopAsyncIteration:
+        return None

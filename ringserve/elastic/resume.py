@@ -4,7 +4,9 @@ holders (they may have been declared dead while alive, and come back), and only 
 gone, resume from a durable copy or raise StateLostError on every rank. The decisions themselves
 are commits.py's, pure.
 
-``State.sync`` (ringserve.elastic) calls ``agree_root`` before it takes the chosen rank's state.
+``State.sync`` (ringserve.elastic) calls ``agree_root`` before it takes the chosen rank's state;
+what a sync reads and sets of that state is ``Synced``, declared here, so that this module knows
+nothing of state.py, which builds on it.
 """
 
 from __future__ import annotations
@@ -14,23 +16,36 @@ import dataclasses
 import logging
 import pickle
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ringserve import api, commits
 from ringserve.commits import Commit
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.elastic.checkpoint import COORDINATOR, CheckpointStore, CoordinatorStore
 from ringserve.errors import HostsUpdatedInterrupt, RingserveError, StateLostError
 
 if TYPE_CHECKING:
-    from ringserve.elastic.state import State
     from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")
 
 
-def agree_root(state: State) -> int:
+class Synced(Protocol):
+    """What a sync reads and sets of the elastic state (``ringserve.elastic.State`` is one)."""
+
+    commits: int
+    lineage: int
+    # On rank 0: the commit found held by no member of its view, and since when (time.monotonic()).
+    loss_seen: tuple[Commit, float] | None
+
+    def load_snapshot(self, snapshot: object) -> None: ...
+
+    def restore(self) -> None: ...
+
+
+def agree_root(state: Synced) -> int:
     """The rank whose state the view takes; every rank returns the same one.
 
     Each rank asks the coordinator for the job's mark (falling back on the last heartbeat's), and
@@ -45,7 +60,7 @@ def agree_root(state: State) -> int:
             gone (or none came back within holder_wait_s), and no durable copy exists.
     """
     ctx = api.context()
-    mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + 10.0)
+    mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
     row = np.array([state.lineage, state.commits, *known], dtype=np.int64)
@@ -60,7 +75,7 @@ def agree_root(state: State) -> int:
     return _after_loss(state, plan, mark, why)
 
 
-def _await_holders(state: State, lost: commits.Lost, mark: commits.Mark) -> tuple[commits.Mark, str]:
+def _await_holders(state: Synced, lost: commits.Lost, mark: commits.Mark) -> tuple[commits.Mark, str]:
     """Rank 0 looks for the holders of the lost commit until they are back or gone (within
     holder_wait_s) and tells everyone; the others wait in the broadcast meanwhile.
 
@@ -81,7 +96,7 @@ def _await_holders(state: State, lost: commits.Lost, mark: commits.Mark) -> tupl
             state.loss_seen = (lost.mark, now)
         since = state.loss_seen[1]
         bound = cfg.holder_wait_bound_s
-        budget = max(0.0, bound - (now - since)) + 2 * cfg.rpc_timeout_s + 10.0
+        budget = max(0.0, bound - (now - since)) + 2 * cfg.rpc_timeout_s + THREAD_WAIT_SLACK_S
         verdict, mark = ctx.call(lambda w: _look_for_holders(w, lost.mark, mark, since, bound), timeout_s=budget)
         if isinstance(verdict, commits.Readmit):
             news = ("readmit", mark, ", ".join(h.describe() for h in verdict.holders))
@@ -129,7 +144,7 @@ async def _look_for_holders(worker: Worker, lost: Commit, mark: commits.Mark, si
         mark = fresh if fresh.holders else dataclasses.replace(mark, present=frozenset())
 
 
-def _after_loss(state: State, lost: commits.Lost, mark: commits.Mark, why: str) -> int:
+def _after_loss(state: Synced, lost: commits.Lost, mark: commits.Mark, why: str) -> int:
     """Rank 0 looks for a durable copy and tells everyone; all resume from it, or all raise.
     ``why`` says what became of the holders."""
     ctx = api.context()

@@ -45,6 +45,7 @@ import numpy as np
 
 from ringserve import api
 from ringserve.commits import Commit
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.elastic import resume
 from ringserve.elastic.checkpoint import CheckpointWriter
 from ringserve.errors import (
@@ -56,7 +57,7 @@ from ringserve.errors import (
     RendezvousTimeoutError,
     StateLostError,
 )
-from ringserve.worker.elastic_hooks import no_view_within
+from ringserve.worker.faces.elastic import no_view_within
 from ringserve.worker.runtime import Worker
 
 log = logging.getLogger("ringserve.elastic")
@@ -167,7 +168,7 @@ class State:
         previous = worker.committed
         if rank == 0 and previous is not None:
             # The mark may trail the world by this commit, never by two (see worker/control/reports.py).
-            ctx.call(lambda w: w.wait_reported(previous, cfg.rpc_timeout_s), timeout_s=cfg.rpc_timeout_s + 10.0)
+            ctx.call(lambda w: w.wait_reported(previous, cfg.rpc_timeout_s), timeout_s=cfg.rpc_timeout_s + THREAD_WAIT_SLACK_S)
         # Rank 0's at once, and everyone's where it matters: before the world changes (the next
         # view may admit workers holding nothing) and at the first commit (until then the mark
         # says 0, which no fresh process could be found to fall short of). Else with the next
@@ -359,7 +360,7 @@ def _wait_for_view_after(view: int, state: State) -> None:
 
         try:
             # The worker's own deadline (RendezvousTimeoutError) comes first; this one is a backstop.
-            ctx.call(wait, timeout_s=step + 10.0)
+            ctx.call(wait, timeout_s=step + THREAD_WAIT_SLACK_S)
             return
         except RendezvousTimeoutError:
             continue

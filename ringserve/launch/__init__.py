@@ -32,6 +32,14 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from ringserve.config import CoordinatorConfig
+from ringserve.constants import (
+    COORDINATOR_START_S,
+    COORDINATOR_STOP_GRACE_S,
+    COORDINATOR_STOP_WAIT_S,
+    ELASTIC_TIMEOUT_S,
+    FIXED_JOB_SETTLE_S,
+    POLL_S,
+)
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.elastic import Discovery, supervise
@@ -82,7 +90,7 @@ def launch(
         raise InvalidArgumentError(f"The number of processes ({num_proc}) must be at least 1.")
     if not command:
         raise InvalidArgumentError("ringserve run needs a command to start, e.g. python train.py.")
-    config = coordinator or CoordinatorConfig(min_workers=num_proc, max_workers=num_proc, settle_s=0.2)
+    config = coordinator or CoordinatorConfig(min_workers=num_proc, max_workers=num_proc, settle_s=FIXED_JOB_SETTLE_S)
     discovery_script = placement.discovery_script if placement is not None else ""
     hosts = list(placement.hosts) if placement is not None else [HostSpec(socket.gethostname(), num_proc)]
     if not discovery_script:
@@ -101,7 +109,7 @@ def launch(
         if networked:
             config = networked_config(config)
         coord = Coordinator(config)
-        thread.run(coord.start(), 30.0)
+        thread.run(coord.start(), COORDINATOR_START_S)
         workers = Workers(command, os.environ if env is None else env, out or sys.stdout.buffer,
                           coordinator=config, port=coord.port, placement=placement, networked=networked,
                           known_local=local)
@@ -124,7 +132,7 @@ def launch(
             hosts=None if discovery_script else hosts, discovery=discovery,
             restart_failed=restart_failed, max_restarts=max_restarts if restart_failed else 0,
             blacklist=Blacklist(placement.cooldown_range) if placement is not None else None,
-            elastic_timeout_s=placement.elastic_timeout_s if placement is not None else 600.0,
+            elastic_timeout_s=placement.elastic_timeout_s if placement is not None else ELASTIC_TIMEOUT_S,
         )
     except KeyboardInterrupt:
         return Outcome(130)
@@ -137,7 +145,7 @@ def launch(
         finally:
             try:
                 if coord is not None:
-                    thread.run(coord.stop(0.2), 10.0)
+                    thread.run(coord.stop(COORDINATOR_STOP_GRACE_S), COORDINATOR_STOP_WAIT_S)
             finally:
                 thread.stop()
                 if previous is not None:
@@ -184,4 +192,4 @@ def _run_fixed(workers: Workers, hosts: Sequence[HostSpec], num_proc: int) -> Ou
             done += 1
         if not pending and done == len(started):
             return Outcome(0)
-        time.sleep(0.05)
+        time.sleep(POLL_S)

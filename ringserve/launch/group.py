@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import IO
 
 from ringserve.config import CoordinatorConfig
+from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.env import free_port, slot_env, torch_env
 from ringserve.launch.hosts import HostSpec, Slot
@@ -84,7 +85,7 @@ class Placement:
     ssh: SshSettings = field(default_factory=SshSettings)
     advertise_host: str = ""
     cooldown_range: tuple[int, int] | None = None
-    elastic_timeout_s: float = 600.0
+    elastic_timeout_s: float = ELASTIC_TIMEOUT_S
     verbose: bool = False
 
 

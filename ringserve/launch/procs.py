@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ringserve.constants import REMOTE_START_TIMEOUT_S
 from ringserve.launch.remote import MARK
 
 # Not forwarded to other hosts: the login session's own identity and terminal (the remote login
@@ -126,7 +127,7 @@ class SshSettings:
     port: int | None = None
     identity_file: str = ""
     config_file: str = ""
-    start_timeout_s: float = 30.0
+    start_timeout_s: float = REMOTE_START_TIMEOUT_S
     ping_interval_s: float = 2.0
     ping_timeout_s: float = 20.0
     python: str = sys.executable
@@ -152,7 +153,11 @@ class SshSettings:
 
 def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
     """Copies a child's output line by line, each line (and each carriage-return redraw, as a
-    progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave."""
+    progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave.
+
+    A redraw starts with a carriage return (tqdm writes ``"\rbar"``), which alone would make a
+    line of its own: it is dropped, as every line written here ends where the next one begins.
+    Kept, it made ``[0] \r[0] bar``, which a log shows as ``[0] [0] bar``."""
     pending = b""
     while True:
         data = os.read(stream.fileno(), 65536)
@@ -162,7 +167,7 @@ def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock)
         pending = parts.pop() if not parts[-1].endswith((b"\n", b"\r")) else b""
         if parts:
             with lock:
-                out.write(b"".join(prefix + part for part in parts))
+                out.write(b"".join(prefix + part for part in parts if part != b"\r"))
                 out.flush()
     if pending:
         with lock:

@@ -16,44 +16,47 @@ Horovod's does (Horovod gives every parameter a zero gradient up front). On one 
 ``DistributedOptimizer(op=Adasum)`` is the plain one, as in Horovod (Adasum of one is the identity).
 As in Horovod, ``skip_synchronize()`` is refused, and compression casts around the reduction
 (Compression.fp16 sends the deltas as float16).
+
+The optimizer itself is ``AdasumOptimizer`` in ringserve.torch.optimizer (the class that
+``DistributedOptimizer`` becomes); how it steps, reduces and steps back is ``Deltas``, here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
-from ringserve import api
-from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.torch import _tensors, basics
 from ringserve.torch._buckets import Bucket
 from ringserve.torch.compression import Compression, Compressor
-from ringserve.torch.optimizer import DistributedOptimizer
-from ringserve.worker.ops import adasum
+
+__all__ = ["Deltas", "casts_around"]
 
 
-class AdasumOptimizer(DistributedOptimizer):
-    """What ``DistributedOptimizer(..., op=Adasum)`` is on more than one rank (see the module)."""
+def casts_around(codec: str | None, compression: type[Compressor] | Compressor) -> type[Compressor] | Compressor:
+    """The compression an Adasum of deltas runs inside: Adasum adds no codec on the wire, so fp16
+    and bf16 cast the deltas around it (int8 is not a cast, and is refused by the reduction)."""
+    casts: dict[str | None, type[Compressor] | Compressor] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
+    return casts.get(codec, compression)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        # Horovod raises this at the first reduction; here at once, before any local step.
-        adasum.check(np.dtype(np.float32), api.size())
-        super().__init__(optimizer, *args, **kwargs)
-        if self._error_feedback or self._check_finite:
-            raise InvalidArgumentError("op=Adasum takes neither error_feedback nor check_finite.")
-        if self._predivide != 1.0:
-            raise InvalidArgumentError("gradient_predivide_factor needs op=Average, not Adasum.")
-        # Adasum adds no codec on the wire: fp16 and bf16 cast the deltas around it, int8 is not one.
-        casts: dict[str | None, type[Compressor] | Compressor] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
-        self._around = casts.get(self._codec, self._compression)
+
+class Deltas:
+    """One Adasum optimizer's deltas: each parameter's local step, one Adasum of a bucket's
+    deltas, and the way back to where a step began when it is cut short.
+
+    Args:
+        optimizer: the wrapped torch optimizer, which takes the local steps.
+        around: the compression the deltas travel inside (see ``casts_around``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, around: type[Compressor] | Compressor) -> None:
+        self._optimizer = optimizer
+        self._around = around
         self._starts: dict[int, torch.Tensor] = {}
 
-    def _local_step(self, p: torch.nn.Parameter) -> None:
+    def local_step(self, p: torch.nn.Parameter) -> None:
         """The wrapped optimizer's step on ``p`` alone, from this rank's gradient."""
         groups = self._optimizer.param_groups
         kept = [g["params"] for g in groups]
@@ -67,13 +70,13 @@ class AdasumOptimizer(DistributedOptimizer):
             for g, params in zip(groups, kept, strict=True):
                 g["params"] = params
 
-    def _start(self, bucket: Bucket) -> None:
+    def start(self, bucket: Bucket) -> None:
         """Each parameter's local step; then one Adasum of the bucket's deltas, a part per parameter."""
         buf = bucket.buffer
         with torch.no_grad():
             for p, (a, b) in zip(bucket.params, bucket.bounds, strict=True):
                 start = p.detach().clone()
-                self._local_step(p)
+                self.local_step(p)
                 buf[a:b].copy_((p.detach() - start).reshape(-1))
                 self._starts[id(p)] = start
         delta = buf[: bucket.numel]
@@ -94,7 +97,8 @@ class AdasumOptimizer(DistributedOptimizer):
         bucket.future = basics.submit(reduce)
         bucket.finish = finish
 
-    def _finish(self, bucket: Bucket) -> None:
+    def finish(self, bucket: Bucket) -> None:
+        """Sets each parameter of ``bucket`` to its value before its local step plus the combined delta."""
         result, bucket.done_at = basics.wait(bucket.future)
         assert bucket.finish is not None
         delta = bucket.finish(result)
@@ -103,31 +107,11 @@ class AdasumOptimizer(DistributedOptimizer):
                 start = self._starts.pop(id(p))
                 p.copy_(start + delta[a:b].view(p.shape).to(device=p.device, dtype=p.dtype))
 
-    def reset(self) -> None:
-        """Forgets a step cut short by a failure; parameters go back to where the step began."""
-        super().reset()
+    def reset(self, params: list[torch.nn.Parameter]) -> None:
+        """Forgets a step cut short by a failure; ``params`` go back to where the step began."""
         with torch.no_grad():
-            for p in self._params():
+            for p in params:
                 start = self._starts.pop(id(p), None)
                 if start is not None:
                     p.copy_(start)
         self._starts.clear()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Refused, as in Horovod: the Adasum optimizer's step is its synchronization."""
-        raise UsageError("Skipping synchronization is not supported when using Adasum optimizer.")
-        yield  # pragma: no cover
-
-    def synchronize(self) -> None:
-        """Does nothing, as in Horovod's Adasum optimizer: step() combines and applies the deltas
-        (a synchronize that applied them would let the next step() take its local steps again)."""
-
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Waits for every bucket's Adasum of deltas and applies it; the local steps ran as the
-        gradients came in (or run now, for parameters whose gradients never came)."""
-        loss = closure() if closure is not None else None
-        self._synchronized = False
-        DistributedOptimizer.synchronize(self)
-        self._synchronized = False
-        return loss

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ringserve import api
+from ringserve.constants import THREAD_WAIT_SLACK_S
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
 from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
@@ -22,7 +23,6 @@ global_process_set = api.global_process_set
 T = TypeVar("T")
 
 # Slack on top of a collective's own deadline before a waiting caller gives up.
-_WAIT_SLACK_S = 10.0
 
 
 def resolve_set(process_set: object) -> ProcessSet | None:
@@ -334,7 +334,7 @@ def wait(future: concurrent.futures.Future[T]) -> T:
         Whatever the call raised.
     """
     ctx = api.context()
-    timeout_s = ctx.config.collective_timeout_s + _WAIT_SLACK_S
+    timeout_s = ctx.config.collective_timeout_s + THREAD_WAIT_SLACK_S
     try:
         return future.result(timeout_s)
     except concurrent.futures.TimeoutError:

@@ -1,20 +1,18 @@
 """Tensor collectives with Horovod's names and arguments: allreduce, allgather, broadcast,
 reducescatter, their in-place and async forms, handles, barrier and join.
 
-Async forms return a ``Handle``; ``synchronize(handle)`` waits for it and returns the result, and
-``poll(handle)`` says whether it is done. A tensor passed to an async call must not be modified
+Async forms return a ``Handle`` (handles.py); ``synchronize(handle)`` waits for it and returns the
+result, and ``poll(handle)`` says whether it is done. A tensor passed to an async call must not be modified
 until the call is synchronized: CPU tensors are read in place, without a copy.
 
 ``allreduce``, ``allgather``, ``broadcast`` and ``reducescatter`` are differentiable, as in Horovod.
-Grouped allreduce is in ``grouped``, the sparse reduction in ``sparse``.
+Grouped allreduce is in ``grouped``, the sparse reduction in ``sparse``; what starting any of them
+does (the tensor made an array, the call submitted, the result made a tensor) is ``starts``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,124 +20,19 @@ import torch
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.torch.handles import Handle, claim_name, poll, synchronize
+from ringserve.torch.starts import allgather_start, allreduce_start, broadcast_start, rescale, scaled
 from ringserve.worker.ops.process_sets import ProcessSet
 
-R = TypeVar("R")
-
-
-class Handle(Generic[R]):
-    """An in-flight collective; pass it to ``synchronize()`` or ``poll()``."""
-
-    def __init__(self, future: concurrent.futures.Future[Any], finish: Callable[[Any], R],
-                 parts: Sequence[Handle[Any]] = (), claim: basics.Claim | None = None) -> None:
-        self._future = future
-        self._finish = finish
-        self._parts = tuple(parts)  # collectives this one is made of (a grouped allreduce's)
-        self._result: R | None = None
-        self._finished = False
-        self._claim = claim
-        if claim is not None:
-            weakref.finalize(self, claim.dropped)  # dropped unwaited: see basics.Claim
-
-    def poll(self) -> bool:
-        """True once the collective has finished (successfully or not)."""
-        done = self._future.done() and all(part.poll() for part in self._parts)
-        if done and self._claim is not None:
-            self._claim.taken()  # seen finished: the name is free, as in Horovod
-        return done
-
-    def wait(self) -> R:
-        """Waits for the collective and returns its result; a second call returns it again."""
-        if not self._finished:
-            try:
-                self._result = self._finish(basics.wait(self._future))
-            finally:
-                if self._claim is not None:
-                    self._claim.taken()
-            self._finished = True
-        return self._result  # type: ignore[return-value]
-
-    def __call__(self) -> R:
-        """The same as wait(): Horovod's sparse_allreduce_async returns a function to call."""
-        return self.wait()
-
-
-def synchronize(handle: Handle[R]) -> R:
-    """Waits for an async collective and returns its result (Horovod's ``hvd.synchronize``)."""
-    return handle.wait()
-
-
-def poll(handle: Handle[Any]) -> bool:
-    """True if an async collective has finished, so synchronize() will not block."""
-    return handle.poll()
-
-
-def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """``tensor * factor`` in ``tensor``'s dtype; integers are scaled in float64, as Horovod does."""
-    if factor == 1.0:
-        return tensor
-    if tensor.is_floating_point():
-        return tensor * factor
-    return (tensor.double() * factor).to(tensor.dtype)
-
-
-def _rescale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """Scales a result the caller owns in place where it can; the dtype is kept."""
-    if factor == 1.0:
-        return tensor
-    if tensor.is_floating_point():
-        return tensor.mul_(factor)
-    return _scaled(tensor, factor)
-
-
-def _claim(kind: str, name: str | None) -> str | None:
-    """The name a collective is tracked by while in flight: Horovod's "allreduce.<name>"."""
-    return None if name is None else f"{kind}.{name}"
+# Handles are handles.py's; they are named here too, beside the collectives that return them.
+__all__ = [
+    "Handle", "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "join", "poll", "reducescatter",
+    "reducescatter_async", "synchronize",
+]
 
 
 # -- allreduce -------------------------------------------------------------------------------
-
-def _allreduce_start(
-    tensor: torch.Tensor, *, op: ops.ReduceOp, name: str | None, compression: type[Compressor] | Compressor,
-    prescale_factor: float, postscale_factor: float, out: torch.Tensor | None, parts: list[int] | None = None,
-    process_set: ProcessSet | None = None,
-) -> Handle[torch.Tensor]:
-    with basics.named_call(_claim("allreduce", name)) as call:
-        source = tensor.detach()
-        # Adasum adds no codec on the wire: a compressor casts around it (fp16 as in Horovod).
-        compression, codec = (compression, None) if op is ops.Adasum else split(compression)
-        wire, cctx = compression.compress(_scaled(source, prescale_factor))
-        array, layout = _tensors.reducible(wire)
-        # Reduce in place when the wire array is our own copy, or is the memory of ``out`` itself; never
-        # into the caller's input of an out-of-place call.
-        aliases_input = _tensors.shares_memory(array, source)
-        into_out = (out is not None and aliases_input and out.is_contiguous()
-                    and array.__array_interface__["data"][0] == out.data_ptr())
-        target = array if into_out or not aliases_input else None
-        core = ops.core_op(op)
-        if core == "average" and array.dtype.kind in "iu":
-            # Horovod averages integers as a sum scaled by 1 / size in float64, which truncates
-            # toward zero (the core's integer average floors): a joined rank's zeros show it.
-            core, postscale_factor = "sum", postscale_factor / basics.set_size(process_set)
-        codec = None if core == "adasum" else wire_codec(codec, wire.dtype, array.dtype.kind)
-        future = call.submit(lambda w: w.allreduce(array, op=core, name=name, out=target, compression=codec,
-                                                   parts=parts, process_set=process_set))
-
-    def finish(result: np.ndarray) -> torch.Tensor:
-        if into_out:
-            assert out is not None
-            if postscale_factor != 1.0:
-                with torch.no_grad():
-                    out.copy_(_scaled(out, postscale_factor))
-            return out
-        reduced = _rescale(compression.decompress(_tensors.restore(result, layout), cctx), postscale_factor)
-        if out is None:
-            return reduced
-        with torch.no_grad():
-            return out.copy_(reduced)
-
-    return Handle(future, finish, claim=call.claim)
-
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
@@ -147,13 +40,13 @@ class _Allreduce(torch.autograd.Function):
                 prescale: float, postscale: float, compression: type[Compressor] | Compressor,
                 process_set: ProcessSet | None) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return _allreduce_start(tensor, op=op, name=name, compression=compression, prescale_factor=prescale,
+        return allreduce_start(tensor, op=op, name=name, compression=compression, prescale_factor=prescale,
                                 postscale_factor=postscale, out=None, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, prescale, postscale, process_set = ctx.args
-        reduced = _allreduce_start(grad, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
+        reduced = allreduce_start(grad, op=op, name=None, compression=Compression.none, prescale_factor=prescale,
                                    postscale_factor=postscale, out=None, process_set=process_set).wait()
         return reduced, None, None, None, None, None, None
 
@@ -177,7 +70,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     ps = basics.resolve_set(process_set)
     reduce_op = ops.resolve(op, average)
-    return cast(torch.Tensor, _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression, ps))
+    result: torch.Tensor = _Allreduce.apply(tensor, reduce_op, name, prescale_factor, postscale_factor, compression, ps)
+    return result
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -185,7 +79,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allreduce() and returns its handle; synchronize(handle) returns a new tensor."""
     ps = basics.resolve_set(process_set)
-    return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
+    return allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
                             prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=None,
                             process_set=ps)
 
@@ -202,32 +96,24 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0, process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allreduce_() and returns its handle; synchronize(handle) returns ``tensor``."""
     ps = basics.resolve_set(process_set)
-    return _allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
+    return allreduce_start(tensor, op=ops.resolve(op, average), name=name, compression=Compression.none,
                             prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=tensor,
                             process_set=ps)
 
 
 # -- allgather, broadcast, reducescatter -----------------------------------------------------
 
-def _allgather_start(tensor: torch.Tensor, name: str | None,
-                     process_set: ProcessSet | None = None) -> Handle[torch.Tensor]:
-    with basics.named_call(_claim("allgather", name)) as call:
-        array, layout = _tensors.raw(tensor)
-        future = call.submit(lambda w: w.allgather(array, name=name, process_set=process_set))
-    return Handle(future, lambda result: _tensors.restore(result, layout, rows=result.shape[0]), claim=call.claim)
-
-
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet | None) -> torch.Tensor:
         ctx.rows = tensor.shape[0]
         ctx.process_set = process_set
-        return _allgather_start(tensor, name, process_set).wait()
+        return allgather_start(tensor, name, process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ps = ctx.process_set
-        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
+        reduced = allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none,
                                    prescale_factor=1.0, postscale_factor=1.0, out=None, process_set=ps).wait()
         rows = api.allgather(np.array([ctx.rows], dtype=np.int64), process_set=ps)
         offset = int(rows[: basics.set_rank(ps)].sum())
@@ -240,29 +126,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: object
     Dimension 0 may differ between ranks; the other dimensions and the dtype must match. Over a
     process set, its members' tensors in the set's rank order.
     """
-    return cast(torch.Tensor, _Allgather.apply(tensor, name, basics.resolve_set(process_set)))
+    result: torch.Tensor = _Allgather.apply(tensor, name, basics.resolve_set(process_set))
+    return result
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: object = None) -> Handle[torch.Tensor]:
     """Starts allgather() and returns its handle."""
-    return _allgather_start(tensor, name, basics.resolve_set(process_set))
-
-
-def _broadcast_start(tensor: torch.Tensor, root_rank: int, name: str | None,
-                     out: torch.Tensor | None, process_set: ProcessSet | None = None) -> Handle[torch.Tensor]:
-    with basics.named_call(_claim("broadcast", name)) as call:
-        array, layout = _tensors.raw(tensor)
-        future = call.submit(lambda w: w.broadcast(array, root=root_rank, name=name, process_set=process_set))
-
-    def finish(result: np.ndarray) -> torch.Tensor:
-        value = _tensors.restore(result, layout)
-        if out is None:
-            return value
-        with torch.no_grad():
-            return out.copy_(value)
-
-    return Handle(future, finish, claim=call.claim)
+    return allgather_start(tensor, name, basics.resolve_set(process_set))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -271,11 +142,11 @@ class _Broadcast(torch.autograd.Function):
                 process_set: ProcessSet | None) -> torch.Tensor:
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return _broadcast_start(tensor, root_rank, name, None, process_set).wait()
+        return broadcast_start(tensor, root_rank, name, None, process_set).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none, prescale_factor=1.0,
+        reduced = allreduce_start(grad, op=ops.Average, name=None, compression=Compression.none, prescale_factor=1.0,
                                    postscale_factor=1.0, out=None, process_set=ctx.process_set).wait()
         if api.rank() != ctx.root_rank:  # roots are global ranks, over a process set too
             reduced = torch.zeros_like(reduced)
@@ -286,12 +157,13 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: object = None) -> torch.Tensor:
     """Returns root_rank's ``tensor`` on every rank, as a new tensor (differentiable). ``root_rank``
     is a global rank, a member of ``process_set`` when one is given (as in Horovod)."""
-    return cast(torch.Tensor, _Broadcast.apply(tensor, root_rank, name, basics.resolve_set(process_set)))
+    result: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, basics.resolve_set(process_set))
+    return result
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: object = None) -> Handle[torch.Tensor]:
-    return _broadcast_start(tensor, root_rank, name, None, basics.resolve_set(process_set))
+    return broadcast_start(tensor, root_rank, name, None, basics.resolve_set(process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -302,7 +174,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: object = None) -> Handle[torch.Tensor]:
-    return _broadcast_start(tensor, root_rank, name, tensor, basics.resolve_set(process_set))
+    return broadcast_start(tensor, root_rank, name, tensor, basics.resolve_set(process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
@@ -312,16 +184,16 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ops.R
     ``compression`` (which Horovod's reducescatter_async lacks) is ringserve's, by keyword."""
     ps = basics.resolve_set(process_set)
     core = ops.core_op(ops.resolve(op), "reducescatter")
-    with basics.named_call(_claim("reducescatter", name)) as call:
+    with basics.named_call(claim_name("reducescatter", name)) as call:
         compression, codec = split(compression)
-        wire, cctx = compression.compress(_scaled(tensor.detach(), prescale_factor))
+        wire, cctx = compression.compress(scaled(tensor.detach(), prescale_factor))
         array, layout = _tensors.reducible(wire)
         codec = wire_codec(codec, wire.dtype, array.dtype.kind)
         future = call.submit(lambda w: w.reduce_scatter(array, op=core, name=name, compression=codec, process_set=ps))
 
     def finish(result: np.ndarray) -> torch.Tensor:
         part = _tensors.restore(result, layout, rows=result.shape[0])
-        return _rescale(compression.decompress(part, cctx), postscale_factor)
+        return rescale(compression.decompress(part, cctx), postscale_factor)
 
     return Handle(future, finish, claim=call.claim)
 
@@ -340,7 +212,7 @@ class _Reducescatter(torch.autograd.Function):
         # gradient, gathered, and for Sum scaled by the world size (as if the gradients of all the
         # ranks' losses were summed, the way allreduce's Sum gradient is).
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
-        return _allgather_start(scaled, None, ctx.process_set).wait(), None, None, None, None, None, None
+        return allgather_start(scaled, None, ctx.process_set).wait(), None, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -352,8 +224,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     Rows are split as evenly as possible, the first ranks getting one more, as in Horovod (over a
     process set, by the rank within the set).
     """
-    return cast(torch.Tensor, _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor, postscale_factor,
-                                basics.resolve_set(process_set)))
+    result: torch.Tensor = _Reducescatter.apply(tensor, name, compression, ops.resolve(op), prescale_factor,
+                                                postscale_factor, basics.resolve_set(process_set))
+    return result
 
 
 def barrier(process_set: object = None) -> None:

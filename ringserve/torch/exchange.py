@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ringserve.torch import _tensors, basics
-from ringserve.torch.collectives import Handle, _claim
+from ringserve.torch.handles import Handle, claim_name
 from ringserve.worker.ops.process_sets import ProcessSet
 
 Splits = torch.Tensor | list[int] | tuple[int, ...] | None
@@ -43,7 +43,7 @@ def _received_like(counts: np.ndarray, splits: Splits) -> torch.Tensor:
 
 def _alltoall_start(tensor: torch.Tensor, splits: Splits, name: str | None,
                     process_set: ProcessSet | None = None) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
-    with basics.named_call(_claim("alltoall", name)) as call:
+    with basics.named_call(claim_name("alltoall", name)) as call:
         if tensor.dim() == 0:  # refused by the core on every rank, as any wrong argument is
             array, layout = np.zeros((), dtype=np.float32), None
         else:

@@ -19,8 +19,9 @@ import torch
 
 from ringserve import api
 from ringserve.torch import _tensors, basics, ops
-from ringserve.torch.collectives import Handle, _allreduce_start, _claim, _rescale, _scaled
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.torch.handles import Handle, claim_name
+from ringserve.torch.starts import allreduce_start, rescale, scaled
 from ringserve.worker.ops.process_sets import ProcessSet
 
 
@@ -43,7 +44,7 @@ def _grouped_start(
         part_name = None if name is None else f"{name}.{k}"
         # Adasum: each tensor keeps its own coefficients, as Horovod's fused Adasum does.
         parts = [compressed[i][0].numel() for i in members] if op is ops.Adasum else None
-        handles.append((members, _allreduce_start(
+        handles.append((members, allreduce_start(
             flat, op=op, name=part_name, compression=on_wire, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, out=None, parts=parts, process_set=process_set)))
     future: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -136,7 +137,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 def _grouped_allgather_start(tensors: Sequence[torch.Tensor], name: str | None,
                              process_set: ProcessSet | None = None) -> Handle[list[torch.Tensor]]:
     """One collective for the whole list (see ringserve.worker.ops.grouped), any mix of dtypes."""
-    with basics.named_call(_claim("grouped_allgather", name)) as call:
+    with basics.named_call(claim_name("grouped_allgather", name)) as call:
         pairs = [_tensors.raw(t) if t.dim() else (t.detach().cpu().numpy(), None) for t in tensors]
         arrays = [a for a, _ in pairs]
         future = call.submit(lambda w: w.grouped_allgather(arrays, name=name, process_set=process_set))
@@ -189,9 +190,9 @@ def _grouped_reducescatter_start(
 ) -> Handle[list[torch.Tensor]]:
     """One fused reduce-scatter per wire dtype (see ringserve.worker.ops.grouped)."""
     core = ops.core_op(op, "grouped_reducescatter")
-    with basics.named_call(_claim("grouped_reducescatter", name)) as call:
+    with basics.named_call(claim_name("grouped_reducescatter", name)) as call:
         around, codec = split(compression)
-        compressed = [around.compress(_scaled(t.detach(), prescale_factor)) for t in tensors]
+        compressed = [around.compress(scaled(t.detach(), prescale_factor)) for t in tensors]
         pairs = [_tensors.reducible(w) if w.dim() else (w.cpu().numpy(), None) for w, _ in compressed]
         arrays = [a for a, _ in pairs]
         wire = [wire_codec(codec, w.dtype, a.dtype.kind) for (w, _), a in zip(compressed, arrays, strict=True)]
@@ -203,7 +204,7 @@ def _grouped_reducescatter_start(
         for r, (_, layout), (_, cctx) in zip(results, pairs, compressed, strict=True):
             assert layout is not None
             part = _tensors.restore(r, layout, rows=r.shape[0])
-            out.append(_rescale(around.decompress(part, cctx), postscale_factor))
+            out.append(rescale(around.decompress(part, cctx), postscale_factor))
         return out
 
     return Handle(future, finish, claim=call.claim)

@@ -43,20 +43,23 @@ import torch
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UnsupportedError, UsageError
-from ringserve.torch import _tensors, basics, collectives, ops, sparse
+from ringserve.torch import _tensors, adasum, basics, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
+from ringserve.torch._wrapping import Wrapping
 from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.torch.handles import Handle
+from ringserve.worker.ops import adasum as adasum_math
 
 log = logging.getLogger("ringserve.torch")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(Wrapping):
     """Wraps an optimizer so that ``step()`` applies gradients averaged over every rank.
 
     It is a static wrapper, not a run-time subclass: the wrapped optimizer keeps its state, and
     ``param_groups``, ``state``, ``defaults``, ``state_dict()`` and every other attribute are the
-    wrapped optimizer's. It is an ``Optimizer`` for ``isinstance``, so LR schedulers and GradScaler
-    take it.
+    wrapped optimizer's (see _wrapping.py). It is an ``Optimizer`` for ``isinstance``, so LR
+    schedulers and GradScaler take it.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -65,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wire (sums are added in float32; see ringserve.torch.compression).
         backward_passes_per_step: backward passes to accumulate locally before one allreduce.
         op: Average (default), Sum, or Adasum: on more than one rank, Adasum makes this an
-            ``AdasumOptimizer`` (ringserve.torch.adasum), Horovod's delta optimizer.
+            ``AdasumOptimizer`` (below; ringserve.torch.adasum), Horovod's delta optimizer.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size / factor after it.
         num_groups: Horovod's explicit fusion groups, as a count.
@@ -103,8 +106,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cls is DistributedOptimizer and ops.resolve(op) is ops.Adasum and api.size() > 1:
             if basics.optimizer_set(kwargs.get("process_set", args[4] if len(args) > 4 else None)) is not None:
                 raise UnsupportedError("Adasum does not support non-global process sets (as in Horovod).")
-            from ringserve.torch.adasum import AdasumOptimizer
-
             return super().__new__(AdasumOptimizer)
         return super().__new__(cls)
 
@@ -149,7 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(
                 "error_feedback needs a wire compression (Compression.int8, fp16 or bf16)."
             )
-        self._optimizer = optimizer
+        super().__init__(optimizer)
         self._error_feedback = error_feedback
         self._check_finite = check_finite
         self._finite = True
@@ -157,7 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = reduce_op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
-        self._sparse: dict[int, collectives.Handle[torch.Tensor]] = {}
+        self._sparse: dict[int, Handle[torch.Tensor]] = {}
         self.backward_passes_per_step = backward_passes_per_step
         self._fusion_bytes = fusion
         self._groups = groups if groups is not None else (num_groups or None)
@@ -171,44 +172,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.communication_intervals: list[tuple[float, float]] = []
         self._rebuild()
 
-    # -- delegation ------------------------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes this class and Optimizer lack: those of the wrapped optimizer.
-        inner = self.__dict__.get("_optimizer")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._optimizer.defaults = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state_dict)
+    # -- delegation (the rest is Wrapping's) -----------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group to the wrapped optimizer; every rank must add the same groups in order."""
@@ -498,6 +462,52 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._check_idle("zero the gradients")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+
+class AdasumOptimizer(DistributedOptimizer):
+    """What ``DistributedOptimizer(..., op=Adasum)`` is on more than one rank: Horovod's delta
+    optimizer. How it steps and combines the deltas is ``adasum.Deltas`` (ringserve.torch.adasum)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        # Horovod raises this at the first reduction; here at once, before any local step.
+        adasum_math.check(np.dtype(np.float32), api.size())
+        super().__init__(optimizer, *args, **kwargs)
+        if self._error_feedback or self._check_finite:
+            raise InvalidArgumentError("op=Adasum takes neither error_feedback nor check_finite.")
+        if self._predivide != 1.0:
+            raise InvalidArgumentError("gradient_predivide_factor needs op=Average, not Adasum.")
+        self._deltas = adasum.Deltas(optimizer, adasum.casts_around(self._codec, self._compression))
+
+    def _start(self, bucket: Bucket) -> None:
+        self._deltas.start(bucket)
+
+    def _finish(self, bucket: Bucket) -> None:
+        self._deltas.finish(bucket)
+
+    def reset(self) -> None:
+        """Forgets a step cut short by a failure; parameters go back to where the step began."""
+        super().reset()
+        self._deltas.reset(self._params())
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Refused, as in Horovod: the Adasum optimizer's step is its synchronization."""
+        raise UsageError("Skipping synchronization is not supported when using Adasum optimizer.")
+        yield  # pragma: no cover
+
+    def synchronize(self) -> None:
+        """Does nothing, as in Horovod's Adasum optimizer: step() combines and applies the deltas
+        (a synchronize that applied them would let the next step() take its local steps again)."""
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Waits for every bucket's Adasum of deltas and applies it; the local steps ran as the
+        gradients came in (or run now, for parameters whose gradients never came)."""
+        loss = closure() if closure is not None else None
+        self._synchronized = False
+        DistributedOptimizer.synchronize(self)
+        self._synchronized = False
+        return loss
 
 
 def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> bool:

@@ -8,7 +8,8 @@ import torch
 
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch import basics, ops
-from ringserve.torch.collectives import Handle, _allgather_start
+from ringserve.torch.handles import Handle
+from ringserve.torch.starts import allgather_start
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ops.ReduceOp | None = None,
@@ -39,8 +40,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: op
                                    "for a dense one.")
     sparse = tensor.detach().coalesce()
     # Indices travel as rows (nnz, sparse dims), so that the gather concatenates the ranks' entries.
-    indices = _allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices", ps)
-    values = _allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values", ps)
+    indices = allgather_start(sparse.indices().t().contiguous(), None if name is None else f"{name}.indices", ps)
+    values = allgather_start(sparse.values().contiguous(), None if name is None else f"{name}.values", ps)
     ranks = basics.set_size(ps)
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
     done.set_result(None)

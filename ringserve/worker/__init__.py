@@ -1,1 +1,3 @@
-"""The worker runtime: peer server, ring sessions per view, and the collectives."""
+"""The worker: its node (node.py: the lifecycle and the parts), its faces (faces/: the collectives
+and elastic training's calls), and the Worker that is made of them (runtime.py); beneath them the
+data plane (dataplane/), the collectives' public side (ops/) and the control loops (control/)."""

@@ -1,69 +1,64 @@
-"""The Worker: a ringserve worker's lifecycle and its public face, over the parts that do the work.
+"""The Worker: a ringserve worker, made of a node and its public faces.
 
-- ``registry.Planes``: the data planes of the views this worker is in (plane.py), made and ended
-  as the view policy (policy.py) decides;
-- ``peers.PeerServicer``: the peer server's streams into those planes;
-- ``channels.ChannelCache``: the channels to the peers, each closed once nobody uses it;
-- ``loops.Lifeline``: the view watch and heartbeats, the rejoin and the exclusion check;
-- ``tasks.TaskOwner``: the owner of every background task, which surfaces a crash at once.
+- ``worker.node`` (node.py) owns the lifecycle and the parts: the peer server, the control client,
+  the planes, the lifeline and the tasks. It decides how the worker stands and publishes it;
+- ``worker.collectives`` (faces/collectives.py): allreduce, broadcast, ..., process sets;
+- ``worker.elastic`` (faces/elastic.py): what elastic training asks of a worker (commits, leaving,
+  admissions, the wait for a newer view).
 
-Everything above lives on the event loop that started the worker and is touched only there; other
-threads read the ``Standing`` it publishes and route their writes to the loop (see standing.py).
-The public face (where the worker stands, its collectives) is ``facade.Facade``, and what elastic
-training asks of it (commits, leaving, admissions) is ``elastic_hooks.ElasticHooks``.
+The Worker itself starts and closes the node, answers where it stands (rank, size, view, ...)
+from the ``Standing`` the node publishes (any thread may ask), and routes the calls of other
+threads to the node's loop. Its collective and elastic methods are delegates to the faces, kept
+because ringserve.api, ringserve.torch, ringserve.elastic and users' code call them by those names.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from ringserve import _malloc
-from ringserve._proto import coordinator_pb2 as cpb
+from ringserve.commits import Commit
 from ringserve.config import WorkerConfig
-from ringserve.errors import (
-    ExcludedError,
-    NotInitializedError,
-    RendezvousTimeoutError,
-    RingChangedError,
-    RingserveError,
-    ViewInstallError,
-    WorkerFailedError,
-)
 from ringserve.observe import Counters, Timeline
-from ringserve.security import Security
-from ringserve.transport import channel_options, server_options
-from ringserve.worker.control.client import ControlClient
-from ringserve.worker.control.loops import Lifeline
-from ringserve.worker.control.standing import Standing, on_loop, raise_failure
-from ringserve.worker.control.tasks import TaskOwner
-from ringserve.worker.dataplane.channels import ChannelCache
-from ringserve.worker.dataplane.peers import PEER_SERVICE, PeerServicer
-from ringserve.worker.dataplane.plane import Plane
-from ringserve.worker.dataplane.registry import Planes
-from ringserve.worker.elastic_hooks import ElasticHooks
-from ringserve.worker.ops.process_sets import Registry, WholeWorld
-
-log = logging.getLogger("ringserve.worker")
+from ringserve.worker.control.standing import Standing, on_loop
+from ringserve.worker.dataplane.peers import PEER_SERVICE
+from ringserve.worker.faces.collectives import Collectives
+from ringserve.worker.faces.elastic import Elastic
+from ringserve.worker.node import Node
+from ringserve.worker.ops.process_sets import WholeWorld
 
 __all__ = ["PEER_SERVICE", "Standing", "Worker"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class Worker(ElasticHooks):
+
+def delegate(face: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Worker, P], R]:
+    """A Worker method that calls ``method`` on the face ``worker.<face>``, with its signature and
+    its docstring, marked as a delegate: the old name of a call that lives on the face now."""
+
+    @functools.wraps(method)
+    def forward(self: Worker, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, face), *args, **kwargs)
+
+    forward.__doc__ = f"Delegates to ``worker.{face}.{method.__name__}``:\n\n{method.__doc__ or ''}"
+    return forward
+
+
+class Worker:
     """A ringserve worker in the running event loop.
 
     Example::
 
         async with Worker(coordinator="127.0.0.1:50051") as w:
-            total = await w.allreduce(np.ones(4), op="sum")
+            total = await w.collectives.allreduce(np.ones(4), op="sum")   # or w.allreduce(...)
+
+    Args:
+        coordinator: the coordinator's address (else ``config.coordinator``).
+        config: the worker's settings (WorkerConfig() by default; see WorkerConfig.from_env()).
     """
 
     def __init__(self, coordinator: str | None = None, *, config: WorkerConfig | None = None) -> None:
@@ -71,30 +66,10 @@ class Worker(ElasticHooks):
         if coordinator and config.coordinator != coordinator:
             config = replace(config, coordinator=coordinator)
         self.config = config
-        self.counters = Counters()
-        self.worker_id = ""
-        self.address = ""
-        self._security = Security()
-        self._server: grpc.aio.Server | None = None
-        self._control: ControlClient | None = None
-        self._channels = ChannelCache(self._make_channel)
-        self._planes = Planes(config, self.counters, self._channels, on_peer_failure=self._report,
-                              tag=lambda: self.tag)
-        self._peers = PeerServicer(config, self.counters, self._planes, report=self._report, tag=lambda: self.tag)
-        self._tasks = TaskOwner(on_crash=self._crashed)
-        self._lifeline: Lifeline | None = None
-        self._standing = Standing()
-        self._pinned: int | None = None
-        self._process_sets = Registry()  # this view's process sets (process_sets.py)
-        self._registering = asyncio.Lock()  # one registration at a time, in call order
+        self.node = Node(config)
+        self.collectives = Collectives(self.node)
+        self.elastic = Elastic(self.node)
         self.global_process_set = WholeWorld(lambda: (self.rank, self.size))
-        # Why every call fails from now on: excluded, a view that could not be installed, a crash.
-        self._failure: RingserveError | None = None
-        self._left = False  # left the world already (or cannot: excluded)
-        self._started = False
-        self._closed = False
-        self._metrics: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -106,95 +81,13 @@ class Worker(ElasticHooks):
             RendezvousTimeoutError: no view formed within rendezvous_timeout_s.
             ViewInstallError: the first view could not be installed (the cause is chained).
         """
-        cfg = self.config
-        if cfg.tune_malloc:
-            _malloc.tune()
-        self._loop = asyncio.get_running_loop()
-        self._security = Security.load(cfg)
-        server = grpc.aio.server(
-            options=server_options(cfg.max_message_bytes, idle_timeout_s=cfg.peer_idle_timeout_s,
-                                   handshake_timeout_s=cfg.peer_hello_timeout_s),
-            interceptors=self._security.server_interceptors(),
-            maximum_concurrent_rpcs=cfg.server_rpc_cap,
-        )
-        server.add_generic_rpc_handlers([self._peers.handler()])
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = self._security.add_port(server, f"{cfg.bind_host}:{cfg.bind_port}")
-        await server.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
-        self.address = f"{cfg.advertised_host()}:{cfg.advertise_port or port}"
-        self._control = ControlClient(cfg, self._security)
-        try:
-            joined = await self._control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
-            self.worker_id = joined.worker_id
-            self._planes.state = replace(self._planes.state, worker_id=joined.worker_id)
-            if cfg.metrics_port >= 0:
-                from ringserve.metrics import MetricsServer, WorkerCollector
-
-                self._metrics = MetricsServer(WorkerCollector(self.counters, self._labels), cfg.bind_host, cfg.metrics_port)
-            self._lifeline = lifeline = Lifeline(
-                config=cfg, control=self._control, joined=joined, address=self.address, counters=self.counters,
-                planes=self._planes, channels=self._channels, linked_view=self._peers.linked_view,
-                install=self._install, give_up=self._give_up, exclude=self._exclude,
-                failed=lambda: self._failure is not None, publish=self._publish, tag=lambda: self.tag,
-            )
-            self._tasks.spawn(lifeline.watch(), "view watch")
-            self._tasks.spawn(lifeline.heartbeat(), "heartbeat")
-            self._started = True
-            self._publish()
-            await self._wait_for_view(lambda: self._planes.current is not None, cfg.rendezvous_timeout_s, (
-                f"No view that includes the worker at {self.address} formed within {cfg.rendezvous_timeout_s:g} s "
-                f"(coordinator {cfg.coordinator})."
-            ))
-        except BaseException:
-            await self.close()
-            raise
+        await self.node.start()
         return self
 
     async def close(self) -> None:
-        """Leaves the world and releases every task, stream, channel, shared ring and the server.
-
-        Collectives in flight may finish, and streams flush their last frames, for up to
-        drain_timeout_s, one deadline over every plane held; then the worker leaves (one
-        rpc_timeout_s) and everything is cut off.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        cfg = self.config
-        self._planes.stop()
-        self._publish()
-        # Let collectives in flight finish and tell the peers we are done, then leave: the others
-        # then see a graceful leave and their last collectives are not cut off. That holds for a
-        # plane retired by a view change just before, too: its streams may still be flushing the
-        # last frames their peers need.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(cfg.drain_timeout_s):
-                await self._planes.wait_drained()
-        lifeline = self._lifeline
-        if not self._left:
-            await self._leave()
-        await self._tasks.close(cfg.rpc_timeout_s)
-        await self._planes.close(RingChangedError(self._planes.latest_view, self._planes.latest_view,
-                                                  "the worker shut down"))
-        await self._channels.close()
-        if self._control is not None:
-            await self._control.close()
-        if self._server is not None:
-            await self._server.stop(0.5)
-        self._peers.close()
-        # The server holds our stream handler, and so us: drop both, so that gRPC's poller thread
-        # can go as soon as the last channel and server are gone, without waiting for the GC.
-        self._server = None
-        self._control = None
-        if lifeline is not None:
-            self._lifeline = None
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._planes.timeline is not None:
-            self._planes.timeline.close()
+        """Leaves the world and releases every task, stream, channel, shared ring and the server
+        (after letting collectives in flight finish, for up to drain_timeout_s; see Node.close)."""
+        await self.node.close()
 
     async def __aenter__(self) -> Worker:
         return await self.start()
@@ -207,68 +100,7 @@ class Worker(ElasticHooks):
         view and the next; returns the timeline it replaced, for the caller to close. A coroutine,
         so that the swap happens on the loop, between collectives. (ringserve.torch's start_timeline.)
         """
-        previous, self._planes.timeline = self._planes.timeline, timeline
-        if self._planes.current is not None:
-            self._planes.current.timeline = timeline
-        return previous
-
-    # -- failures --------------------------------------------------------------------------
-
-    def _fail(self, failure: RingserveError) -> None:
-        """Makes every call, wait and collective fail with ``failure`` from now on."""
-        if self._failure is not None:
-            return
-        self._failure = failure
-        log.error("%s: %s", self.tag, failure)
-        self._planes.stop(failure)
-        self._publish()
-
-    async def _give_up(self, view_id: int, exc: Exception) -> None:
-        """A view could not be installed: fails whoever waits (start(), a collective) at once with
-        the cause chained, and leaves, so that the others get a view without this worker instead
-        of waiting for it until their deadlines."""
-        failure = ViewInstallError(f"The worker at {self.address} could not install view {view_id}: {type(exc).__name__}: {exc}")
-        failure.__cause__ = exc
-        self._fail(failure)
-        await self._leave()
-
-    def _crashed(self, name: str, exc: BaseException) -> None:
-        """A background task crashed (see tasks.py): the worker cannot go on, and leaves."""
-        failure = WorkerFailedError(
-            f"The {name} task of the worker at {self.address} crashed ({type(exc).__name__}: {exc}); "
-            f"the worker left the world."
-        )
-        failure.__cause__ = exc
-        self._fail(failure)
-        if not self._closed:
-            self._tasks.spawn(self._leave(), "leave")
-
-    def _exclude(self, exc: ExcludedError) -> None:
-        self._left = True  # the coordinator cannot be reached, and dropped this worker already
-        self._fail(exc)
-
-    async def _leave(self) -> None:
-        if self._control is not None and self.worker_id:
-            with contextlib.suppress(RingserveError):
-                await self._control.leave(self.worker_id)
-                self._left = True
-
-    # -- where we are (any thread: from the published standing, see standing.py) ------------
-
-    def _publish(self) -> None:
-        current = self._planes.current
-        lifeline = self._lifeline
-        self._standing = Standing(
-            running=self._started and not self._closed,
-            place=current.place if current is not None else None,
-            last=self._planes.last_place,
-            latest_view=self._planes.latest_view,
-            pending_workers=lifeline.pending_workers if lifeline is not None and current is not None else 0,
-            pinned=self._pinned,
-            failure=self._failure,
-        )
-
-    # -- calls from other threads, routed to the loop --------------------------------------
+        return self.node.set_timeline(timeline)
 
     def pin_view(self, view_id: int | None) -> None:
         """Makes collectives fail with RingChangedError once the current view is not ``view_id``.
@@ -278,66 +110,129 @@ class Worker(ElasticHooks):
         others are restoring and syncing there (their collectives would never meet). None unpins.
         Callable from any thread; the pin holds once this returns.
         """
-        on_loop(self._loop, self._pin, view_id, wait_s=self.config.rpc_timeout_s)
+        on_loop(self.node.loop, self.node.pin, view_id, wait_s=self.config.rpc_timeout_s)
 
-    def _pin(self, view_id: int | None) -> None:
-        self._pinned = view_id
-        self._publish()
-
-    # -- the loop's side of views ----------------------------------------------------------
-
-    def _install(self, view: cpb.View) -> None:
-        if self._planes.install(view):
-            if self._lifeline is not None:
-                self._lifeline.pending_workers = 0
-            self._publish()
-
-    async def _wait_for_view(self, ready: Callable[[], bool], timeout_s: float, message: str) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not ready():
-                    raise_failure(self._failure)
-                    await self._planes.changed()
-        except TimeoutError:
-            raise RendezvousTimeoutError(message) from None
-        raise_failure(self._failure)
-
-    def _plane(self) -> Plane:
-        """The plane collectives run on now: the current view's, checked against the pin."""
-        if not self._started or self._closed:
-            raise NotInitializedError("The worker is not running: call start() (or ringserve.init()) first.")
-        raise_failure(self._failure)
-        plane = self._planes.current
-        if plane is None:
-            latest = self._planes.latest_view
-            raise RingChangedError(latest, latest, "this worker is not in the current view")
-        if self._pinned is not None and plane.view_id != self._pinned:
-            raise RingChangedError(self._pinned, plane.view_id, "the view moved on since the elastic state was synced")
-        self._process_sets.enter(plane.view_id, plane.place.rank, plane.place.size)
-        return plane
-
-    def _report(self, view_id: int, suspect_rank: int, reason: str) -> None:
-        """Tells the coordinator a peer looks dead, so it can confirm that fast (a probe)."""
-        control = self._control
-        if control is None or self._closed:
-            return
-
-        async def report() -> None:
-            with contextlib.suppress(RingserveError):
-                await control.report_failure(self.worker_id, view_id, suspect_rank, reason)
-
-        self._tasks.spawn(report(), "failure report")
-
-    def _make_channel(self, address: str) -> grpc.aio.Channel:
-        return self._security.channel(address, channel_options(self.config.max_message_bytes))
-
-    # -- parameter store -------------------------------------------------------------------
+    # -- the parameter store ---------------------------------------------------------------
 
     async def put_params(self, key: str, data: bytes) -> int:
         """Stores a blob on the coordinator (initial parameters for joiners); returns its version."""
-        assert self._control is not None
-        return await self._control.put_params(key, data)
+        assert self.node.control is not None
+        return await self.node.control.put_params(key, data)
 
     async def get_params(self, key: str) -> bytes:
-        assert self._control is not None
-        return await self._control.get_params(key)
+        """The blob stored under ``key`` on the coordinator."""
+        assert self.node.control is not None
+        return await self.node.control.get_params(key)
+
+    # -- who and where it is (any thread: from the published standing, see standing.py) -----
+
+    @property
+    def counters(self) -> Counters:
+        return self.node.counters
+
+    @property
+    def worker_id(self) -> str:
+        return self.node.worker_id
+
+    @property
+    def address(self) -> str:
+        return self.node.address
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where Prometheus scrapes this worker, when metrics_port is set."""
+        return self.node.metrics.url if self.node.metrics is not None else None
+
+    @property
+    def rank(self) -> int:
+        return self.node.standing.known().rank
+
+    @property
+    def size(self) -> int:
+        return self.node.standing.known().size
+
+    @property
+    def local_rank(self) -> int:
+        return self.node.standing.known().local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.node.standing.known().local_size
+
+    @property
+    def cross_rank(self) -> int:
+        return self.node.standing.known().cross_rank
+
+    @property
+    def cross_size(self) -> int:
+        return self.node.standing.known().cross_size
+
+    @property
+    def view_id(self) -> int:
+        return self.node.standing.current().view_id
+
+    @property
+    def latest_view(self) -> int:
+        """The newest view this worker has heard of (it may not be a member)."""
+        return self.node.standing.latest_view
+
+    @property
+    def pending_workers(self) -> int:
+        """Workers waiting to join, as the last heartbeat answer about the current view said."""
+        return self.node.standing.pending_workers
+
+    @property
+    def tag(self) -> str:
+        """"rank R view V" (or "worker ADDRESS view V" outside any view), for log lines."""
+        return self.node.tag
+
+    @property
+    def running_view(self) -> int:
+        """The view collectives run in: the pinned one, else the current one (0 if none)."""
+        return self.node.standing.running_view
+
+    # -- delegates to worker.collectives (faces/collectives.py) -----------------------------
+
+    allreduce = delegate("collectives", Collectives.allreduce)
+    broadcast = delegate("collectives", Collectives.broadcast)
+    allgather = delegate("collectives", Collectives.allgather)
+    reduce_scatter = delegate("collectives", Collectives.reduce_scatter)
+    alltoall = delegate("collectives", Collectives.alltoall)
+    grouped_allgather = delegate("collectives", Collectives.grouped_allgather)
+    grouped_reduce_scatter = delegate("collectives", Collectives.grouped_reduce_scatter)
+    join = delegate("collectives", Collectives.join)
+    barrier = delegate("collectives", Collectives.barrier)
+    broadcast_object = delegate("collectives", Collectives.broadcast_object)
+    allgather_object = delegate("collectives", Collectives.allgather_object)
+    add_process_set = delegate("collectives", Collectives.add_process_set)
+    add_process_sets = delegate("collectives", Collectives.add_process_sets)
+    remove_process_set = delegate("collectives", Collectives.remove_process_set)
+    process_sets = delegate("collectives", Collectives.process_sets)
+
+    # -- delegates to worker.elastic (faces/elastic.py) -------------------------------------
+
+    @property
+    def committed(self) -> Commit | None:
+        """Delegates to ``worker.elastic.committed``."""
+        return self.elastic.committed
+
+    @property
+    def leaving(self) -> bool:
+        """Delegates to ``worker.elastic.leaving``."""
+        return self.elastic.leaving
+
+    @leaving.setter
+    def leaving(self, leaving: bool) -> None:
+        self.elastic.leaving = leaving
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Delegates to ``worker.elastic.heartbeat_interval_s``."""
+        return self.elastic.heartbeat_interval_s
+
+    report_committed = delegate("elastic", Elastic.report_committed)
+    wait_for_view = delegate("elastic", Elastic.wait_for_view)
+    commit_mark = delegate("elastic", Elastic.commit_mark)
+    wait_reported = delegate("elastic", Elastic.wait_reported)
+    admit_waiting = delegate("elastic", Elastic.admit_waiting)
+    sight = delegate("elastic", Elastic.sight)

@@ -58,9 +58,9 @@ async def test_after_a_graceful_leave_the_others_get_a_smaller_view_and_keep_wor
     assert [o.tolist() for o in outs] == [[3] * 4] * 2
     # Rank 0 streamed to the leaver; once that stream has drained, its channel is closed.
     async with asyncio.timeout(10):
-        while leaver.address in world.workers[0]._channels.addresses:
+        while leaver.address in world.workers[0].node.channels.addresses:
             await asyncio.sleep(0.05)
-    assert world.workers[0]._channels.addresses == {world.workers[2].address}
+    assert world.workers[0].node.channels.addresses == {world.workers[2].address}
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)

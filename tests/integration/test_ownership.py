@@ -48,12 +48,12 @@ async def test_a_crashed_heartbeat_fails_waiting_collectives_and_later_calls_wit
 ) -> None:
     world = await world_factory(2, coordinator={"min_workers": 1})
     crashing, other = world.workers
-    assert crashing._lifeline is not None
+    assert crashing.node.lifeline is not None
     waiting = asyncio.ensure_future(crashing.allreduce(np.ones(3), op="sum", name="never-met"))
     await asyncio.sleep(0.1)
     assert not waiting.done()  # the peer never calls it: it waits
     started = time.monotonic()
-    crashing._lifeline.control = BrokenHeartbeats(crashing._lifeline.control)  # type: ignore[assignment]
+    crashing.node.lifeline.control = BrokenHeartbeats(crashing.node.lifeline.control)  # type: ignore[assignment]
     with pytest.raises(WorkerFailedError) as caught:
         async with asyncio.timeout(5):
             await waiting
@@ -78,13 +78,13 @@ async def test_close_after_a_crash_releases_everything(make_coordinator_config, 
     async with Coordinator(make_coordinator_config(min_workers=1)) as coord:
         w = await Worker(config=make_worker_config(coord.address)).start()
         address = w.address
-        assert w._lifeline is not None
-        w._lifeline.control = BrokenHeartbeats(w._lifeline.control)  # type: ignore[assignment]
+        assert w.node.lifeline is not None
+        w.node.lifeline.control = BrokenHeartbeats(w.node.lifeline.control)  # type: ignore[assignment]
         async with asyncio.timeout(5):
-            while w._failure is None:
+            while w.node.failure is None:
                 await asyncio.sleep(0.02)
         await w.close()  # never raises the crash: it was reported already
-        assert w._tasks.running == [] and w._planes.all == [] and w._channels.addresses == set()
+        assert w.node.tasks.running == [] and w.node.planes.all == [] and w.node.channels.addresses == set()
         with pytest.raises(grpc.aio.AioRpcError):  # the peer server is gone
             async with grpc.aio.insecure_channel(address) as channel:
                 await channel.unary_unary("/ringserve.v1.Peer/Latest")(b"", timeout=1)
@@ -150,7 +150,7 @@ class StuckPeers:
 async def stuck_collective(w: Worker, name: str) -> asyncio.Future[Any]:
     """An allreduce whose sends to the stuck peer fill the link (a segment of 128 chunks, past the
     link's window of 32 and gRPC's flow-control window): it never ends by itself."""
-    plane = w._planes.current
+    plane = w.node.planes.current
     assert plane is not None
     task = asyncio.ensure_future(w.allreduce(np.zeros(4 << 20, dtype=np.float32), op="sum", name=name))
     link = plane._links[plane.ring.next]
@@ -182,7 +182,7 @@ async def test_close_honours_its_drain_deadline_across_every_plane_whose_peer_ha
                 await peers.leave(fake)
                 fake = await peers.join()
                 await w.wait_for_view(view + 1, 10)
-            planes = w._planes.all
+            planes = w.node.planes.all
             assert len(planes) == 3 and not any(p.drained for p in planes)
             started = time.monotonic()
             await w.close()
@@ -190,7 +190,7 @@ async def test_close_honours_its_drain_deadline_across_every_plane_whose_peer_ha
             # One drain deadline (2 s) for all three (not one each, 6 s), then the leave and the
             # server's stop (0.5 s).
             assert elapsed < 2.0 + 1.5, f"close() took {elapsed:.2f} s"
-            assert w._planes.all == [] and w._tasks.running == []
+            assert w.node.planes.all == [] and w.node.tasks.running == []
             await asyncio.sleep(0)
             # Every collective ended: starved by its peer's leave, or cut off by the close.
             assert all(task.done() for task in tasks)
@@ -214,7 +214,7 @@ def ring_mappings() -> int:
 async def test_closed_workers_leave_no_shared_ring_mapped(world_factory) -> None:
     before = ring_mappings()
     world = await world_factory(3, chunk_bytes=64 << 10)
-    await world.each(lambda w: w._allreduce_among((0, 2), np.ones(50_000), op="sum", name="sub")
+    await world.each(lambda w: w.collectives.allreduce_among((0, 2), np.ones(50_000), op="sum", name="sub")
                      if w.rank in (0, 2) else asyncio.sleep(0))
     await world.map("allreduce", [np.ones(100_000)] * 3, op="sum", name="mapped")
     assert sum(w.counters.shared_bytes_sent for w in world.workers) > 0

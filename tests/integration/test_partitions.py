@@ -80,7 +80,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 async def in_view_of(workers: list[Worker], size: int, timeout_s: float) -> float:
     """Waits until every one of ``workers`` is in a view of ``size``; returns when that was."""
     async with asyncio.timeout(timeout_s):
-        while not all(w._planes.current is not None and w.size == size for w in workers):
+        while not all(w.node.planes.current is not None and w.size == size for w in workers):
             await asyncio.sleep(0.02)
     return time.monotonic()
 

@@ -23,13 +23,13 @@ async def test_held_results_stay_intact_and_dropped_ones_are_reused(world_factor
     for i, outs in enumerate(held):
         for out in outs:
             assert (out == 2 * i + 1).all()
-    assert all(w._planes.pool.reused == 0 for w in world.workers)
+    assert all(w.node.planes.pool.reused == 0 for w in world.workers)
     held.clear()
     out = None
     for i in range(6):  # the loop `out = allreduce(x)`: the last result is alive during the next call
         out = await world.map("allreduce", [np.full(N, i, dtype=np.float32)] * 2, op="sum", name="loop")
         assert all((o == 2 * i).all() for o in out)
-    assert all(w._planes.pool.reused >= 6 for w in world.workers)
+    assert all(w.node.planes.pool.reused >= 6 for w in world.workers)
     del out
 
 
@@ -44,7 +44,7 @@ async def test_reduce_scatter_and_compressed_allreduce_are_exact_over_reused_buf
         coded = await world.map("allreduce", inputs, op="average", compression="fp16", name="c")
         assert all(c.tobytes() == coded[0].tobytes() for c in coded)
         np.testing.assert_allclose(coded[0], total / 3, rtol=1e-2, atol=1e-2)
-    assert all(w._planes.pool.reused > 0 for w in world.workers)
+    assert all(w.node.planes.pool.reused > 0 for w in world.workers)
 
 
 async def test_a_pool_of_zero_bytes_allocates_every_result(world_factory) -> None:
@@ -52,4 +52,4 @@ async def test_a_pool_of_zero_bytes_allocates_every_result(world_factory) -> Non
     for i in range(3):
         outs = await world.map("allreduce", [np.full(N, i, dtype=np.float32)] * 2, op="sum", name="p")
         assert all((o == 2 * i).all() for o in outs)
-    assert all(w._planes.pool.reused == 0 and w._planes.pool.held_bytes == 0 for w in world.workers)
+    assert all(w.node.planes.pool.reused == 0 and w.node.planes.pool.held_bytes == 0 for w in world.workers)

@@ -1,5 +1,5 @@
 """Allreduces over sub-rings of a view between real workers, over real sockets, at the same time as
-the whole view's collectives (the internal ``Worker._allreduce_among``, which process sets build on).
+the whole view's collectives (``worker.collectives.allreduce_among``, which process sets build on).
 
 A sub-ring opens links to the ranks it sends to on first use, and its frames share the inbound
 streams of the whole view's, routed by key: these tests check the results bit for bit, with the
@@ -48,7 +48,7 @@ async def test_sub_ring_allreduces_run_beside_global_collectives_and_sum_only_th
         for k, members in enumerate(rings):
             if r in members:
                 calls[members] = asyncio.gather(*(
-                    w._allreduce_among(members, data(r, i, np.float64 if k % 2 else np.int64), op="sum",
+                    w.collectives.allreduce_among(members, data(r, i, np.float64 if k % 2 else np.int64), op="sum",
                                        name=f"sub-{n}-{k}-{i}")
                     for i in range(rounds)))
         keys = list(calls)
@@ -81,7 +81,7 @@ async def test_sub_ring_allreduces_run_beside_global_collectives_and_sum_only_th
 async def test_an_average_over_a_sub_ring_divides_by_its_members(shared_worlds) -> None:
     world = await shared_worlds(4)
     members = (3, 1)
-    outs = await asyncio.gather(*(w._allreduce_among(members, np.full(5, float(w.rank)), op="average", name="sub-avg")
+    outs = await asyncio.gather(*(w.collectives.allreduce_among(members, np.full(5, float(w.rank)), op="average", name="sub-avg")
                                   for w in world.workers if w.rank in members))
     assert [o.tolist() for o in outs] == [[2.0] * 5] * 2
 
@@ -94,7 +94,7 @@ async def test_an_average_over_a_sub_ring_divides_by_its_members(shared_worlds) 
 async def test_a_sub_ring_this_rank_cannot_run_is_refused_at_once_naming_why(shared_worlds, members: Any, says: str) -> None:
     world = await shared_worlds(3)
     with pytest.raises(InvalidArgumentError) as caught:
-        await world.workers[0]._allreduce_among(members, np.ones(2), op="sum", name="sub-bad")
+        await world.workers[0].collectives.allreduce_among(members, np.ones(2), op="sum", name="sub-bad")
     assert says in str(caught.value)
     # Nothing was opened: the world still runs its collectives.
     outs = await world.each(lambda w: w.allreduce(np.ones(2), op="sum", name="sub-after-bad"))
@@ -106,11 +106,11 @@ async def test_a_sub_ring_opens_a_link_to_its_next_member_only_and_only_on_first
     members = (0, 3)
 
     def linked() -> dict[int, set[int]]:
-        return {w.rank: set(w._planes.current.linked_ranks) for w in world.workers}  # type: ignore[union-attr]
+        return {w.rank: set(w.node.planes.current.linked_ranks) for w in world.workers}  # type: ignore[union-attr]
 
     before = linked()
     assert all(w.rank + 1 - 5 * (w.rank == 4) in before[w.rank] for w in world.workers)  # the view's successor
-    await asyncio.gather(*(w._allreduce_among(members, np.ones(8), op="sum", name="sub-links")
+    await asyncio.gather(*(w.collectives.allreduce_among(members, np.ones(8), op="sum", name="sub-links")
                            for w in world.workers if w.rank in members))
     after = linked()
     assert after == {**before, 0: before[0] | {3}, 3: before[3] | {0}}

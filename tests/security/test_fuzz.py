@@ -24,7 +24,7 @@ from ringserve import Coordinator, Worker
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.coordinator import membership
-from ringserve.coordinator.service import view_to_proto
+from ringserve.coordinator.views import view_to_proto
 from ringserve.loop import LoopThread
 
 UINT32 = st.integers(0, 2**32 - 1)

@@ -118,6 +118,6 @@ async def test_a_damaged_collective_name_fails_the_collective_on_every_rank_with
     for outcome in outcomes:
         assert isinstance(outcome, CorruptFrameError), outcome
     assert asyncio.get_running_loop().time() - started < 10  # the collective timeout is 30 s
-    assert all(not w._planes.current._inboxes for w in pair.workers)  # type: ignore[union-attr]
+    assert all(not w.node.planes.current._inboxes for w in pair.workers)  # type: ignore[union-attr]
     again = await pair.allreduce("after")
     assert all(isinstance(o, np.ndarray) and np.array_equal(o, 2 * ONES) for o in again)

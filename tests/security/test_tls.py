@@ -113,7 +113,7 @@ async def test_the_coordinator_probes_a_suspect_worker_over_mtls_and_keeps_a_liv
     )
     assert answer == pb.ReportFailureResponse()
     async with asyncio.timeout(10):
-        while world.coordinator.service._probes:
+        while world.coordinator.service.prober.running:
             await asyncio.sleep(0.02)
     # A live suspect stays: the ring is re-formed in a view of the same members (a bump).
     assert world.coordinator.service.view.view_id <= view + 1

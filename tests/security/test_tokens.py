@@ -92,7 +92,7 @@ def snapshot(service: Any) -> tuple[Any, ...]:
     members = (state.workers, membership.seen(state), state.view, state.suspects, state.claims, state.admit,
                state.bump, state.check, state.held)
     return (members, dict(service.params._blobs), dict(service.params._versions), dict(service.counts),
-            dict(service._counters), dict(service._stalled), service.views_formed, len(service._probes), service.mark,
+            dict(service._counters), service.stalls.reported(), service.views_formed, service.prober.running, service.mark,
             service.heartbeat_streams.open)
 
 

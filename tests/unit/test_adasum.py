@@ -12,9 +12,9 @@ import pytest
 from reference import numpy_adasum
 from ringsim import simulate
 
-from ringserve.errors import InvalidArgumentError, UnsupportedError
+from ringserve.errors import InvalidArgumentError, MismatchError, UnsupportedError
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import adasum, collectives, join
+from ringserve.worker.ops import adasum, join
 
 T = 10.0
 POWERS = [1, 2, 4, 8, 16]
@@ -122,5 +122,5 @@ async def test_ranks_whose_adasum_arguments_differ_fail_with_a_mismatch() -> Non
     async def call(session: Session, rank: int) -> Any:
         return await adasum.allreduce(session, np.ones(4 + rank), name="m", chunk_bytes=8, timeout_s=T)
 
-    with pytest.raises(collectives.MismatchError):
+    with pytest.raises(MismatchError):
         await simulate(2, call, seed=1, abort_grace_s=0.5)

@@ -177,3 +177,12 @@ def test_a_negative_result_pool_is_rejected_and_the_variable_sets_it() -> None:
     with pytest.raises(InvalidArgumentError, match=r"result_pool_bytes \(-1\) must be at least 0 \(RINGSERVE_RESULT_POOL_BYTES\)"):
         WorkerConfig(result_pool_bytes=-1)
     assert WorkerConfig.from_env({"RINGSERVE_RESULT_POOL_BYTES": "0"}).result_pool_bytes == 0
+
+
+def test_a_timeline_where_no_directory_can_be_made_fails_at_startup_naming_ringserve_timeline(tmp_path) -> None:
+    # /proc takes no new directory, whatever its mode bits tell root: tried, not guessed.
+    with pytest.raises(InvalidArgumentError, match=r"\(.*RINGSERVE_TIMELINE\) cannot be written: no directory can be "
+                                                   r"made in '/proc'"):
+        WorkerConfig.from_env({"RINGSERVE_TIMELINE": "/proc/ringserve-no/trace"})
+    WorkerConfig(timeline=str(tmp_path / "trace"))
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import os
 import socket
 import sys
+import threading
 
-from ringserve.launch.procs import SshSettings, describe_exit, forwarded_env, is_local_host
+from ringserve.launch.procs import SshSettings, describe_exit, forwarded_env, is_local_host, pump
 
 
 def test_the_environment_is_forwarded_except_the_login_sessions_own_and_what_each_worker_gets() -> None:
@@ -47,3 +50,17 @@ def test_an_exit_by_signal_is_named() -> None:
     assert describe_exit("rank 3 on b", 137) == "rank 3 on b was killed by SIGKILL (exit code 137)"
     assert describe_exit("rank 1", 7) == "rank 1 exited with code 7"
     assert describe_exit("rank 1", 255) == "rank 1 exited with code 255"
+
+
+def test_a_progress_bar_s_redraws_get_one_rank_prefix_each_and_no_empty_line_of_their_own() -> None:
+    read_end, write_end = os.pipe()
+    # tqdm's output: each redraw starts with a carriage return, and the last one ends the line.
+    os.write(write_end, b"\rdigits on 4 workers:   0%|")
+    os.write(write_end, b"\rdigits on 4 workers:  50%|")
+    os.write(write_end, b"\rdigits on 4 workers: 100%|\nfinal: done\n\nbye")
+    os.close(write_end)
+    out = io.BytesIO()
+    with os.fdopen(read_end, "rb") as stream:
+        pump(stream, b"[0] ", out, threading.Lock())
+    assert out.getvalue() == (b"[0] digits on 4 workers:   0%|\r[0] digits on 4 workers:  50%|\r"
+                              b"[0] digits on 4 workers: 100%|\n[0] final: done\n[0] \n[0] bye\n")

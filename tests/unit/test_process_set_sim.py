@@ -1,5 +1,5 @@
-"""Process sets in the ring simulator (tests/ringsim.py): the shipped facade (worker/facade.py) over
-simulated planes, so that registration (every rank's request gathered, then decided alike), the
+"""Process sets in the ring simulator (tests/ringsim.py): the shipped collectives face
+(worker/faces/collectives.py) over simulated planes, so that registration (every rank's request gathered, then decided alike), the
 choice of each collective's sub-ring, roots given as global ranks, and every kind of collective
 over a set run exactly as they ship, concurrently with the whole view's and other sets', under
 seeded random interleavings. Nothing here opens a socket.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,36 +16,35 @@ import pytest
 from reference import numpy_adasum, numpy_reduce
 from ringsim import simulate
 
+from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.facade import Facade
-from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
+from ringserve.worker.faces.collectives import Collectives
+from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 
 T = 10.0
 
 
-@dataclass(frozen=True)
-class _Config:
-    chunk_bytes: int = 16
-    collective_timeout_s: float = T
-    join_timeout_s: float = T
-
-
-class SimWorker(Facade):
-    """The facade over one simulated plane, as the Worker provides it (its _plane, its registry)."""
+class SimNode:
+    """What the collectives face needs of a node (faces/collectives.PlaneSource), over one
+    simulated plane: its config, no pin, and the plane itself."""
 
     def __init__(self, plane: Plane) -> None:
-        self.config = _Config()  # type: ignore[assignment]
-        self.plane = plane
-        self._process_sets = Registry()
-        self._pinned = None
-        self._registering = asyncio.Lock()
-        self.global_process_set = WholeWorld(lambda: (plane.place.rank, plane.place.size))
+        self.config = WorkerConfig(chunk_bytes=16, collective_timeout_s=T, join_timeout_s=T)
+        self.pinned: int | None = None
+        self._plane = plane
 
-    def _plane(self) -> Plane:
-        self._process_sets.enter(self.plane.view_id, self.plane.place.rank, self.plane.place.size)
-        return self.plane
+    def plane(self) -> Plane:
+        return self._plane
+
+
+class SimWorker(Collectives):
+    """The shipped collectives face over one simulated plane, as the Worker holds it."""
+
+    def __init__(self, plane: Plane) -> None:
+        super().__init__(SimNode(plane))
+        self.global_process_set = WholeWorld(lambda: (plane.place.rank, plane.place.size))
 
 
 def seed_of(*parts: object) -> int:
@@ -71,7 +69,7 @@ def sets_of(world: int) -> list[list[int]]:
 
 async def every_kind(w: SimWorker, ps: ProcessSet, tag: str) -> dict[str, Any]:
     """One collective of each kind over ``ps``, several in flight at once."""
-    members, me = ps.ranks, w.plane.place.rank
+    members, me = ps.ranks, w.plane().place.rank
     n = len(members)
     pos = members.index(me)
     x = x_of(me)

@@ -38,6 +38,7 @@ from ringserve.ring import (
     successor,
 )
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
@@ -348,7 +349,7 @@ async def run_broadcast(program: Callable[..., Program], world: int) -> list[np.
     async def call(session: Session, rank: int) -> np.ndarray:
         blocks: list[np.ndarray | None] = [data if rank == 0 else None] + [None] * (world - 1)
         values = Blocks(data.dtype, blocks)
-        await executor.run(session, None, "broadcast", 1.0, program(executor.ring_of(session), 0, data.size, 3), values)
+        await executor.run(session, None, Descriptor("broadcast"), 1.0, program(executor.ring_of(session), 0, data.size, 3), values)
         out = values.blocks[0]
         assert out is not None
         return out
@@ -362,7 +363,7 @@ async def run_allreduce(program: Callable[..., Program], world: int) -> list[np.
     async def call(session: Session, rank: int) -> np.ndarray:
         buf = np.empty_like(xs[rank])
         bounds = segment_bounds(buf.size, world)
-        await executor.run(session, None, "allreduce", 1.0, program(executor.ring_of(session), bounds, 2),
+        await executor.run(session, None, Descriptor("allreduce"), 1.0, program(executor.ring_of(session), bounds, 2),
                            Raw(xs[rank], buf, "sum", world))
         np.testing.assert_array_equal(buf, numpy_reduce(xs, "sum"), err_msg=f"rank {rank}")
         return buf

@@ -21,6 +21,7 @@ from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError
 from ringserve.ring import chunk_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import FORWARD, Give, Place, Program, Recv, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Exchange
@@ -231,7 +232,7 @@ async def run_alltoall(program: Callable[..., Program], world: int) -> list[list
     async def call(session: Session, rank: int) -> list[np.ndarray]:
         values = Exchange(np.dtype(np.int64), blocks[rank])
         values.blocks[rank] = blocks[rank][rank]
-        await executor.run(session, None, "alltoall", 1.0, program(executor.ring_of(session), [4] * world, 3), values)
+        await executor.run(session, None, Descriptor("alltoall"), 1.0, program(executor.ring_of(session), [4] * world, 3), values)
         for o, b in enumerate(values.blocks):
             assert b is not None, f"rank {rank} never got the block of rank {o}"
             np.testing.assert_array_equal(b, blocks[o][rank], err_msg=f"rank {rank} from {o}")

@@ -14,6 +14,7 @@ from ringsim import simulate
 
 from ringserve.errors import MismatchError, ProtocolError, UsageError
 from ringserve.observe import Counters
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.keys import MAX_SKIPPED
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Place, Session
@@ -157,16 +158,26 @@ async def test_joins_one_after_the_other_and_collectives_after_them_work_as_befo
     assert len({tuple(g[i] if isinstance(g[i], int) else g[i][1] for i in range(3)) for g in outcomes}) == 1
 
 
+def stand_in(text: str) -> join.Stand | None:
+    return join.stand_in(Descriptor.parse(text))
+
+
 def test_stand_in_adds_zeros_to_allreduces_takes_part_in_barriers_and_refuses_the_rest() -> None:
-    assert join.stand_in("allreduce float32 (5, 5) op=average") == join.Zeros(np.dtype(np.float32), (5, 5), "average", None)
-    assert join.stand_in("allreduce int64 () op=sum") == join.Zeros(np.dtype(np.int64), (), "sum", None)
-    assert join.stand_in("allreduce float64 (7,) op=sum codec=int8") == join.Zeros(np.dtype(np.float64), (7,), "sum", "int8")
-    assert join.stand_in("barrier") == join.Along()
-    assert join.stand_in("join") is None
+    assert stand_in("allreduce float32 (5, 5) op=average") == join.Zeros(np.dtype(np.float32), (5, 5), "average", None)
+    assert stand_in("allreduce int64 () op=sum") == join.Zeros(np.dtype(np.int64), (), "sum", None)
+    assert stand_in("allreduce float64 (7,) op=sum codec=int8") == join.Zeros(np.dtype(np.float64), (7,), "sum", "int8")
+    assert stand_in("allreduce float32 (8,) op=adasum parts=(5, 3)") == join.Zeros(np.dtype(np.float32), (8,), "adasum",
+                                                                                   None)
+    assert stand_in("barrier") == join.Along()
+    assert stand_in("join") is None
     for descriptor in ("allgather float32 (*, 17, 17)", "broadcast float32 (3,) root=1", "alltoall int32 (*, )",
-                       "reduce_scatter float32 (4,) op=sum", "broadcast_object root=0", ""):
-        plan = join.stand_in(descriptor)
+                       "reduce_scatter float32 (4,) op=sum", "broadcast_object root=0",
+                       "allreduce float32 (4,) op=sum stage=cross", "allreduce float32 (4,) op=sum invalid: no"):
+        plan = stand_in(descriptor)
         assert isinstance(plan, join.Refuse) and "while a rank has joined" in plan.reason, descriptor
+    # A text that is no descriptor (a broken peer) is refused as any collective.
+    plan = join.stand_in(Descriptor(""))
+    assert isinstance(plan, join.Refuse) and plan.reason.startswith("a collective is not supported"), plan
 
 
 def test_the_last_to_join_opened_the_most_collectives_then_joined_latest_then_has_the_highest_rank() -> None:

@@ -8,7 +8,7 @@ import pytest
 from ringserve import commits
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve.coordinator import statusview
-from ringserve.coordinator.board import Board, stall_warnings
+from ringserve.coordinator.board import Board
 from ringserve.coordinator.membership import (
     Event,
     Heartbeat,
@@ -24,6 +24,7 @@ from ringserve.coordinator.membership import (
     ViewInfo,
     step,
 )
+from ringserve.coordinator.stalls import StallInspector
 
 TIMEOUT = 2.0
 
@@ -133,13 +134,15 @@ def test_fill_adds_the_history_the_mark_the_stalls_and_each_members_commit() -> 
 
 def test_stall_warnings_name_the_ranks_missing_from_each_collective_of_the_current_view_only() -> None:
     view = ViewInfo(5, tuple(MemberInfo(f"w{i}", f"a{i}", "h", -1, i) for i in range(4)))
-    stalled = {"w0": (5, frozenset({"g#1", "h#2"})), "w1": (5, frozenset({"g#1"})), "w3": (4, frozenset({"g#1"}))}
-    assert stall_warnings(view, stalled) == [
-        ("g#1", "'g#1': ranks 2, 3 have not submitted it; ranks 0, 1 wait"),
-        ("h#2", "'h#2': ranks 1, 2, 3 have not submitted it; ranks 0 wait"),
+    inspector = StallInspector()
+    for worker, (view_id, keys) in {"w0": (5, {"g#1", "h#2"}), "w1": (5, {"g#1"}), "w3": (4, {"g#1"})}.items():
+        inspector.heard(worker, view_id, frozenset(keys))
+    assert inspector.current(view) == [
+        "'g#1': ranks 2, 3 have not submitted it; ranks 0, 1 wait",
+        "'h#2': ranks 1, 2, 3 have not submitted it; ranks 0 wait",
     ]
-    assert stall_warnings(view, stalled, ["h#2"]) == [("h#2", "'h#2': ranks 1, 2, 3 have not submitted it; ranks 0 wait")]
-    assert stall_warnings(view, {}) == []
+    assert inspector.warnings(view, 5, frozenset({"h#2"}))[0] == ["'h#2': ranks 1, 2, 3 have not submitted it; ranks 0 wait"]
+    assert StallInspector().current(view) == []
 
 
 def _status(t: float, *, step_: int | None = None, lineage: int = 0, sent: tuple[int, int] = (0, 0),

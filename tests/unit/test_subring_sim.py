@@ -27,6 +27,7 @@ from ringserve.errors import (
 )
 from ringserve.ring import reduce_scatter_step, segment_bounds
 from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import Program, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw
@@ -110,7 +111,7 @@ def with_program(program: Any, xs: list[np.ndarray], members: tuple[int, ...] | 
         n = session.place.size
         rank = position if members is None else members[position]
         buf = np.empty_like(xs[rank])
-        await executor.run(session, None, "allreduce", 1.0, program(executor.ring_of(session), segment_bounds(buf.size, n), 2),
+        await executor.run(session, None, Descriptor("allreduce"), 1.0, program(executor.ring_of(session), segment_bounds(buf.size, n), 2),
                            Raw(xs[rank], buf, "sum", n))
         expected = numpy_reduce(xs if members is None else [xs[m] for m in members], "sum")
         np.testing.assert_array_equal(buf, expected, err_msg=f"position {position} of {members}")

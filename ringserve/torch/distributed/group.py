@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from ringserve.constants import WORK_WAIT_SLACK_S
 from ringserve.torch.distributed import ops, sparse
 from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.rendezvous import World, join_world
@@ -31,8 +32,6 @@ from ringserve.torch.distributed.settings import Settings
 from ringserve.torch.distributed.work import Completer, RingserveWork, backend_error
 
 BACKEND_NAME = "ringserve"
-# A waiting caller gives up this long after a collective's own deadline (which fails it first).
-_WAIT_SLACK_S = 30.0
 _MONITORED = "monitored_barrier"  # the name of monitored_barrier's messages (torch's tags are ints)
 
 
@@ -60,7 +59,7 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
 
 def _seconds(timeout: Any) -> float | None:
     """A timeout in seconds; None when unset (torch's options leave it at -1 ms) or zero."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+    seconds: float | None = timeout.total_seconds() if isinstance(timeout, timedelta) else None
     return seconds if seconds is not None and seconds > 0 else None
 
 
@@ -78,7 +77,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         self.plane = plane
         self.settings = settings
         self._world = world
-        self._completer = Completer(plane.timeout_s + _WAIT_SLACK_S)
+        self._completer = Completer(plane.timeout_s + WORK_WAIT_SLACK_S)
         self._residuals = ops.Residuals() if settings.error_feedback else None
         self._closed = False
         self._group_name = ""
@@ -114,7 +113,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
     def _limit(self, opts: Any) -> float:
         """How long a caller waits for an op: its deadline, and a slack for the ring to fail it first."""
         seconds = _seconds(getattr(opts, "timeout", None))
-        return (self.plane.timeout_s if seconds is None else seconds) + _WAIT_SLACK_S
+        return (self.plane.timeout_s if seconds is None else seconds) + WORK_WAIT_SLACK_S
 
     def _check(self, what: str) -> None:
         """Fails an op at once, before it starts, once the group's view is gone: every later op
@@ -280,8 +279,8 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         token = np.zeros(1, dtype=np.uint8)
         if self.plane.rank != 0:
             try:
-                plane.send(token, 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
-                plane.recv(np.zeros(1, dtype=np.uint8), 0, _MONITORED).result(seconds + _WAIT_SLACK_S)
+                plane.send(token, 0, _MONITORED).result(seconds + WORK_WAIT_SLACK_S)
+                plane.recv(np.zeros(1, dtype=np.uint8), 0, _MONITORED).result(seconds + WORK_WAIT_SLACK_S)
             except Exception as exc:
                 raise RuntimeError(
                     f"Rank {self.plane.rank} successfully reached monitoredBarrier, but received errors while waiting "
@@ -304,7 +303,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         if failed:
             raise RuntimeError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
         for r in arrivals:
-            plane.send(token, r, _MONITORED).result(seconds + _WAIT_SLACK_S)
+            plane.send(token, r, _MONITORED).result(seconds + WORK_WAIT_SLACK_S)
 
     @_op("all_to_all_single")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],

@@ -39,13 +39,16 @@ import numpy as np
 
 from ringserve.api import Context
 from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import collectives, p2p
+from ringserve.worker.ops import collectives, p2p, refusal
 
 if TYPE_CHECKING:
     from ringserve.worker.runtime import Worker
 
 T = TypeVar("T")
+# The descriptor of an all_to_all of bytes (collectives.alltoall's, for uint8 rows of nothing).
+_ALLTOALL_BYTES = Descriptor("alltoall", dtype="uint8", rows=())
 Future = concurrent.futures.Future
 Call = Callable[[Session, dict[str, Any]], Coroutine[Any, Any, T]]
 
@@ -111,7 +114,7 @@ class Plane:
 
         async def run(worker: Worker) -> T:
             # The worker's session over a member tuple (the sub-ring its process sets use too).
-            session = worker._session(ring)
+            session = worker.collectives.session(ring)
             return await call(session, {"chunk_bytes": worker.config.chunk_bytes, "timeout_s": timeout_s})
 
         return self.context.submit(run)
@@ -132,10 +135,10 @@ class Plane:
         tag = self.tag
         return self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o))
 
-    def allgather_blocks(self, array: np.ndarray, what: str) -> Future[list[np.ndarray]]:
+    def allgather_blocks(self, array: np.ndarray, descriptor: Descriptor) -> Future[list[np.ndarray]]:
         """Every rank's 1-D uint8 ``array`` (lengths may differ), one per group rank, in order;
-        ``what`` names what the blocks hold, and ranks that disagree on it fail (MismatchError)."""
-        tag, descriptor = self.tag, f"allgather_blocks uint8 {what}"
+        ``descriptor`` names what the blocks hold, and ranks that disagree on it fail (MismatchError)."""
+        tag = self.tag
         return self._on(lambda s, o: collectives.allgather_blocks(s, array, row=1, name=tag, descriptor=descriptor, **o))
 
     def reduce_scatter(self, array: np.ndarray, op: str) -> Future[np.ndarray]:
@@ -156,7 +159,7 @@ class Plane:
         """The bytes every rank of the group sent this one, in group-rank order: ``array`` (1-D
         uint8) is split into ``send_counts[d]`` bytes for group rank d, and ``recv_counts[o]``
         bytes must come from group rank o. ``problem``: what is wrong with this rank's arguments;
-        the op then fails on every rank of the group at once (collectives.refuse), not by a deadline.
+        the op then fails on every rank of the group at once (refusal.refuse), not by a deadline.
 
         Raises (from the future):
             InvalidArgumentError: ``problem``, or what came differs from ``recv_counts`` (the ranks'
@@ -166,7 +169,7 @@ class Plane:
 
         async def call(session: Session, options: dict[str, Any]) -> np.ndarray:
             if problem:
-                await collectives.refuse(session, tag, "alltoall uint8 (*, )", problem, options["timeout_s"])
+                await refusal.refuse(session, tag, _ALLTOALL_BYTES, problem, options["timeout_s"])
             data, counts = await collectives.alltoall(session, array, splits=list(send_counts), name=tag, **options)
             if counts.tolist() != expected:
                 raise InvalidArgumentError(

@@ -37,6 +37,13 @@ import torch.distributed as dist
 
 from ringserve import api
 from ringserve.config import CoordinatorConfig
+from ringserve.constants import (
+    COORDINATOR_START_S,
+    COORDINATOR_STOP_GRACE_S,
+    COORDINATOR_STOP_WAIT_S,
+    FIXED_JOB_SETTLE_S,
+    POLL_S,
+)
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError, RingserveError
 from ringserve.loop import LoopThread
@@ -60,7 +67,7 @@ class LocalCoordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self._thread = LoopThread(use_uvloop=True, name="ringserve-dist-coordinator")
         try:
-            self.coordinator = self._thread.run(Coordinator(config).start(), 30.0)
+            self.coordinator = self._thread.run(Coordinator(config).start(), COORDINATOR_START_S)
         except BaseException:
             self._thread.stop()
             raise
@@ -81,9 +88,9 @@ class LocalCoordinator:
             known = self.coordinator.service.metrics()
             if known["view_size"] + known["workers_waiting"] == 0:
                 break
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         try:
-            self._thread.run(self.coordinator.stop(0.2), 10.0)
+            self._thread.run(self.coordinator.stop(COORDINATOR_STOP_GRACE_S), COORDINATOR_STOP_WAIT_S)
         finally:
             self._thread.stop()
 
@@ -206,7 +213,7 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: timedelta | Non
             config = CoordinatorConfig.from_env(
                 # Options.coordinator_port, else RINGSERVE_PORT, else any free port.
                 host="127.0.0.1" if host in LOOPBACK else "0.0.0.0", port=settings.coordinator_port or None,
-                min_workers=max(size, 1), max_workers=max(size, 1), settle_s=0.2,
+                min_workers=max(size, 1), max_workers=max(size, 1), settle_s=FIXED_JOB_SETTLE_S,
             )
             local = LocalCoordinator(config)
             coordinator = f"{host}:{local.port}"

@@ -16,6 +16,7 @@ import torch
 from ringserve.errors import InvalidArgumentError
 from ringserve.torch.distributed.ops import Started, as_bytes, from_bytes
 from ringserve.torch.distributed.plane import Plane
+from ringserve.worker.dataplane.descriptor import Descriptor
 
 
 def allreduce(plane: Plane, tensor: torch.Tensor, op: str) -> Started:
@@ -30,7 +31,9 @@ def allreduce(plane: Plane, tensor: torch.Tensor, op: str) -> Started:
     indices, values = local.indices().contiguous(), local.values().contiguous()
     block = np.concatenate([np.array([local._nnz()], dtype=np.int64).view(np.uint8), as_bytes(indices), as_bytes(values)])
     dense_shape = tuple(values.shape[1:])
-    what = f"sparse {values.dtype} {tuple(local.shape)} sparse_dim={local.sparse_dim()}"
+    # Ranks that disagree on the dtype, the dense shape or the sparse dimensions fail alike (MismatchError).
+    what = Descriptor("sparse_allreduce", dtype=str(values.dtype).removeprefix("torch."), shape=tuple(local.shape),
+                      stage=f"sparse_dim={local.sparse_dim()}")
     part = plane.allgather_blocks(block, what)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:

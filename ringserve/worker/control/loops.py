@@ -1,11 +1,18 @@
 """The worker's membership loops: the view watch, the heartbeats, the rejoin and the exclusion check.
 
 Two long-lived tasks, both owned by the worker's ``TaskOwner`` (tasks.py), which reports a crash
-the moment it happens:
+the moment it happens. What they learn that their owner (the worker's node, node.py) must act on
+they emit as events, to one handler (``on_event``):
 
-- **watch**: every view the coordinator publishes is installed (``Worker._install``). A view that
-  cannot be installed makes the worker give up (ViewInstallError, it leaves). A broken watch
-  (the coordinator is away) is watched again, with a backoff.
+- ``ViewHeard``: the coordinator published a view, to install. A view that cannot be installed
+  makes the owner give up (ViewInstallError, it leaves) and stop the lifeline;
+- ``Answered``: a heartbeat's answer, with the joiners waiting for the current view;
+- ``Excluded``: the world went on without this worker (see exclusion.py).
+
+The loops:
+
+- **watch**: every view the coordinator publishes is heard (``ViewHeard``). A broken watch (the
+  coordinator is away) is watched again, with a backoff.
 - **heartbeat**: every heartbeat interval (or at once when asked, see ``heartbeat_now``) the
   worker's counters, stalled collectives, ring link and commit go to the coordinator, which
   answers with the joiners waiting, the job's commit mark and the interval to keep (it stretches
@@ -18,7 +25,7 @@ After each heartbeat and each break in the watch, retired planes that drained ar
 channels nobody uses are closed.
 
 The loops run on the worker's event loop, and so does everything they touch; what the training
-thread may read of theirs (``pending_workers``) it reads from the worker's published standing.
+thread may read of theirs it reads from the worker's published standing.
 """
 
 from __future__ import annotations
@@ -27,19 +34,47 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.commits import Commit
 from ringserve.config import WorkerConfig
+from ringserve.constants import WATCH_BACKOFF_FIRST_S, WATCH_BACKOFF_MAX_S
 from ringserve.errors import ExcludedError, RingserveError
-from ringserve.observe import Counters
 from ringserve.worker.control import exclusion
 from ringserve.worker.control.client import ControlClient
 from ringserve.worker.control.reports import CommitReports
-from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.control.standing import tag_of
+from ringserve.worker.dataplane.peers import PeerServicer
 from ringserve.worker.dataplane.registry import Planes
 
 log = logging.getLogger("ringserve.worker")
+
+
+@dataclass(frozen=True)
+class ViewHeard:
+    """The coordinator published ``view``: the owner installs it, or gives up and stops the lifeline."""
+
+    view: cpb.View
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A heartbeat was answered; ``pending_workers`` wait to join the current view (0: none, or
+    the answer was about another view)."""
+
+    pending_workers: int
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """The peers went on without this worker (``error`` says how): every call fails from now on."""
+
+    error: ExcludedError
+
+
+LifelineEvent = ViewHeard | Answered | Excluded
+OnEvent = Callable[[LifelineEvent], Awaitable[None]]
 
 
 class Lifeline:
@@ -52,35 +87,23 @@ class Lifeline:
         control: ControlClient,
         joined: cpb.JoinResponse,
         address: str,
-        counters: Counters,
         planes: Planes,
-        channels: ChannelCache,
-        linked_view: Callable[[], int],
-        install: Callable[[cpb.View], None],
-        give_up: Callable[[int, Exception], Awaitable[None]],
-        exclude: Callable[[ExcludedError], None],
-        failed: Callable[[], bool],
-        publish: Callable[[], None],
-        tag: Callable[[], str],
+        peers: PeerServicer,
+        on_event: OnEvent,
     ) -> None:
         self.config = config
         self.control = control
         self.worker_id = joined.worker_id
         self.address = address
-        self.counters = counters
         self.planes = planes
-        self.channels = channels
-        self._linked_view = linked_view
-        self._install = install
-        self._give_up = give_up
-        self._exclude = exclude
-        self._failed = failed
-        self._publish = publish
-        self._tag = tag
+        self.counters = planes.counters
+        self.channels = planes.channels
+        self.peers = peers
+        self._on_event = on_event
+        self.stopped = False  # set by the owner once the worker cannot go on: the loops then end
         self.heartbeat_interval_s = joined.heartbeat_interval_s
         self.heartbeat_timeout_s = joined.heartbeat_timeout_s
         self.heard_at = asyncio.get_running_loop().time()  # when the last answered heartbeat was sent
-        self.pending_workers = 0
         # The commit this worker's elastic state holds once synced, reported with heartbeats (see
         # worker/control/reports.py), and the job's mark from the last heartbeat answer (a fallback when
         # the coordinator cannot be asked at a sync).
@@ -88,12 +111,18 @@ class Lifeline:
         self.heard_mark: Commit | None = None
         self.heartbeat_now = asyncio.Event()
         # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
-        # then (see Worker.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
+        # then (see Elastic.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
         self.leaving = False
+
+    def stop(self) -> None:
+        """Ends the loops: the watch at once, the heartbeats at their next round."""
+        self.stopped = True
 
     @property
     def tag(self) -> str:
-        return self._tag()
+        """"rank R view V" (or "worker ADDRESS view V" outside any view), for log lines."""
+        current = self.planes.current
+        return tag_of(current.place if current is not None else None, self.address, self.planes.latest_view)
 
     async def housekeeping(self) -> None:
         """Forgets drained planes, then closes the channels no link or probe holds any more."""
@@ -101,24 +130,22 @@ class Lifeline:
         await self.channels.sweep()
 
     async def watch(self) -> None:
-        backoff = 0.05
-        while True:
+        backoff = WATCH_BACKOFF_FIRST_S
+        while not self.stopped:
             try:
                 async for view in self.control.watch(self.worker_id):
-                    try:
-                        self._install(view)
-                    except Exception as exc:
-                        await self._give_up(view.view_id, exc)
+                    await self._on_event(ViewHeard(view))
+                    if self.stopped:
                         return
-                    backoff = 0.05
+                    backoff = WATCH_BACKOFF_FIRST_S
             except RingserveError as exc:  # the coordinator is away: watch again
                 log.warning("%s: view watch broke: %s", self.tag, exc)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            backoff = min(backoff * 2, WATCH_BACKOFF_MAX_S)
             await self.housekeeping()
 
     async def heartbeat(self) -> None:
-        while not self._failed():
+        while not self.stopped:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.heartbeat_interval_s):
                     await self.heartbeat_now.wait()
@@ -137,7 +164,7 @@ class Lifeline:
             committed, committed_view = self.held.committed, self.held.view
             try:
                 answer = await self.control.heartbeat(
-                    self.worker_id, view_id, counters, stalled, self._linked_view(), committed, committed_view
+                    self.worker_id, view_id, counters, stalled, self.peers.linked_view(), committed, committed_view
                 )
             except RingserveError as exc:
                 self.held.failed()
@@ -153,14 +180,13 @@ class Lifeline:
             # Counted against the view the answer is about: stale news of joiners already admitted
             # must not make a commit wait for a view that never comes.
             current = self.planes.current.view_id if self.planes.current is not None else 0
-            self.pending_workers = answer.pending_workers if answer.view_id == current else 0
-            self._publish()
+            await self._on_event(Answered(answer.pending_workers if answer.view_id == current else 0))
             if answer.HasField("mark_step"):
                 self.heard_mark = max(self.heard_mark or Commit(0, 0), Commit(answer.mark_lineage, answer.mark_step))
             for warning in answer.stall_warnings:
                 self.counters.stall_warnings += 1
                 log.warning("%s: stalled collective %s", self.tag, warning)
-            if not answer.known and not self._failed() and not self.leaving:  # one that gave up or leaves stays out
+            if not answer.known and not self.stopped and not self.leaving:  # one that gave up or leaves stays out
                 await self._rejoin()
             await self.housekeeping()
 
@@ -189,7 +215,7 @@ class Lifeline:
             return False
         exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, place.view_id)
         log.error("%s: %s", self.tag, exc)
-        self._exclude(exc)
+        await self._on_event(Excluded(exc))
         return True
 
     async def _rejoin(self) -> None:

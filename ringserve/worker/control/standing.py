@@ -81,9 +81,14 @@ class Standing:
 
     def tag(self, address: str) -> str:
         """"rank R view V" (or "worker ADDRESS view V" outside any view), for log lines."""
-        if self.place is not None:
-            return f"rank {self.place.rank} view {self.place.view_id}"
-        return f"worker {address} view {self.latest_view}"
+        return tag_of(self.place, address, self.latest_view)
+
+
+def tag_of(place: Place | None, address: str, latest_view: int) -> str:
+    """"rank R view V" for a worker at ``place``, or "worker ADDRESS view V" outside any view."""
+    if place is not None:
+        return f"rank {place.rank} view {place.view_id}"
+    return f"worker {address} view {latest_view}"
 
 
 def on_loop(loop: asyncio.AbstractEventLoop | None, call: Callable[..., None], *args: Any,

@@ -21,6 +21,7 @@ import numpy as np
 from ringserve.errors import CollectiveTimeoutError, ProtocolError
 from ringserve.observe import Span
 from ringserve.worker.dataplane import programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
     Fold,
@@ -45,7 +46,7 @@ def ring_of(session: Session) -> Ring:
     return session.ring
 
 
-async def run(session: Session, name: str | None, descriptor: str, timeout_s: float, program: Program,
+async def run(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float, program: Program,
               values: Values, *, key: str | None = None) -> str:
     """Runs one collective's program under its deadline, counts it, and forgets its frames afterwards.
 
@@ -56,7 +57,7 @@ async def run(session: Session, name: str | None, descriptor: str, timeout_s: fl
     return await run_stages(session, name, descriptor, timeout_s, iter([(program, values)]), key=key)
 
 
-async def run_stages(session: Session, name: str | None, descriptor: str, timeout_s: float,
+async def run_stages(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float,
                      stages: Iterator[tuple[Program, Values]], *, key: str | None = None) -> str:
     """Runs a collective made of several programs, one after the other, under one key and deadline.
 
@@ -65,10 +66,10 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
     communication with computation between them (Adasum) is still one collective, with one name,
     one descriptor and one timeline span. Each stage must use slots of its own (programs.shifted).
     """
-    key, inbox = session.open(name, descriptor, key=key)
-    kind = descriptor.split(" ", 1)[0]
+    text, kind = descriptor.text, descriptor.kind
+    key, inbox = session.open(name, text, key=key)
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
-        "op": kind, "op_key": key, "descriptor": descriptor, "view": session.view_id, "rank": session.plane.place.rank,
+        "op": kind, "op_key": key, "descriptor": text, "view": session.view_id, "rank": session.plane.place.rank,
     })
     ok = False
     values = Values()
@@ -89,7 +90,7 @@ async def run_stages(session: Session, name: str | None, descriptor: str, timeou
         ok = True
     except TimeoutError:
         raise CollectiveTimeoutError(
-            f"Collective {key!r} ({descriptor}) did not finish within {timeout_s:g} s on rank "
+            f"Collective {key!r} ({text}) did not finish within {timeout_s:g} s on rank "
             f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:

@@ -10,12 +10,17 @@ a view of three: ``place.rank`` is this rank's position in the ring and ``place.
 length, so that segments, blocks and roots are counted in positions.
 
 Sessions are cheap and hold nothing the plane does not: the worker makes one per collective.
+
+A session reaches its plane through ``ViewPlane``, the part of a plane that sessions and the
+collectives use, declared here: plane.py (which makes sessions) then builds on this module, and
+this module knows nothing of plane.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -28,10 +33,44 @@ from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
 from ringserve.worker.dataplane.programs import Ring
 
-if TYPE_CHECKING:
-    from ringserve.worker.dataplane.plane import Plane
+__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session", "ViewPlane", "check_members"]
 
-__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session", "check_members"]
+
+class ViewPlane(Protocol):
+    """What sessions and the collectives use of one view's data plane (``plane.Plane`` ships it)."""
+
+    place: Place
+    ring: Ring
+    counters: Counters
+    pool: ResultPool | None
+    hierarchical: str
+    checksum: bool
+    timeline: Timeline | None
+    numbering: keys.Numbering
+    # join.py's hook while joined: told (key, descriptor) of a whole-view collective not opened here.
+    on_unopened: Callable[[str, str], None] | None
+
+    @property
+    def view_id(self) -> int: ...
+
+    def session(self, members: tuple[int, ...] | None = None) -> Session: ...
+
+    def open(self, name: str | None, descriptor: str, ring: Ring, spec: str = "", *,
+             key: str | None = None) -> tuple[str, Inbox, Link | None]: ...
+
+    def unopened(self) -> list[tuple[str, str]]: ...
+
+    def waiting(self, key: str) -> bool: ...
+
+    async def arrival(self) -> None: ...
+
+    def release(self, key: str) -> None: ...
+
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received: ...
+
+    def send(self, link: Link | None, key: str, inbox: Inbox, *, slot: int, chunk: int,
+             payload: np.ndarray | memoryview | bytes, dtype: int, count: int, origin: int = 0,
+             origin_count: int = 0, codec: int = 0) -> None: ...
 
 
 def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
@@ -56,7 +95,7 @@ def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, 
 class Session:
     """A ring over the ranks of one view's plane: the whole view (``members`` None) or a sub-ring."""
 
-    def __init__(self, plane: Plane, members: tuple[int, ...] | None = None) -> None:
+    def __init__(self, plane: ViewPlane, members: tuple[int, ...] | None = None) -> None:
         self.plane = plane
         view = plane.place
         if members is None:

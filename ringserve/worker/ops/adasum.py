@@ -36,10 +36,8 @@ as they are (see programs.alltoall_ring).
 
 from __future__ import annotations
 
-import ast
 import itertools
 import math
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -49,15 +47,15 @@ import numpy as np
 from ringserve.errors import InvalidArgumentError, UnsupportedError
 from ringserve.ring import segment_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.programs import Program, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Exchange, Raw, Values
-from ringserve.worker.ops.collectives import _as_array, _chunk_elems, _output
+from ringserve.worker.ops.arguments import as_array, chunk_elems, result_buffer
 
 STAGE_SLOTS = 1 << 25  # each stage's slots: above any alltoall key (origin * size + destination) up to 5792 ranks
 _TINY = math.sqrt(sys.float_info.min)  # Horovod's threshold: a squared norm below it gets coefficient 1
-_PARTS = re.compile(r" parts=(\([\d, ]*\))$")
 
 
 def _dot(x: np.ndarray, y: np.ndarray) -> float:
@@ -83,8 +81,9 @@ def check(dtype: np.dtype, world: int) -> None:
         )
 
 
-def descriptor_of(dtype: np.dtype, shape: tuple[int, ...], parts: list[int]) -> str:
-    return f"allreduce {dtype} {shape} op=adasum parts={tuple(parts)}"
+def descriptor_of(dtype: np.dtype, shape: tuple[int, ...], parts: list[int]) -> Descriptor:
+    """An Adasum's descriptor: an allreduce whose op is adasum, with the parts it combines apart."""
+    return Descriptor("allreduce", dtype=dtype.name, shape=shape, op="adasum", parts=tuple(parts))
 
 
 class _Run:
@@ -104,7 +103,7 @@ class _Run:
         outgoing = [flat[a:b] for a, b in segments]
         exchange = Exchange(flat.dtype, outgoing)
         exchange.blocks[me] = outgoing[me]
-        elems = _chunk_elems(flat.dtype, self.chunk_bytes)
+        elems = chunk_elems(flat.dtype, self.chunk_bytes)
         yield self._stage(0, programs.alltoall_ring(self.ring, [b.size for b in outgoing], elems)), exchange
         # Every rank's values of this rank's segment, as copies this rank combines in place.
         vectors = [np.array(b if b is not None else flat[:0], copy=True) for b in exchange.blocks]
@@ -120,7 +119,7 @@ class _Run:
                 for p, (lo, hi) in enumerate(local):
                     partial[k, p] = (_dot(x[lo:hi], y[lo:hi]), _dot(x[lo:hi], x[lo:hi]), _dot(y[lo:hi], y[lo:hi]))
             sums = np.empty(partial.size)
-            rounds = programs.ring_reduce(self.ring, segment_bounds(sums.size, n), _chunk_elems(sums.dtype, self.chunk_bytes),
+            rounds = programs.ring_reduce(self.ring, segment_bounds(sums.size, n), chunk_elems(sums.dtype, self.chunk_bytes),
                                           gather=True)
             yield self._stage(stage, rounds), Raw(partial.reshape(-1), sums, "sum", n)
             totals = sums.reshape(partial.shape)
@@ -162,12 +161,12 @@ async def allreduce(session: Session, a: Any, *, name: str | None, chunk_bytes: 
         InvalidArgumentError: an integer array, or parts that do not tile it.
         UnsupportedError: the world's size is not a power of two (as in Horovod).
     """
-    array = _as_array(a)
+    array = as_array(a)
     world = session.place.size
     check(array.dtype, world)
     flat = np.ascontiguousarray(array).reshape(-1)
     split = _parts(flat.size, parts)
-    buf = _output(session, array, out)
+    buf = result_buffer(session, array, out)
     run = _Run(ring_of(session), flat, split, chunk_bytes)
     if world == 1:
         buf[:] = flat
@@ -178,10 +177,9 @@ async def allreduce(session: Session, a: Any, *, name: str | None, chunk_bytes: 
     return buf.reshape(array.shape) if out is None else out
 
 
-async def stand_in(session: Session, key: str, descriptor: str, zeros: np.ndarray, *, chunk_bytes: int,
+async def stand_in(session: Session, key: str, descriptor: Descriptor, zeros: np.ndarray, *, chunk_bytes: int,
                    timeout_s: float) -> None:
     """A joined rank's part in the others' Adasum ``key`` (join.py): zeros, which leave them as they are."""
-    match = _PARTS.search(descriptor)
-    split = list(ast.literal_eval(match[1])) if match is not None else [zeros.size]
+    split = list(descriptor.parts) if descriptor.parts is not None else [zeros.size]
     run = _Run(ring_of(session), zeros.reshape(-1), split, chunk_bytes)
     await executor.run_stages(session, None, descriptor, timeout_s, run.stages(), key=key)

@@ -9,93 +9,28 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from ringserve import codecs, wire
-from ringserve.codecs import Codec
-from ringserve.errors import InvalidArgumentError, MismatchError, NonFiniteError
+from ringserve.errors import InvalidArgumentError
 from ringserve.ring import check_op, segment_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.dataplane.values import Blocks, Coded, Exchange, Raw, Values
+from ringserve.worker.dataplane.values import Blocks, Exchange, Raw
 from ringserve.worker.ops import hierarchy
-
-CONFIRM_SLOT = programs.CONFIRM_SLOT
-REFUSE_SLOT = 1 << 29  # the lap of a refused collective (see refuse): apart from the confirmation lap's
-
-
-def _as_array(a: Any) -> np.ndarray:
-    array = np.asarray(a)
-    wire.dtype_code(array.dtype)
-    return array
-
-
-def _chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
-    return max(1, chunk_bytes // dtype.itemsize)
-
-
-def _empty(session: Session, dtype: np.dtype, count: int) -> np.ndarray:
-    """A flat array whose contents the collective overwrites: from the worker's pool (pool.py)."""
-    pool = session.pool
-    return np.empty(count, dtype=dtype) if pool is None else pool.array(dtype, count)
-
-
-def _output(session: Session, array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """The flat result buffer: a new array (or a pooled one nothing else reaches), or ``out``
-    (which may be the input itself)."""
-    if out is None:
-        return _empty(session, array.dtype, array.size)
-    if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype:
-        raise InvalidArgumentError(
-            f"out must be an array of the input's shape {array.shape} and dtype {array.dtype}."
-        )
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgumentError("out must be a writeable C-contiguous array.")
-    return out.reshape(-1)
-
-
-def _values(src: np.ndarray, buf: np.ndarray, op: str, world: int,
-            coder: Codec | None, residual: np.ndarray | None) -> Raw:
-    """How the values of a reduction travel: as they are, or encoded by a codec."""
-    if coder is None:
-        return Raw(src, buf, op, world)
-    return Coded(src, buf, op, world, "", coder, residual)
-
-
-def _coder(array: np.ndarray, op: str, compression: str | None, residual: np.ndarray | None) -> Codec | None:
-    """The codec called ``compression``, after checking it and ``residual`` against the input."""
-    coder = codecs.codec(compression)
-    if coder is None:
-        if residual is not None:
-            raise InvalidArgumentError("residual (error feedback) needs a lossy compression.")
-        return None
-    if array.dtype.kind != "f":
-        raise InvalidArgumentError(f"compression={compression!r} needs a floating point array, not {array.dtype}.")
-    if residual is not None:
-        acc = codecs.sum_dtype(array.dtype)
-        if (not isinstance(residual, np.ndarray) or residual.dtype != acc or residual.size != array.size
-                or not residual.flags.c_contiguous or not residual.flags.writeable):
-            raise InvalidArgumentError(
-                f"residual must be a writeable C-contiguous {acc} array of {array.size} elements."
-            )
-        if op not in ("sum", "average"):
-            raise InvalidArgumentError(f"residual (error feedback) works with op sum or average, not {op!r}.")
-    return coder
-
-
-def _suffix(coder: Codec | None) -> str:
-    """What a codec adds to a collective's descriptor, so that ranks must agree on it."""
-    return "" if coder is None else f" codec={coder.name}"
-
-
-def _non_finite_error(key: str) -> NonFiniteError:
-    return NonFiniteError(
-        f"The result of collective {key!r} holds NaN or Inf (every rank holds the same result "
-        f"and raises this error)."
-    )
+from ringserve.worker.ops.arguments import (
+    as_array,
+    chunk_elems,
+    codec_for,
+    non_finite_error,
+    reduction_values,
+    result_buffer,
+    scratch,
+)
+from ringserve.worker.ops.refusal import refuse
 
 
 async def allreduce(
@@ -117,15 +52,16 @@ async def allreduce(
     turns on error feedback (see values.Coded). With ``check_finite``, a result that holds NaN or Inf
     raises NonFiniteError; as the result is bit-identical everywhere, every rank raises it.
     """
-    array = _as_array(a)
+    array = as_array(a)
     check_op(op, array.dtype)
-    coder = _coder(array, op, compression, residual)
+    coder = codec_for(array, op, compression, residual)
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = _output(session, array, out)
-    descriptor = f"allreduce {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
+    buf = result_buffer(session, array, out)
+    descriptor = Descriptor("allreduce", dtype=array.dtype.name, shape=array.shape, op=op,
+                            codec=coder.name if coder is not None else "")
     world = session.place.size
     bounds = segment_bounds(buf.size, world)
-    elems = _chunk_elems(buf.dtype, chunk_bytes)
+    elems = chunk_elems(buf.dtype, chunk_bytes)
     flat_residual = None if residual is None else residual.reshape(-1)
 
     rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
@@ -133,36 +69,40 @@ async def allreduce(
         key = await hierarchy.allreduce(session, rings, src, buf, op=op, name=name, descriptor=descriptor,
                                         chunk_elems=elems, timeout_s=timeout_s)
     else:
-        values = _values(src, buf, op, world, coder, flat_residual)
+        values = reduction_values(src, buf, op, world, coder, flat_residual)
         program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
         key = await executor.run(session, name, descriptor, timeout_s, program, values)
     if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
         if flat_residual is not None:
             flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
         if check_finite:
-            raise _non_finite_error(key)
+            raise non_finite_error(key)
     return buf.reshape(array.shape) if out is None else out
 
 
 async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float,
                          compression: str | None = None) -> np.ndarray:
-    array = _as_array(a)
+    array = as_array(a)
     check_op(op, array.dtype)
     if array.ndim == 0:
         raise InvalidArgumentError("reduce_scatter needs an array with at least one dimension.")
-    coder = _coder(array, op, compression, None)
+    coder = codec_for(array, op, compression, None)
     rest = array.shape[1:]
     src = np.ascontiguousarray(array).reshape(-1)
-    buf = _empty(session, src.dtype, src.size)  # internal: only this rank's part is returned, as a copy
+    buf = scratch(session, src.dtype, src.size)  # internal: only this rank's part is returned, as a copy
     world, rank = session.place.size, session.place.rank
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
-    descriptor = f"reduce_scatter {array.dtype} {tuple(array.shape)} op={op}{_suffix(coder)}"
+    descriptor = Descriptor("reduce_scatter", dtype=array.dtype.name, shape=array.shape, op=op,
+                            codec=coder.name if coder is not None else "")
 
-    values = _values(src, buf, op, world, coder, None)
-    program = programs.ring_reduce(ring_of(session), bounds, _chunk_elems(buf.dtype, chunk_bytes), gather=False)
+    values = reduction_values(src, buf, op, world, coder, None)
+    program = programs.ring_reduce(ring_of(session), bounds, chunk_elems(buf.dtype, chunk_bytes), gather=False)
     await executor.run(session, name, descriptor, timeout_s, program, values)
     a0, b0 = bounds[rank]
     return buf[a0:b0].copy().reshape((-1, *rest))
+
+
+BARRIER = Descriptor("barrier")
 
 
 async def barrier(session: Session, *, timeout_s: float) -> None:
@@ -171,7 +111,7 @@ async def barrier(session: Session, *, timeout_s: float) -> None:
 
     values = Raw(buf, buf, "sum", session.place.size)
     program = programs.ring_reduce(ring_of(session), bounds, 1, gather=True)
-    await executor.run(session, None, "barrier", timeout_s, program, values)
+    await executor.run(session, None, BARRIER, timeout_s, program, values)
 
 
 async def broadcast_bytes(
@@ -181,7 +121,7 @@ async def broadcast_bytes(
     dtype: np.dtype,
     root: int,
     name: str | None,
-    descriptor: str,
+    descriptor: Descriptor,
     chunk_bytes: int,
     timeout_s: float,
 ) -> np.ndarray:
@@ -197,7 +137,7 @@ async def broadcast_bytes(
         expect[root] = flat.size
     values = Blocks(dtype, blocks, expect=expect)
     total = flat.size if flat is not None else 0
-    program = programs.broadcast_chain(ring_of(session), root, total, _chunk_elems(dtype, chunk_bytes))
+    program = programs.broadcast_chain(ring_of(session), root, total, chunk_elems(dtype, chunk_bytes))
     await executor.run(session, name, descriptor, timeout_s, program, values)
     out = values.blocks[root]
     assert out is not None
@@ -210,10 +150,10 @@ def _check_root(root: int, world: int) -> None:
 
 
 async def broadcast(session: Session, a: Any, *, root: int, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:
-    array = _as_array(a)
+    array = as_array(a)
     _check_root(root, session.place.size)
     flat = np.array(array, copy=True, order="C").reshape(-1)
-    descriptor = f"broadcast {array.dtype} {tuple(array.shape)} root={root}"
+    descriptor = Descriptor("broadcast", dtype=array.dtype.name, shape=array.shape, root=root)
     out = await broadcast_bytes(session, flat, dtype=array.dtype, root=root, name=name,
                                 descriptor=descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
     return out.reshape(array.shape)
@@ -225,7 +165,7 @@ async def allgather_blocks(
     *,
     row: int,
     name: str | None,
-    descriptor: str,
+    descriptor: Descriptor,
     chunk_bytes: int,
     timeout_s: float,
 ) -> list[np.ndarray]:
@@ -234,41 +174,21 @@ async def allgather_blocks(
     blocks: list[np.ndarray | None] = [None] * world
     blocks[rank] = flat
     values = Blocks(flat.dtype, blocks, row=row)
-    program = programs.allgather_blocks(ring_of(session), flat.size, _chunk_elems(flat.dtype, chunk_bytes))
+    program = programs.allgather_blocks(ring_of(session), flat.size, chunk_elems(flat.dtype, chunk_bytes))
     await executor.run(session, name, descriptor, timeout_s, program, values)
     return [b if b is not None else flat[:0] for b in values.blocks]
 
 
 async def allgather(session: Session, a: Any, *, name: str | None, chunk_bytes: int, timeout_s: float) -> np.ndarray:
-    array = _as_array(a)
+    array = as_array(a)
     if array.ndim == 0:
         raise InvalidArgumentError("allgather needs an array with at least one dimension.")
     rest = tuple(array.shape[1:])
     flat = np.ascontiguousarray(array).reshape(-1)
-    descriptor = f"allgather {array.dtype} (*, {', '.join(map(str, rest))})"
+    descriptor = Descriptor("allgather", dtype=array.dtype.name, rows=rest)
     blocks = await allgather_blocks(session, flat, row=math.prod(rest), name=name,
                                     descriptor=descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
     return np.concatenate([b.reshape((-1, *rest)) for b in blocks], axis=0)
-
-
-async def refuse(session: Session, name: str | None, descriptor: str, problem: str, timeout_s: float) -> NoReturn:
-    """Takes part in a collective whose arguments are wrong on this rank, then raises.
-
-    The other ranks wait for this rank's frames, so raising at once would leave them waiting until
-    their deadline. Instead this rank opens the collective under a descriptor that names the
-    problem and sends one empty frame round the ring (programs.confirm): ranks whose arguments are
-    right see a descriptor that differs from theirs, and every rank fails with MismatchError (which
-    names the problem) within ``abort_grace_s``; ranks that are all wrong alike finish the lap.
-
-    Raises:
-        InvalidArgumentError: always, naming ``problem`` (a ValueError, as Horovod's are).
-    """
-    where = f"{descriptor} invalid: {problem}"
-    try:
-        await executor.run(session, name, where, timeout_s, programs.confirm(ring_of(session), REFUSE_SLOT), Values())
-    except MismatchError as exc:
-        raise InvalidArgumentError(f"{problem[0].upper()}{problem[1:]}.") from exc
-    raise InvalidArgumentError(f"{problem[0].upper()}{problem[1:]}.")
 
 
 def split_rows(splits: Any, rows: int, world: int) -> tuple[list[int], str]:
@@ -304,10 +224,10 @@ async def alltoall(session: Session, a: Any, *, splits: Any = None, name: str | 
     Arguments that are wrong on a rank (see split_rows, a scalar) fail on every rank within
     ``abort_grace_s`` (see refuse), never by a deadline.
     """
-    array = _as_array(a)
+    array = as_array(a)
     world, rank = session.place.size, session.place.rank
     rest = tuple(array.shape[1:])
-    descriptor = f"alltoall {array.dtype} (*, {', '.join(map(str, rest))})"
+    descriptor = Descriptor("alltoall", dtype=array.dtype.name, rows=rest)
     if array.ndim == 0:
         await refuse(session, name, descriptor, "alltoall needs an array with at least one dimension", timeout_s)
     rows, problem = split_rows(splits, array.shape[0], world)
@@ -323,7 +243,7 @@ async def alltoall(session: Session, a: Any, *, splits: Any = None, name: str | 
     outgoing = [flat[starts[d]: starts[d + 1]] for d in range(world)]
     values = Exchange(array.dtype, outgoing, row=row)
     values.blocks[rank] = outgoing[rank]  # a rank's block to itself never travels
-    program = programs.alltoall_ring(ring_of(session), [b.size for b in outgoing], _chunk_elems(array.dtype, chunk_bytes))
+    program = programs.alltoall_ring(ring_of(session), [b.size for b in outgoing], chunk_elems(array.dtype, chunk_bytes))
     await executor.run(session, name, descriptor, timeout_s, program, values)
     received = [b if b is not None else flat[:0] for b in values.blocks]
     counts = np.array([b.size // row for b in received], dtype=np.int64)
@@ -338,7 +258,7 @@ async def broadcast_object(session: Session, obj: object, *, root: int, name: st
     _check_root(root, session.place.size)
     flat = _pickled(obj) if session.place.rank == root else None
     out = await broadcast_bytes(session, flat, dtype=np.dtype(np.uint8), root=root, name=name,
-                                descriptor=f"broadcast_object root={root}", chunk_bytes=chunk_bytes,
+                                descriptor=Descriptor("broadcast_object", root=root), chunk_bytes=chunk_bytes,
                                 timeout_s=timeout_s)
     if session.place.rank == root:
         return obj
@@ -347,6 +267,6 @@ async def broadcast_object(session: Session, obj: object, *, root: int, name: st
 
 async def allgather_object(session: Session, obj: object, *, name: str | None, chunk_bytes: int, timeout_s: float) -> list[object]:
     blocks = await allgather_blocks(session, _pickled(obj), row=1, name=name,
-                                    descriptor="allgather_object", chunk_bytes=chunk_bytes,
+                                    descriptor=Descriptor("allgather_object"), chunk_bytes=chunk_bytes,
                                     timeout_s=timeout_s)
     return [pickle.loads(b.tobytes()) for b in blocks]

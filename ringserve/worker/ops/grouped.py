@@ -13,12 +13,13 @@ transfer for the whole list. Here:
   rows are split as reduce_scatter splits them (the first ranks get one more).
 
 A rank whose list is wrong (a scalar, where every array needs a first dimension) refuses the
-collective (collectives.refuse): every rank fails within ``abort_grace_s``.
+collective (refusal.refuse): every rank fails within ``abort_grace_s``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,17 +27,15 @@ import numpy as np
 from ringserve.errors import ProtocolError
 from ringserve.ring import check_op, segment_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives
-from ringserve.worker.ops.collectives import _as_array, _chunk_elems, _coder, _suffix, _values
+from ringserve.worker.ops.arguments import as_array, chunk_elems, codec_for, reduction_values
+from ringserve.worker.ops.refusal import refuse
 
 _ALIGN = 16
 _ROWS = np.dtype("<i8")
-
-
-def _rest(a: np.ndarray) -> str:
-    return f"(*, {', '.join(map(str, a.shape[1:]))})"
 
 
 def _padded(n: int) -> int:
@@ -83,11 +82,12 @@ def unpack(block: np.ndarray, like: list[np.ndarray], key: str = "") -> list[np.
 async def grouped_allgather(session: Session, arrays: list[Any], *, name: str | None, chunk_bytes: int,
                             timeout_s: float) -> list[np.ndarray]:
     """Concatenates every rank's arrays along axis 0, array by array, in one collective."""
-    items = [_as_array(a) for a in arrays]
-    descriptor = "grouped_allgather " + "; ".join(f"{a.dtype} {_rest(a)}" for a in items)
+    items = [as_array(a) for a in arrays]
+    descriptor = Descriptor("grouped_allgather", items=tuple(Descriptor("", dtype=a.dtype.name, rows=a.shape[1:])
+                                                             for a in items))
     scalars = [i for i, a in enumerate(items) if a.ndim == 0]
     if scalars:
-        await collectives.refuse(session, name, descriptor,
+        await refuse(session, name, descriptor,
                                  f"grouped_allgather needs arrays with a first dimension; those at {scalars} are scalars",
                                  timeout_s)
     blocks = await collectives.allgather_blocks(session, pack(items), row=1, name=name, descriptor=descriptor,
@@ -104,12 +104,12 @@ async def grouped_reduce_scatter(session: Session, arrays: list[Any], *, op: str
     are), or one codec (or None) per array; arrays of one dtype and codec share a collective.
     """
     check_op(op)
-    items = [_as_array(a) for a in arrays]
-    shapes = "; ".join(f"{a.dtype} {tuple(a.shape)}" for a in items)
-    descriptor = f"grouped_reduce_scatter [{shapes}] op={op}"
+    items = [as_array(a) for a in arrays]
+    descriptor = Descriptor("grouped_reduce_scatter", items=tuple(Descriptor("", dtype=a.dtype.name, shape=a.shape)
+                                                                  for a in items), op=op)
     scalars = [i for i, a in enumerate(items) if a.ndim == 0]
     if scalars:
-        await collectives.refuse(session, name, descriptor,
+        await refuse(session, name, descriptor,
                                  f"grouped_reduce_scatter needs arrays with a first dimension; those at {scalars} "
                                  "are scalars", timeout_s)
     names = compression if isinstance(compression, list) else [compression] * len(items)
@@ -119,7 +119,7 @@ async def grouped_reduce_scatter(session: Session, arrays: list[Any], *, op: str
         groups.setdefault((a.dtype, names[i] if a.dtype.kind == "f" else None), []).append(i)
     results: list[np.ndarray] = [np.empty(0)] * len(items)
     for k, ((dtype, codec), members) in enumerate(groups.items()):
-        coder = _coder(items[members[0]], op, codec, None)
+        coder = codec_for(items[members[0]], op, codec, None)
         parts = [segment_bounds(items[i].shape[0], world, math.prod(items[i].shape[1:])) for i in members]
         # Segment r of the fused buffer: every member's rows for rank r, member after member.
         flats = [np.ascontiguousarray(items[i]).reshape(-1) for i in members]
@@ -128,10 +128,11 @@ async def grouped_reduce_scatter(session: Session, arrays: list[Any], *, op: str
         edges = np.cumsum([0] + [sum(b[r][1] - b[r][0] for b in parts) for r in range(world)]).tolist()
         fused = [(edges[r], edges[r + 1]) for r in range(world)]
         buf = np.empty_like(src)
-        values = _values(src, buf, op, world, coder, None)
-        program = programs.ring_reduce(ring_of(session), fused, _chunk_elems(dtype, chunk_bytes), gather=False)
+        values = reduction_values(src, buf, op, world, coder, None)
+        program = programs.ring_reduce(ring_of(session), fused, chunk_elems(dtype, chunk_bytes), gather=False)
         part_name = name if name is None or len(groups) == 1 else f"{name}.{k}"
-        await executor.run(session, part_name, f"{descriptor} {dtype}{_suffix(coder)}", timeout_s, program, values)
+        part = replace(descriptor, dtype=dtype.name, codec=coder.name if coder is not None else "")
+        await executor.run(session, part_name, part, timeout_s, program, values)
         at = fused[rank][0]
         for i, bounds in zip(members, parts, strict=True):
             n = bounds[rank][1] - bounds[rank][0]

@@ -21,7 +21,7 @@ Each call takes a number of its own (``hier`` in the plane's numbering, at its s
 collective's key), and its stages are named after it, so calls whose stages finish in different
 orders on different ranks never meet the wrong stage. A stage that fails with MismatchError (the
 ranks' arguments differ) still takes its part in the later stages, with a lap that names the
-failure (collectives.refuse's), so that ranks on other hosts, which only meet this one in a
+failure (refusal.py's), so that ranks on other hosts, which only meet this one in a
 later stage, fail within abort_grace_s too and not at their deadline.
 
 Every worker must agree on the setting (``hierarchical``), as on ``checksum``: a rank that runs the
@@ -39,13 +39,14 @@ import numpy as np
 from ringserve.errors import MismatchError, RingserveError
 from ringserve.ring import finish_into, segment_bounds
 from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
+from ringserve.worker.ops import refusal
 
 MODES = ("auto", "1", "0")
-REFUSE_SLOT = 1 << 29  # the lap of a refused stage: as collectives.refuse's
-FAILED_STAGE = "invalid: an earlier stage of this hierarchical allreduce failed"
+FAILED_STAGE = "an earlier stage of this hierarchical allreduce failed"
 
 
 def topology(place: Place) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -79,7 +80,7 @@ def chosen(mode: str, place: Place) -> tuple[tuple[int, ...], tuple[int, ...]] |
 
 
 async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...]], src: np.ndarray,
-                    buf: np.ndarray, *, op: str, name: str | None, descriptor: str, chunk_elems: int,
+                    buf: np.ndarray, *, op: str, name: str | None, descriptor: Descriptor, chunk_elems: int,
                     timeout_s: float) -> str:
     """Reduces ``src`` into ``buf`` (which may be ``src``) over the three stages; returns the
     call's name (for error messages). ``timeout_s`` bounds the three together."""
@@ -109,16 +110,16 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
 
     stages = [(local, "local-reduce", reduce_locally), (cross, "cross", reduce_across), (local, "local-gather", gather_locally)]
     for i, (ring, stage, make) in enumerate(stages):
-        where = f"{descriptor} stage={stage}"
         try:
             program, values = make()
-            await executor.run(ring, f"{call}:{stage}", where, max(deadline - loop.time(), 1e-3), program, values)
+            await executor.run(ring, f"{call}:{stage}", descriptor.at_stage(stage), max(deadline - loop.time(), 1e-3),
+                               program, values)
         except MismatchError:
             for later, later_stage, _ in stages[i + 1:]:
                 with contextlib.suppress(RingserveError):
-                    await executor.run(later, f"{call}:{later_stage}", f"{descriptor} stage={later_stage} {FAILED_STAGE}",
-                                       max(deadline - loop.time(), 1e-3),
-                                       programs.confirm(later.ring, REFUSE_SLOT), Values())
+                    await refusal.lap(later, f"{call}:{later_stage}",
+                                      descriptor.at_stage(later_stage).refused(FAILED_STAGE),
+                                      max(deadline - loop.time(), 1e-3))
             raise
     return call
 

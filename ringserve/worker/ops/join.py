@@ -16,8 +16,11 @@ as Horovod's joined ranks do:
 - anything else (allgather, broadcast, alltoall, reducescatter, the object collectives, a sparse
   allreduce, which gathers): Horovod refuses these while a rank has joined ("Allgather is not
   supported with Join at this time", controller.cc), and so does this rank: it opens the collective
-  under a descriptor that says so, and every rank in it fails at once with MismatchError (a
-  RuntimeError, which is what Horovod's tests catch).
+  under a descriptor that says so (refusal.py's lap), and every rank in it fails at once with
+  MismatchError (a RuntimeError, which is what Horovod's tests catch).
+
+What a frame says of its collective is parsed once (``Descriptor.parse``, descriptor.py); a text
+that is no descriptor is refused as any collective this rank cannot stand in for.
 
 A join is over the whole view, as Horovod's is over the global process set: a joined rank stands
 in for the whole view's collectives only (keys without a ring spec, see keys.py), and counts only
@@ -28,7 +31,7 @@ collectives of each name it has opened. A rank's frames of it wait in the inboxe
 working. Once it completes, each rank knows every collective any rank opened before joining, and
 stays joined (standing in) until it has opened each of them too: a collective started just before
 a rank's join may reach the others only after their join completed. Once its stand-ins have ended,
-it stops standing in and runs a last lap of empty frames (``join done``): no rank leaves join
+it stops standing in and runs a last lap of empty frames (``join stage=done``): no rank leaves join
 before every rank has stopped standing in, so the collectives a rank starts after its join are
 never taken for ones of before.
 
@@ -40,11 +43,9 @@ by the wall clock at the join, then by rank. Every rank computes it from the sam
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 
@@ -53,17 +54,18 @@ import numpy as np
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
 from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.dataplane.values import Values
-from ringserve.worker.ops import adasum, collectives
-from ringserve.worker.ops.collectives import REFUSE_SLOT, _chunk_elems, _coder, _values
+from ringserve.worker.dataplane.values import Raw, Values
+from ringserve.worker.ops import adasum, collectives, refusal
+from ringserve.worker.ops.arguments import chunk_elems, codec_for, reduction_values
 
 log = logging.getLogger("ringserve.worker")
 
 JOIN = "ringserve.join"
-
-_ALLREDUCE = re.compile(r"^allreduce (?P<dtype>\w+) (?P<shape>\([\d, ]*\)) op=(?P<op>\w+)(?: codec=(?P<codec>\S+))?$")
+JOINING = Descriptor("join")  # the join's own allgather
+JOINED = Descriptor("join", stage="done")  # its last lap
 
 
 @dataclass(frozen=True)
@@ -91,47 +93,59 @@ class Refuse:
 Stand = Zeros | Along | Refuse
 
 
-def stand_in(descriptor: str) -> Stand | None:
+def stand_in(descriptor: Descriptor) -> Stand | None:
     """What a joined rank does for a collective of ``descriptor`` (None: nothing, a join's own).
 
-    Pure: tested without sockets. Adasum's allreduces are Zeros too (adasum.py parses the rest).
+    Pure: tested without sockets. Adasum's allreduces are Zeros too (adasum.py reads their parts).
     """
-    kind = descriptor.split(" ", 1)[0]
+    kind = descriptor.kind
     if kind == "join":
         return None  # a later join of the others: this rank opens it itself once this one is over
     if kind == "barrier":
         return Along()
-    match = _ALLREDUCE.match(descriptor.split(" parts=", 1)[0])
-    if match is not None:
-        shape = ast.literal_eval(match["shape"])
-        return Zeros(np.dtype(match["dtype"]), tuple(shape), match["op"], match["codec"])
+    if (kind == "allreduce" and descriptor.dtype and descriptor.shape is not None and descriptor.op
+            and not descriptor.stage and not descriptor.problem):
+        try:
+            dtype = np.dtype(descriptor.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is not None:
+            return Zeros(dtype, descriptor.shape, descriptor.op, descriptor.codec or None)
     what = kind or "a collective"
     return Refuse(f"{what} is not supported while a rank has joined (as in Horovod: only allreduce and barrier are)")
 
 
-async def _stand(session: Session, key: str, descriptor: str, *, chunk_bytes: int, timeout_s: float) -> None:
+def _read(text: str) -> Descriptor:
+    """What a frame says of its collective, or, if it is no descriptor, a collective to refuse."""
+    try:
+        return Descriptor.parse(text)
+    except ProtocolError:
+        return Descriptor("")
+
+
+async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_bytes: int, timeout_s: float) -> None:
     """Opens the others' collective ``key`` on this joined rank, as ``stand_in`` decides."""
     plan = stand_in(descriptor)
     world = session.place.size
     if plan is None:
         return
     if isinstance(plan, Refuse):
-        await executor.run(session, None, f"joined: {plan.reason}", timeout_s,
-                           programs.confirm(ring_of(session), REFUSE_SLOT), Values(), key=key)
+        await refusal.lap(session, None, Descriptor("joined", problem=plan.reason), timeout_s, key=key)
         return
     if isinstance(plan, Along):
         buf = np.zeros(1, dtype=np.int32)
         program = programs.ring_reduce(ring_of(session), segment_bounds(1, world), 1, gather=True)
-        await executor.run(session, None, descriptor, timeout_s, program, collectives.Raw(buf, buf, "sum", world), key=key)
+        await executor.run(session, None, descriptor, timeout_s, program, Raw(buf, buf, "sum", world), key=key)
         return
     zeros = np.zeros(plan.shape, dtype=plan.dtype)
     if plan.op == "adasum":
         await adasum.stand_in(session, key, descriptor, zeros, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         return
     flat = zeros.reshape(-1)
-    values = _values(flat, np.empty_like(flat), plan.op, world, _coder(zeros, plan.op, plan.codec, None), None)
+    values = reduction_values(flat, np.empty_like(flat), plan.op, world, codec_for(zeros, plan.op, plan.codec, None),
+                              None)
     program = programs.ring_reduce(ring_of(session), segment_bounds(flat.size, world),
-                                   _chunk_elems(flat.dtype, chunk_bytes), gather=True)
+                                   chunk_elems(flat.dtype, chunk_bytes), gather=True)
     await executor.run(session, None, descriptor, timeout_s, program, values, key=key)
 
 
@@ -187,7 +201,7 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
         if base == JOIN or key in served or spec or not number.isdigit():
             return
         served.add(key)
-        task = loop.create_task(_stand(session, key, descriptor, chunk_bytes=chunk_bytes, timeout_s=timeout_s),
+        task = loop.create_task(_stand(session, key, _read(descriptor), chunk_bytes=chunk_bytes, timeout_s=timeout_s),
                                 name=f"ringserve-join-stand-{key}")
         stands.add(task)
         task.add_done_callback(done)
@@ -200,7 +214,7 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
         numbering = plane.numbering
         mine = json.dumps([numbering.opened, time.time(), numbering.counts()]).encode()
         blocks = await collectives.allgather_blocks(
-            session, np.frombuffer(mine, dtype=np.uint8), row=1, name=JOIN, descriptor="join",
+            session, np.frombuffer(mine, dtype=np.uint8), row=1, name=JOIN, descriptor=JOINING,
             chunk_bytes=chunk_bytes, timeout_s=join_timeout_s)
         gathered = [_arrival(b, r) for r, b in enumerate(blocks)]
         union: dict[str, int] = {}
@@ -220,7 +234,7 @@ async def join(session: Session, *, chunk_bytes: int, timeout_s: float, join_tim
         # A last lap: no rank leaves join (and starts new collectives) before every rank has stopped
         # standing in, so no rank takes a collective of after the join for one of before.
         plane.on_unopened = None
-        await executor.run(session, JOIN, "join done", join_timeout_s, programs.confirm(ring_of(session), 0), Values())
+        await executor.run(session, JOIN, JOINED, join_timeout_s, programs.confirm(ring_of(session), 0), Values())
         numbering.opened = 0  # the next join compares what the ranks did after this one
         return last_to_join([(opened, clock) for opened, clock, _ in gathered])
     finally:

@@ -31,11 +31,12 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError
 from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks
 
 if TYPE_CHECKING:
-    from ringserve.worker.dataplane.plane import Plane
+    from ringserve.worker.dataplane.session import ViewPlane
 
 
 def pair(src: int, dst: int) -> tuple[int, int]:
@@ -49,8 +50,8 @@ def pair(src: int, dst: int) -> tuple[int, int]:
     return (int(src), int(dst))
 
 
-def _descriptor(flat: np.ndarray) -> str:
-    return f"message {flat.dtype} x{flat.size}"
+def _descriptor(flat: np.ndarray) -> Descriptor:
+    return Descriptor("message", dtype=flat.dtype.name, count=flat.size)
 
 
 def _check(session: Session, position: int, what: str) -> None:
@@ -97,7 +98,7 @@ async def recv(session: Session, out: np.ndarray, *, name: str, chunk_bytes: int
     return out
 
 
-async def recv_any(plane: Plane, out: np.ndarray, *, name: str, sources: Sequence[int], chunk_bytes: int,
+async def recv_any(plane: ViewPlane, out: np.ndarray, *, name: str, sources: Sequence[int], chunk_bytes: int,
                    timeout_s: float) -> int:
     """Receives into ``out`` the next message called ``name`` from whichever of the view ranks
     ``sources`` sent one first (the lowest rank among those already here), and returns its rank.

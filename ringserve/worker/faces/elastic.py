@@ -1,31 +1,29 @@
-"""What elastic training (ringserve/elastic.py) asks of a worker, as the Worker's base class.
+"""What elastic training (ringserve.elastic) asks of a worker, as one face: ``worker.elastic``.
 
 The commit this worker holds and its report to the coordinator, whether it leaves at the current
 commit, the wait for a newer view, the job's committed mark, the admission of waiting workers at a
-commit, and a sighting of another worker. Each call is a thin step over the worker's parts: the
-``Lifeline`` (loops.py: heartbeats, which carry the commit), the coordinator's ``ControlClient``
-and the planes. Calls that change loop-owned state from another thread go through ``on_loop``.
+commit, and a sighting of another worker. Each call is a thin step over the node's parts: the
+``Lifeline`` (control/loops.py: heartbeats, which carry the commit), the coordinator's
+``ControlClient`` and the planes. Calls that change loop-owned state from another thread go
+through ``on_loop``.
+
+``Worker``'s elastic methods (``worker.report_committed``, ...) are delegates to this face.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Sequence
-
-import grpc
+from collections.abc import Sequence
 
 from ringserve.commits import Commit, Mark, Seen
-from ringserve.config import WorkerConfig
 from ringserve.errors import RingserveError
 from ringserve.worker.control import sighting
-from ringserve.worker.control.client import ControlClient
-from ringserve.worker.control.loops import Lifeline
 from ringserve.worker.control.standing import on_loop
-from ringserve.worker.dataplane.registry import Planes
-from ringserve.worker.facade import Facade
+from ringserve.worker.node import Node
 
 log = logging.getLogger("ringserve.worker")
+
+__all__ = ["Elastic", "no_view_within"]
 
 
 def no_view_within(address: str, newer_than: int, timeout_s: float) -> str:
@@ -33,22 +31,15 @@ def no_view_within(address: str, newer_than: int, timeout_s: float) -> str:
     return f"The worker at {address} was in no view newer than {newer_than} within {timeout_s:g} s."
 
 
-class ElasticHooks(Facade):
-    """Elastic training's calls on a Worker (its base class: the Worker provides the parts)."""
+class Elastic:
+    """Elastic training's calls on a worker, over its node.
 
-    config: WorkerConfig
-    worker_id: str
-    _loop: asyncio.AbstractEventLoop | None
-    _lifeline: Lifeline | None
-    _control: ControlClient | None
-    _planes: Planes
-    _closed: bool
+    Args:
+        node: the worker's node, which owns the lifeline and the control client.
+    """
 
-    async def _wait_for_view(self, ready: Callable[[], bool], timeout_s: float, message: str) -> None:
-        raise NotImplementedError
-
-    def _make_channel(self, address: str) -> grpc.aio.Channel:
-        raise NotImplementedError
+    def __init__(self, node: Node) -> None:
+        self._node = node
 
     # -- calls from other threads, routed to the loop --------------------------------------
 
@@ -56,7 +47,7 @@ class ElasticHooks(Facade):
     def committed(self) -> Commit | None:
         """The commit this worker's elastic state holds (None before its first sync): a read of an
         immutable value, which only report_committed (on the loop, waited for) replaces."""
-        lifeline = self._lifeline
+        lifeline = self._node.lifeline
         return lifeline.held.committed if lifeline is not None else None
 
     def report_committed(self, commit: Commit, *, now: bool = False, view: int = 0) -> None:
@@ -67,29 +58,29 @@ class ElasticHooks(Facade):
         the coordinator must know who holds what before the new view's members are admitted
         with nothing (callable from any thread; it holds once this returns).
         """
-        on_loop(self._loop, self._committed, commit, now, view, wait_s=self.config.rpc_timeout_s)
+        on_loop(self._node.loop, self._committed, commit, now, view, wait_s=self._node.config.rpc_timeout_s)
 
     def _committed(self, commit: Commit, now: bool, view: int) -> None:
-        lifeline = self._lifeline
+        lifeline = self._node.lifeline
         if lifeline is None:
             return
         lifeline.held.hold(commit, view)
-        if now and not self._closed:
+        if now and not self._node.closed:
             lifeline.heartbeat_now.set()
 
     @property
     def leaving(self) -> bool:
         """Whether this worker leaves at the current commit (elastic, SIGTERM): the coordinator
         drops it then, and a heartbeat answered "unknown" must not make it rejoin."""
-        return self._lifeline is not None and self._lifeline.leaving
+        return self._node.lifeline is not None and self._node.lifeline.leaving
 
     @leaving.setter
     def leaving(self, leaving: bool) -> None:
-        on_loop(self._loop, self._set_leaving, leaving, wait_s=self.config.rpc_timeout_s)
+        on_loop(self._node.loop, self._set_leaving, leaving, wait_s=self._node.config.rpc_timeout_s)
 
     def _set_leaving(self, leaving: bool) -> None:
-        if self._lifeline is not None:
-            self._lifeline.leaving = leaving
+        if self._node.lifeline is not None:
+            self._node.lifeline.leaving = leaving
 
     # -- on the loop ---------------------------------------------------------------------
 
@@ -101,11 +92,11 @@ class ElasticHooks(Facade):
             ViewInstallError: a view could not be installed, and the worker left.
         """
         def ready() -> bool:
-            plane = self._planes.current
+            plane = self._node.planes.current
             return plane is not None and plane.view_id > newer_than
 
-        await self._wait_for_view(ready, timeout_s, no_view_within(self.address, newer_than, timeout_s))
-        plane = self._planes.current
+        await self._node.wait_for_view(ready, timeout_s, no_view_within(self._node.address, newer_than, timeout_s))
+        plane = self._node.planes.current
         assert plane is not None
         return plane.view_id
 
@@ -116,20 +107,20 @@ class ElasticHooks(Facade):
         last heartbeat answer carried, without holders, and a warning: a sync must not wait on
         the coordinator, and that mark is at most a heartbeat old.
         """
-        assert self._control is not None and self._lifeline is not None
+        assert self._node.control is not None and self._node.lifeline is not None
         try:
-            return await self._control.commit_mark(self.worker_id)
+            return await self._node.control.commit_mark(self._node.worker_id)
         except RingserveError as exc:
-            heard = self._lifeline.heard_mark
+            heard = self._node.lifeline.heard_mark
             log.warning("%s: could not ask the coordinator for the job's last commit (%s); using %s from a heartbeat",
-                        self.tag, exc, heard or "none")
+                        self._node.tag, exc, heard or "none")
             return Mark(heard)
 
     async def wait_reported(self, commit: Commit, timeout_s: float) -> bool:
         """Whether the coordinator has recorded ``commit``, waiting up to timeout_s (see
         worker/control/reports.py: not at all while the coordinator does not answer)."""
-        assert self._lifeline is not None
-        return await self._lifeline.held.wait(commit, timeout_s)
+        assert self._node.lifeline is not None
+        return await self._node.lifeline.held.wait(commit, timeout_s)
 
     async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
         """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
@@ -140,16 +131,16 @@ class ElasticHooks(Facade):
             How many the next view adds. A new view comes either way (with the same members if
             nobody is waiting any more), so every rank that waits for a newer view gets one.
         """
-        assert self._control is not None
-        return await self._control.admit(self.worker_id, view_id or self.view_id, leaving)
+        assert self._node.control is not None
+        return await self._node.control.admit(self._node.worker_id, view_id or self._node.standing.current().view_id, leaving)
 
     @property
     def heartbeat_interval_s(self) -> float:
         """The heartbeat interval the coordinator gave this worker (rpc_timeout_s before it joined)."""
-        return self._lifeline.heartbeat_interval_s if self._lifeline is not None else self.config.rpc_timeout_s
+        return self._node.lifeline.heartbeat_interval_s if self._node.lifeline is not None else self._node.config.rpc_timeout_s
 
     async def sight(self, worker_id: str, address: str) -> Seen:
         """Whether the worker ``worker_id`` still listens at ``address`` (ringserve.worker.control.sighting),
         within a heartbeat interval: a worker that cannot answer in one cannot heartbeat either."""
-        timeout = min(self.config.rpc_timeout_s, self.heartbeat_interval_s)
-        return await sighting.sight(worker_id, address, self._make_channel, timeout)
+        timeout = min(self._node.config.rpc_timeout_s, self.heartbeat_interval_s)
+        return await sighting.sight(worker_id, address, self._node.make_channel, timeout)

@@ -1,139 +1,103 @@
-"""The Worker's public face: where it stands, and its collectives.
+"""The worker's collectives, as one face: ``worker.collectives.allreduce(...)`` and the rest.
 
-- Where it stands (rank, size, view, ...) is read from the ``Standing`` its loop publishes
-  (standing.py), so any thread may ask.
-- Each collective takes the session it runs on from ``_set_session`` (the whole current view, or
-  the sub-ring of a process set, see process_sets.py) on the loop, at the moment it starts: the view
-  and the ring are fixed before the first frame, and the arguments are checked (collectives.py)
+- Each collective takes the session it runs on (the whole current view, or the sub-ring of a
+  process set, see ops/process_sets.py) from the node's current plane (``Node.plane``: checked
+  against the pin and the worker's failure), on the loop, at the moment it starts: the view and
+  the ring are fixed before the first frame, and the arguments are checked (ops/collectives.py)
   before anything is sent.
 - Process sets are registered and removed here, collectively over the whole view (every rank's
-  request is gathered, then every rank decides alike: set_policy.py).
+  request is gathered, then every rank decides alike: ops/set_policy.py). The registry of the
+  view's sets is this face's own.
+
+``Worker``'s collective methods (``worker.allreduce``, ...) are delegates to this face.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
-from ringserve.worker.control.standing import Standing
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import adasum, collectives, grouped
 from ringserve.worker.ops import join as joining
 from ringserve.worker.ops import process_sets as sets
+from ringserve.worker.ops.arguments import non_finite_error
 from ringserve.worker.ops.process_sets import ProcessSet, Registry, WholeWorld
 from ringserve.worker.ops.set_policy import root_position
 
+__all__ = ["Collectives", "PlaneSource"]
 
-class Facade:
-    """The public face of a Worker (its base class: the Worker provides ``_plane`` and
-    publishes ``_standing``)."""
 
-    config: WorkerConfig
-    address: str
-    _standing: Standing
-    _metrics: Any
-    _process_sets: Registry
-    _pinned: int | None
-    _registering: asyncio.Lock
-
-    def _labels(self) -> tuple[int, int]:
-        standing = self._standing
-        return (standing.place.rank, standing.place.view_id) if standing.place is not None else (-1, standing.latest_view)
+class PlaneSource(Protocol):
+    """What the collectives need of the worker's node (node.Node; the simulator's stand-in)."""
 
     @property
-    def metrics_url(self) -> str | None:
-        """Where Prometheus scrapes this worker, when metrics_port is set."""
-        return self._metrics.url if self._metrics is not None else None
+    def config(self) -> WorkerConfig: ...
 
     @property
-    def rank(self) -> int:
-        return self._standing.known().rank
+    def pinned(self) -> int | None: ...
 
-    @property
-    def size(self) -> int:
-        return self._standing.known().size
+    def plane(self) -> Plane: ...
 
-    @property
-    def local_rank(self) -> int:
-        return self._standing.known().local_rank
 
-    @property
-    def local_size(self) -> int:
-        return self._standing.known().local_size
+class Collectives:
+    """The collectives of one worker, over its node's current plane.
 
-    @property
-    def cross_rank(self) -> int:
-        return self._standing.known().cross_rank
+    Example::
 
-    @property
-    def cross_size(self) -> int:
-        return self._standing.known().cross_size
+        total = await worker.collectives.allreduce(np.ones(4), op="sum")
 
-    @property
-    def view_id(self) -> int:
-        return self._standing.current().view_id
+    Args:
+        node: the worker's node, which owns the planes (any ``PlaneSource``).
+    """
 
-    @property
-    def latest_view(self) -> int:
-        """The newest view this worker has heard of (it may not be a member)."""
-        return self._standing.latest_view
+    def __init__(self, node: PlaneSource) -> None:
+        self._node = node
+        self.sets = Registry()  # this view's process sets (ops/process_sets.py)
+        self._registering = asyncio.Lock()  # one registration at a time, in call order
 
-    @property
-    def pending_workers(self) -> int:
-        """Workers waiting to join, as the last heartbeat answer about the current view said."""
-        return self._standing.pending_workers
+    def plane(self) -> Plane:
+        """The plane collectives run on now (see ``Node.plane``), its process sets entered."""
+        plane = self._node.plane()
+        self.sets.enter(plane.view_id, plane.place.rank, plane.place.size)
+        return plane
 
-    @property
-    def tag(self) -> str:
-        """"rank R view V" (or "worker ADDRESS view V" outside any view), for log lines."""
-        return self._standing.tag(self.address)
-
-    @property
-    def running_view(self) -> int:
-        """The view collectives run in: the pinned one, else the current one (0 if none)."""
-        return self._standing.running_view
-
-    # -- collectives -----------------------------------------------------------------------
-
-    def _plane(self) -> Plane:
-        """The plane collectives run on now (the Worker checks the view and the pin)."""
-        raise NotImplementedError
-
-    def _session(self, members: Sequence[int] | None = None) -> Session:
+    def session(self, members: Sequence[int] | None = None) -> Session:
         """The session collectives run on now: the whole current view, or a sub-ring of it."""
-        return self._plane().session(None if members is None else tuple(members))
+        return self.plane().session(None if members is None else tuple(members))
 
-    def _set_session(self, process_set: ProcessSet | None) -> Session:
+    def set_session(self, process_set: ProcessSet | None) -> Session:
         """The session a collective on ``process_set`` (None: the global set) runs on now.
 
         Raises:
             InvalidArgumentError: not a ProcessSet; a set not registered here, or without this rank.
             RingChangedError: the set was registered in an earlier view (see process_sets.py).
         """
-        plane = self._plane()
+        plane = self.plane()
         if process_set is None or isinstance(process_set, WholeWorld):
             return plane.session(None)
         if not isinstance(process_set, ProcessSet):
             raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
-        return plane.session(self._process_sets.lookup(process_set, synced_here=self._pinned == plane.view_id))
+        return plane.session(self.sets.lookup(process_set, synced_here=self._node.pinned == plane.view_id))
 
     def _rooted(self, process_set: ProcessSet | None, root: int) -> tuple[Session, int]:
         """The session of a rooted collective, and its root's position in it (roots are global
         ranks, as in Horovod)."""
-        session = self._set_session(process_set)
+        session = self.set_session(process_set)
         if session.spec == "":
             return session, root
         assert process_set is not None
         return session, root_position(session.ring.members, root, process_set.process_set_id)
 
     def _opts(self) -> dict[str, Any]:
-        return {"chunk_bytes": self.config.chunk_bytes, "timeout_s": self.config.collective_timeout_s}
+        config = self._node.config
+        return {"chunk_bytes": config.chunk_bytes, "timeout_s": config.collective_timeout_s}
 
     async def allreduce(
         self,
@@ -166,23 +130,23 @@ class Facade:
         only, as a ring of its own (an average divides by its size); None is the global set. Only
         its members call it.
         """
-        session = self._set_session(process_set)
+        session = self.set_session(process_set)
         if op == "adasum":
             if compression is not None or residual is not None:
                 raise InvalidArgumentError("op adasum takes no compression and no residual.")
             result = await adasum.allreduce(session, a, name=name, out=out,
                                             parts=None if parts is None else list(parts), **self._opts())
             if check_finite and not np.isfinite(result).all():
-                raise collectives._non_finite_error(name or "adasum")
+                raise non_finite_error(name or "adasum")
             return result
         if parts is not None:
             raise InvalidArgumentError("parts is for op adasum only.")
         return await collectives.allreduce(session, a, op=op, name=name, out=out, compression=compression,
                                            residual=residual, check_finite=check_finite, **self._opts())
 
-    async def _allreduce_among(self, members: Sequence[int], a: Any, op: str = "average", name: str | None = None,
+    async def allreduce_among(self, members: Sequence[int], a: Any, op: str = "average", name: str | None = None,
                                out: np.ndarray | None = None) -> np.ndarray:
-        """Internal: an allreduce over the ranks ``members`` of the current view only, as a ring in
+        """An allreduce over the ranks ``members`` of the current view only, as a ring in
         that order, concurrently with the view's other collectives (process sets run on the same
         sessions, in sorted order). Every member must call it with the same members in the same order; an
         average divides by their number. Its key is counted apart from the whole view's (see
@@ -191,7 +155,7 @@ class Facade:
         Raises:
             InvalidArgumentError: members repeat, fall outside the view, or leave this rank out.
         """
-        return await collectives.allreduce(self._session(members), a, op=op, name=name, out=out, **self._opts())
+        return await collectives.allreduce(self.session(members), a, op=op, name=name, out=out, **self._opts())
 
     async def broadcast(self, a: Any, root: int = 0, name: str | None = None, *,
                         process_set: ProcessSet | None = None) -> np.ndarray:
@@ -203,7 +167,7 @@ class Facade:
     async def allgather(self, a: Any, name: str | None = None, *, process_set: ProcessSet | None = None) -> np.ndarray:
         """Concatenates every rank's ``a`` along axis 0, in rank order (first dimensions may differ);
         over a process set, its members' in the set's (sorted) rank order."""
-        return await collectives.allgather(self._set_session(process_set), a, name=name, **self._opts())
+        return await collectives.allgather(self.set_session(process_set), a, name=name, **self._opts())
 
     async def reduce_scatter(
         self, a: Any, op: str = "average", name: str | None = None, *, compression: str | None = None,
@@ -211,7 +175,7 @@ class Facade:
     ) -> np.ndarray:
         """Reduces ``a`` and returns this rank's part along axis 0 (the first ranks get a row more);
         over a process set, parts go by the rank within the set (``ProcessSet.rank()``)."""
-        return await collectives.reduce_scatter(self._set_session(process_set), a, op=op, name=name,
+        return await collectives.reduce_scatter(self.set_session(process_set), a, op=op, name=name,
                                                 compression=compression, **self._opts())
 
     async def alltoall(self, a: Any, splits: Any = None, name: str | None = None, *,
@@ -219,13 +183,13 @@ class Facade:
         """Sends ``splits[d]`` rows of ``a`` to rank d (an even split of axis 0 without splits);
         returns the rows every rank sent this one, in rank order, and how many came from each.
         Over a process set, d counts the set's members (its rank within the set)."""
-        return await collectives.alltoall(self._set_session(process_set), a, splits=splits, name=name,
+        return await collectives.alltoall(self.set_session(process_set), a, splits=splits, name=name,
                                           **self._opts())
 
     async def grouped_allgather(self, arrays: Sequence[Any], name: str | None = None, *,
                                 process_set: ProcessSet | None = None) -> list[np.ndarray]:
         """allgather of each array of a list, in one collective."""
-        return await grouped.grouped_allgather(self._set_session(process_set), list(arrays), name=name,
+        return await grouped.grouped_allgather(self.set_session(process_set), list(arrays), name=name,
                                                **self._opts())
 
     async def grouped_reduce_scatter(self, arrays: Sequence[Any], op: str = "average", name: str | None = None, *,
@@ -233,7 +197,7 @@ class Facade:
                                      process_set: ProcessSet | None = None) -> list[np.ndarray]:
         """reduce_scatter of each array of a list, in one collective per dtype (and codec: one for
         every floating point array, or one per array)."""
-        return await grouped.grouped_reduce_scatter(self._set_session(process_set), list(arrays), op=op, name=name,
+        return await grouped.grouped_reduce_scatter(self.set_session(process_set), list(arrays), op=op, name=name,
                                                     compression=compression, **self._opts())
 
     async def join(self) -> int:
@@ -241,12 +205,12 @@ class Facade:
         others' allreduces with zeros (and refuses their other collectives, as Horovod does; see
         join.py); returns the rank that joined last, the same on every rank. A join is over the
         whole view: collectives over sub-rings are not stood in for."""
-        return await joining.join(self._session(), chunk_bytes=self.config.chunk_bytes,
-                                  timeout_s=self.config.collective_timeout_s, join_timeout_s=self.config.join_timeout_s)
+        return await joining.join(self.session(), chunk_bytes=self._node.config.chunk_bytes,
+                                  timeout_s=self._node.config.collective_timeout_s, join_timeout_s=self._node.config.join_timeout_s)
 
     async def barrier(self, *, process_set: ProcessSet | None = None) -> None:
         """Returns once every rank (of ``process_set``, if given) has called barrier."""
-        await collectives.barrier(self._set_session(process_set), timeout_s=self.config.collective_timeout_s)
+        await collectives.barrier(self.set_session(process_set), timeout_s=self._node.config.collective_timeout_s)
 
     async def broadcast_object(self, obj: object = None, root: int = 0, name: str | None = None, *,
                                process_set: ProcessSet | None = None) -> object:
@@ -257,7 +221,7 @@ class Facade:
     async def allgather_object(self, obj: object, name: str | None = None, *,
                                process_set: ProcessSet | None = None) -> list[object]:
         """Returns every rank's picklable ``obj`` in rank order (the set's members' over a set)."""
-        return await collectives.allgather_object(self._set_session(process_set), obj, name=name, **self._opts())
+        return await collectives.allgather_object(self.set_session(process_set), obj, name=name, **self._opts())
 
     # -- process sets ----------------------------------------------------------------------
 
@@ -273,8 +237,8 @@ class Facade:
                 global set), or the ranks of a set registered already.
         """
         async with self._registering:
-            plane = self._plane()
-            return await sets.register(plane.session(None), self._process_sets, process_set, **self._opts())
+            plane = self.plane()
+            return await sets.register(plane.session(None), self.sets, process_set, **self._opts())
 
     async def add_process_sets(self, process_sets: Iterable[ProcessSet | Iterable[int]]) -> list[ProcessSet]:
         """Registers a list of process sets at once, all or none, as Horovod's
@@ -286,8 +250,8 @@ class Facade:
                 says), two sets of the list have the same ranks, or the ranks' lists differ.
         """
         async with self._registering:
-            plane = self._plane()
-            return await sets.register_init(plane.session(None), self._process_sets, list(process_sets),
+            plane = self.plane()
+            return await sets.register_init(plane.session(None), self.sets, list(process_sets),
                                             **self._opts())
 
     async def remove_process_set(self, process_set: ProcessSet) -> None:
@@ -299,12 +263,12 @@ class Facade:
                 in this view, or when the ranks asked to remove different sets.
         """
         async with self._registering:
-            plane = self._plane()
-            await sets.unregister(plane.session(None), self._process_sets, process_set, **self._opts())
+            plane = self.plane()
+            await sets.unregister(plane.session(None), self.sets, process_set, **self._opts())
 
     def process_sets(self) -> dict[int, list[int]]:
         """The process sets registered in the current view, id -> ranks, the global set (0) included."""
-        plane = self._plane()
+        plane = self.plane()
         registered = {0: list(range(plane.place.size))}
-        registered.update((sid, list(ranks)) for sid, ranks in sorted(self._process_sets.sets.items()))
+        registered.update((sid, list(ranks)) for sid, ranks in sorted(self.sets.sets.items()))
         return registered

@@ -1,0 +1,62 @@
+"""Deadlines, slacks and backoffs that are not settings: one home for each, with its reason.
+
+What a user may tune lives in the config objects (ringserve.config); what follows from the design
+lives here, so that a value written in two places cannot drift. Pure: imports nothing.
+"""
+
+from __future__ import annotations
+
+# -- the worker's control loops --------------------------------------------------------------
+
+# A broken view watch is watched again after this, doubling each time up to the maximum: soon
+# enough after a coordinator restart, and no faster than a reconnect a second once it stays away.
+WATCH_BACKOFF_FIRST_S = 0.05
+WATCH_BACKOFF_MAX_S = 1.0
+
+# -- the worker's node -----------------------------------------------------------------------
+
+# The peer server's grace at close(): collectives were drained already (drain_timeout_s), so what
+# is left are streams the peers are closing too; half a second lets their last frames go.
+SERVER_STOP_GRACE_S = 0.5
+
+# -- waiting from another thread -------------------------------------------------------------
+
+# A thread that waits for a call on the worker's loop gives up this long after the call's own
+# deadline: the call fails first, by its own deadline and with its own error; the slack only
+# covers the loop's delay in reporting it, and is the backstop should the loop be stuck.
+THREAD_WAIT_SLACK_S = 10.0
+# The same for a torch.distributed Work: a group's ops run on the loop one after another, so a
+# Work's wait also covers the ops queued ahead of it (DDP starts a bucket's allreduce as soon as
+# its gradients are in); three times the thread's slack keeps a long queue from timing out first.
+WORK_WAIT_SLACK_S = 30.0
+
+# -- elastic training ------------------------------------------------------------------------
+
+# How long survivors wait for a new world (and the launcher for its -np slots): Horovod's default
+# (HOROVOD_ELASTIC_TIMEOUT), so that scripts and schedulers tuned for it behave alike.
+ELASTIC_TIMEOUT_S = 600.0
+# How long a remote worker may take to start over ssh: Horovod's default (HOROVOD_START_TIMEOUT).
+REMOTE_START_TIMEOUT_S = 30.0
+
+# -- an embedded coordinator (ringserve run, torchrun's rank 0) --------------------------------
+
+# A job of a fixed size waits only this long after the last join before forming the first view:
+# every worker it waits for is already there, and a longer settle only delays the start.
+FIXED_JOB_SETTLE_S = 0.2
+# Binding a port and starting a gRPC server takes well under a second; this is for a loaded host.
+COORDINATOR_START_S = 30.0
+# By the time an embedded coordinator stops, its workers have left: the grace only lets the last
+# answers go out, and the wait for the stop bounds a server that does not go.
+COORDINATOR_STOP_GRACE_S = 0.2
+COORDINATOR_STOP_WAIT_S = 10.0
+# How often the launcher looks at its workers' exit codes (a failure ends the run within it), and
+# rank 0's coordinator at whether the other workers have left.
+POLL_S = 0.05
+
+# -- the coordinator -------------------------------------------------------------------------
+
+# The longest the coordinator waits for a suspect's health answer (at most half a heartbeat
+# timeout): a dead process refuses the probe at once, so the wait only matters for a stopped or
+# cut off one, which heartbeats catch anyway; much shorter, and a loaded machine's live worker
+# would fail its probe and be dropped for nothing.
+PROBE_TIMEOUT_MAX_S = 2.5

@@ -1,0 +1,84 @@
+"""The coordinator's probes of suspect workers: the effect of membership's ``Probe`` action.
+
+A peer reported a worker as unreachable; the coordinator dials that worker's health service, and
+the answer (alive or not) goes back to the state machine as a ``ProbeResult``. Each probe is a
+task owned here, cancelled and awaited at ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ringserve.constants import PROBE_TIMEOUT_MAX_S
+from ringserve.coordinator import membership
+from ringserve.security import Security
+
+log = logging.getLogger("ringserve.coordinator")
+
+__all__ = ["Prober"]
+
+OnResult = Callable[[str, bool], None]  # (worker id, alive)
+
+
+class Prober:
+    """Probes suspects, one task each, and reports each answer through ``on_result``.
+
+    Args:
+        security: the job's TLS and token, to dial a worker's peer server with.
+        heartbeat_timeout_s: the job's heartbeat timeout; a probe waits at most half of it.
+        on_result: told (worker id, alive) when a probe ends.
+    """
+
+    def __init__(self, security: Security, heartbeat_timeout_s: float, on_result: OnResult) -> None:
+        self._security = security
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._on_result = on_result
+        self.timeout_s = min(PROBE_TIMEOUT_MAX_S, heartbeat_timeout_s / 2)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def running(self) -> int:
+        """The probes in flight."""
+        return len(self._tasks)
+
+    def start(self, probe: membership.Probe) -> None:
+        """Starts probing ``probe``'s worker."""
+        task = asyncio.get_running_loop().create_task(self._probe(probe), name="ringserve-probe")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, probe: membership.Probe) -> None:
+        """Asks a suspect's health service whether it still answers, within timeout_s."""
+        alive = False
+        try:
+            async with self._security.channel(probe.address) as channel:
+                answer = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.timeout_s
+                )
+                alive = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            alive = False
+        except Exception as exc:  # a worker whose address cannot even be dialled is not answering
+            log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
+            alive = False
+        log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
+        if alive:
+            log.warning(
+                "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
+                "dropping a worker if a link is still down in %g s", probe.worker_id, self._heartbeat_timeout_s,
+            )
+        self._on_result(probe.worker_id, alive)
+
+    async def close(self) -> None:
+        """Cancels the probes in flight and waits for them to end."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
