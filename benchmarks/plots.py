@@ -8,11 +8,11 @@ Reads what the benchmarks wrote with ``--json`` (see _results.py) and draws, as 
 - ``allreduce-busbw.svg`` (allreduce.py): bus bandwidth against size, one panel per world, for
   ringserve through shared memory, ringserve stream-only, gloo, and any other ringserve lane the
   JSON has a ``*_ms`` column for (the payload lane once it lands);
-- ``training-step.svg`` (training_step.py): step time against world size for each configuration,
-  with one process alone at world 1;
+- ``training-step.svg`` (training_step.py): step time and CPU time per step against world size for
+  each configuration, with one process alone at world 1;
 - ``wan.svg`` (wan.py): the WAN step time of each configuration;
-- ``failover-<name>.svg`` (the chaos tests, CHAOS_TIMELINE_DIR): every worker's committed step over
-  time, with the faults marked.
+- ``failover-<name>.svg`` (the chaos tests, CHAOS_TIMELINE_DIR): the job's committed step over time,
+  and each worker process's life, with the faults marked.
 
 Each chart's subtitle gives its run's date, the machine and the load average at the end of the
 run, so that a chart is never read without the conditions it was measured in. A file that is
@@ -107,27 +107,33 @@ def allreduce_chart(record: dict[str, Any], out: pathlib.Path) -> None:
 
 
 def training_chart(record: dict[str, Any], out: pathlib.Path) -> None:
-    """Step time against world size, one line per configuration."""
+    """Step time, and CPU time per step, against world size: one line per configuration."""
     rows = record["rows"]
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7.2, 4.4))
     alone = record.get("alone_ms")
     colors = ["#e65100", "#1565c0", "#43a047", "#6a1b9a", "#00838f"]
+    fig, (wall, cpu) = plt.subplots(1, 2, figsize=(11.5, 4.4))
     for i, run in enumerate(runs):
-        mine = sorted((int(r["world"]), number(r["step"])) for r in rows if r["run"] == run)
-        worlds = [w for w, _ in mine]
-        steps = [s for _, s in mine]
-        if alone:
-            worlds, steps = [1, *worlds], [alone, *steps]
-        ax.plot(worlds, steps, marker="o", color=colors[i % len(colors)], label=run, linewidth=1.8)
-    all_worlds = sorted({int(r["world"]) for r in rows} | ({1} if alone else set()))
-    ax.set_xticks(all_worlds)
-    ax.set_xlabel("world size (workers on one host)" + ("; world 1: one process alone" if alone else ""))
-    ax.set_ylabel("step time, ms (lower is better)")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=9)
-    fig.suptitle("Training step (MLP 784-2048-2048-10, batch 64 per worker), best of the rounds", fontsize=11)
+        mine = sorted((int(r["world"]), number(r["step"]), number(r["cpu"])) for r in rows if r["run"] == run)
+        worlds, steps, cpus = [w for w, _, _ in mine], [s for _, s, _ in mine], [c for _, _, c in mine]
+        color = colors[i % len(colors)]
+        wall.plot([1, *worlds] if alone else worlds, [alone, *steps] if alone else steps, marker="o", color=color,
+                  label=run, linewidth=1.8)
+        cpu.plot(worlds, cpus, marker="o", color=color, label=run, linewidth=1.8)
+    all_worlds = sorted({int(r["world"]) for r in rows})
+    wall.set_xticks(sorted({*all_worlds, *([1] if alone else [])}))
+    wall.set_xlabel("world size (workers on one host)" + ("; 1: one process alone" if alone else ""))
+    wall.set_ylabel("step time, ms, slowest rank (lower is better)")
+    cpu.set_xticks(all_worlds)
+    cpu.set_xlabel("world size (workers on one host)")
+    cpu.set_ylabel("CPU ms per step, all ranks together")
+    for ax in (wall, cpu):
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    wall.set_title("wall time", fontsize=10)
+    cpu.set_title("CPU time (moves much less with the machine's load)", fontsize=10)
+    wall.legend(fontsize=8)
+    fig.suptitle("Training step (MLP 784-2048-2048-10, batch 64 per worker): DDP over gloo and ringserve", fontsize=11)
     fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
     _save(fig, out / "training-step.svg")
 
@@ -158,26 +164,44 @@ def wan_chart(record: dict[str, Any], out: pathlib.Path) -> None:
 
 
 def failover_chart(record: dict[str, Any], out: pathlib.Path, stem: str) -> None:
-    """Every worker's committed step over time, the faults marked."""
+    """The job's committed step over time, and each worker process's life, the faults marked."""
     commits = record["commits"]
-    fig, ax = plt.subplots(figsize=(8.4, 4.2))
-    pids = list(dict.fromkeys(c["pid"] for c in commits))
-    cmap = plt.get_cmap("tab20")
-    for i, pid in enumerate(pids):
-        mine = [c for c in commits if c["pid"] == pid]
-        ax.plot([c["time"] for c in mine], [c["step"] for c in mine], ".", markersize=2.5, color=cmap(i % 20))
-    for j, fault in enumerate(record["faults"]):
-        ax.axvline(fault["time"], color="#c62828", linewidth=0.9, alpha=0.8,
-                   label=fault["kind"] if j == 0 else None)
+    faults = record["faults"]
+    pids = sorted({c["pid"] for c in commits} | {f["pid"] for f in faults},
+                  key=lambda pid: min([c["time"] for c in commits if c["pid"] == pid]
+                                      + [f["time"] for f in faults if f["pid"] == pid]))
+    fig, (steps, lives) = plt.subplots(2, 1, figsize=(8.6, 2.6 + 0.22 * len(pids) + 2.4), sharex=True,
+                                       gridspec_kw={"height_ratios": [2.4, 0.6 + 0.22 * len(pids)]})
+    by_time = sorted(commits, key=lambda c: c["time"])
+    top: list[tuple[float, int]] = []
+    for c in by_time:  # the furthest step committed by anyone so far: the job's progress
+        top.append((c["time"], max(c["step"], top[-1][1] if top else 0)))
+    steps.plot([x for x, _ in top], [s for _, s in top], color="#1565c0", linewidth=1.6, label="furthest committed step")
+    for j, fault in enumerate(faults):
+        for ax in (steps, lives):
+            ax.axvline(fault["time"], color="#c62828", linewidth=0.8, alpha=0.6,
+                       label=fault["kind"] if (j == 0 and ax is steps) else None)
+    steps.set_ylabel("committed step")
+    steps.grid(True, alpha=0.3)
+    steps.legend(loc="upper left", fontsize=8)
+    for row, pid in enumerate(pids):
+        mine = [c["time"] for c in commits if c["pid"] == pid]
+        if mine:
+            lives.plot([min(mine), max(mine)], [row, row], color="#43a047", linewidth=5, solid_capstyle="butt")
+        for fault in faults:
+            if fault["pid"] == pid:
+                lives.plot([fault["time"]], [row], marker="x", color="#c62828", markersize=8, mew=2)
+    lives.set_yticks(range(len(pids)), [f"process {i + 1}" for i in range(len(pids))], fontsize=7)
+    lives.invert_yaxis()
+    lives.set_ylabel("workers")
     recovery = record.get("recovery_s") or []
-    summary = (f"{len(record['faults'])} faults; recovery to the next view's first commit: median "
+    summary = (f"{len(faults)} faults; from each to the next view's first commit: median "
                f"{statistics.median(recovery):.2f} s, max {max(recovery):.2f} s" if recovery else "")
-    ax.set_xlabel("seconds since the launch" + (f"\n{summary}" if summary else ""))
-    ax.set_ylabel("committed step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=9)
-    fig.suptitle(f"Failover: {record['name']} ({len(pids)} worker processes, one colour each)", fontsize=11)
-    fig.text(0.5, -0.06, subtitle(record), ha="center", fontsize=8, color="#555555")
+    lives.set_xlabel("seconds since the launch; green: a worker process from its first commit to its last, "
+                     "x: killed" + (f"\n{summary}" if summary else ""), fontsize=9)
+    lives.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"Failover: {record['name']}, a world of 4 with restarts (chaos test)", fontsize=11)
+    fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
     _save(fig, out / f"failover-{stem}.svg")
 
 
