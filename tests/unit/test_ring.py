@@ -496,7 +496,7 @@ def test_successor_and_predecessor_close_the_ring() -> None:
 def test_an_unknown_reduce_op_is_rejected_with_the_known_ops_named() -> None:
     for op in REDUCE_OPS:
         assert check_op(op) == op
-    with pytest.raises(InvalidArgumentError, match=r"The reduce op 'prod' is not supported; use one of sum, average, min, max, product\."):
+    with pytest.raises(InvalidArgumentError, match=r"The reduce op 'prod' is not supported; use one of sum, average, min, max, product, band, bor, bxor\."):
         check_op("prod")
 
 
