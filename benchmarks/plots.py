@@ -39,9 +39,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 # allreduce.py's time columns: which lane each one measured. A *_ms column not named here (a new
 # lane) is drawn too, under its column name.
-LANES = {"rs_ms": "ringserve, shared memory", "stream_ms": "ringserve, stream only", "gloo_ms": "gloo"}
+LANES = {"rs_ms": "ringserve, shared memory", "lane_ms": "ringserve, TCP payload lane",
+         "stream_ms": "ringserve, stream only", "gloo_ms": "gloo"}
 SKIP_COLUMNS = {"tls_ms"}
 STYLE = {"ringserve, shared memory": ("#1565c0", "o"), "ringserve, stream only": ("#43a047", "s"),
+         "ringserve, TCP payload lane": ("#6a1b9a", "D"),
          "gloo": ("#e65100", "^")}
 
 
