@@ -13,7 +13,8 @@
 
     train(state)
 
-``run`` is ``ringserve.elastic.run``: on a recoverable error (a rank died) the state goes back to its
+``run`` is ``ringserve.elastic.run`` (which also sees a ringserve error that TensorFlow reported as
+its own from inside ``model.fit``'s graph: see ringserve/graph_errors.py): on a recoverable error (a rank died) the state goes back to its
 last commit, the wrapper waits for the next view, every rank takes the state of the rank holding the
 furthest commit, the reset callbacks run, and the function is called again. Workers that wait to
 join are admitted at a commit and receive the state before their first step.
@@ -27,7 +28,8 @@ import keras
 import numpy as np
 
 from ringserve import api
-from ringserve.elastic import ObjectState, State, run
+from ringserve.elastic import ObjectState, State
+from ringserve.graph_errors import run
 from ringserve.keras import _backend
 from ringserve.keras.callbacks import broadcast_variables
 from ringserve.keras.optimizer import DistributedOptimizer

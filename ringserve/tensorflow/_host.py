@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ringserve import graph_errors
+
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
@@ -38,7 +40,7 @@ def host_call(fn: HostFn, tensors: Sequence[Any], *, out_dtypes: Sequence[tf.DTy
     if tf.executing_eagerly():
         results = fn([t.numpy() for t in inputs])
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, tout, strict=True)]
-    outputs = tf.numpy_function(lambda *xs: fn(list(xs)), inputs, Tout=tout, stateful=True)
+    outputs = tf.numpy_function(graph_errors.carry(lambda *xs: fn(list(xs))), inputs, Tout=tout, stateful=True)
     outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
     if same_shapes:
         for out, given in zip(outputs, inputs, strict=True):

@@ -44,8 +44,9 @@ LAYERS: dict[str, Layer] = {
     "worker node and faces": Layer(("ringserve.worker",), ("control loops",)),
     "numpy facade": Layer(("ringserve.api",), ("worker node and faces",)),
     "elastic": Layer(("ringserve.elastic",), ("numpy facade",)),
-    # What the framework bindings share, with no framework in it (topology, ops, fused collectives).
-    "binding core": Layer(("ringserve.bindings",), ("elastic",)),
+    # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
+    # errors carried through graph ops).
+    "binding core": Layer(("ringserve.bindings", "ringserve.graph_errors"), ("elastic",)),
     "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator")),
     "keras binding": Layer(("ringserve.keras",), ("binding core", "coordinator")),
     "tensorflow binding": Layer(("ringserve.tensorflow",), ("binding core", "coordinator")),
