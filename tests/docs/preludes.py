@@ -39,4 +39,14 @@ metric = 0.5
 epochs = 2
 rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 """,
+    # The Keras fragments: data of the shape the guide's model takes (20 features, 2 classes), on
+    # Keras's torch backend (the keras extra is installed by setup.sh; TensorFlow is not).
+    "keras_data": """
+import os
+os.environ.setdefault("KERAS_BACKEND", "torch")
+import numpy as np
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 20)).astype("float32")
+y = (x[:, 0] > 0).astype("int64")
+""",
 }
