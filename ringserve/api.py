@@ -101,6 +101,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether init() has run in this process (and shutdown() has not since)."""
     return _default is not None
 
 
@@ -116,26 +117,32 @@ def _worker() -> Worker:
 
 
 def rank() -> int:
+    """This process's rank in the current view."""
     return _worker().rank
 
 
 def size() -> int:
+    """The number of ranks in the current view."""
     return _worker().size
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
     return _worker().local_rank
 
 
 def local_size() -> int:
+    """The number of ranks on this process's host."""
     return _worker().local_size
 
 
 def cross_rank() -> int:
+    """The index of this process's host among the hosts."""
     return _worker().cross_rank
 
 
 def cross_size() -> int:
+    """The number of hosts."""
     return _worker().cross_size
 
 

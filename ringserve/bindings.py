@@ -101,43 +101,15 @@ def init(comm: object = None, process_sets: object = None, *, coordinator: str |
         api.context().call(lambda w: w.add_process_sets(static))
 
 
-def shutdown() -> None:
-    """Leaves the world and stops the background thread; init() works again afterwards."""
-    api.shutdown()
-
-
-def is_initialized() -> bool:
-    return api.is_initialized()
-
-
-def rank() -> int:
-    """This process's rank in the current view."""
-    return api.rank()
-
-
-def size() -> int:
-    """The number of ranks in the current view."""
-    return api.size()
-
-
-def local_rank() -> int:
-    """This process's rank among the ranks on its host."""
-    return api.local_rank()
-
-
-def local_size() -> int:
-    """The number of ranks on this process's host."""
-    return api.local_size()
-
-
-def cross_rank() -> int:
-    """The index of this process's host among the hosts."""
-    return api.cross_rank()
-
-
-def cross_size() -> int:
-    """The number of hosts."""
-    return api.cross_size()
+# The lifecycle's end and the topology are the numpy API's own functions.
+shutdown = api.shutdown
+is_initialized = api.is_initialized
+rank = api.rank
+size = api.size
+local_rank = api.local_rank
+local_size = api.local_size
+cross_rank = api.cross_rank
+cross_size = api.cross_size
 
 
 def mpi_threads_supported() -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ringserve import graph_errors
+from ringserve import graph_ops
 from ringserve.errors import UnsupportedError
 
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -60,11 +60,6 @@ def host_call(fn: HostFn, tensors: Sequence[Any], out_dtypes: Sequence[Any] | No
 
         inputs = [tf.convert_to_tensor(t) for t in tensors]
         tout = list(out_dtypes) if out_dtypes is not None else [t.dtype for t in inputs]
-        outputs = tf.numpy_function(graph_errors.carry(lambda *xs: fn(list(xs))), inputs, Tout=tout, stateful=True)
-        outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-        if same_shapes:
-            for out, given in zip(outputs, inputs, strict=True):
-                out.set_shape(given.shape)
-        return outputs
+        return graph_ops.numpy_op(fn, inputs, tout, same_shapes)
     arrays = [to_numpy(t) for t in tensors]
     return [keras.ops.convert_to_tensor(a) for a in fn(arrays)]

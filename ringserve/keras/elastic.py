@@ -14,7 +14,7 @@
     train(state)
 
 ``run`` is ``ringserve.elastic.run`` (which also sees a ringserve error that TensorFlow reported as
-its own from inside ``model.fit``'s graph: see ringserve/graph_errors.py): on a recoverable error (a rank died) the state goes back to its
+its own from inside ``model.fit``'s graph: see ringserve/graph_ops.py): on a recoverable error (a rank died) the state goes back to its
 last commit, the wrapper waits for the next view, every rank takes the state of the rank holding the
 furthest commit, the reset callbacks run, and the function is called again. Workers that wait to
 join are admitted at a commit and receive the state before their first step.
@@ -29,7 +29,7 @@ import numpy as np
 
 from ringserve import api
 from ringserve.elastic import ObjectState, State
-from ringserve.graph_errors import run
+from ringserve.graph_ops import run
 from ringserve.keras import _backend
 from ringserve.keras.callbacks import broadcast_variables
 from ringserve.keras.optimizer import DistributedOptimizer

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ringserve import graph_errors
+from ringserve import graph_ops
 
 HostFn = Callable[[list[np.ndarray]], list[np.ndarray]]
 
@@ -40,9 +40,4 @@ def host_call(fn: HostFn, tensors: Sequence[Any], *, out_dtypes: Sequence[tf.DTy
     if tf.executing_eagerly():
         results = fn([t.numpy() for t in inputs])
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, tout, strict=True)]
-    outputs = tf.numpy_function(graph_errors.carry(lambda *xs: fn(list(xs))), inputs, Tout=tout, stateful=True)
-    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-    if same_shapes:
-        for out, given in zip(outputs, inputs, strict=True):
-            out.set_shape(given.shape)
-    return outputs
+    return graph_ops.numpy_op(fn, inputs, tout, same_shapes)

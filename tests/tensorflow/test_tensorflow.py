@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tf_worlds import run_script
+from binding_worlds import run_script
 
 pytestmark = [pytest.mark.tensorflow, pytest.mark.timeout(240)]
 N = 2

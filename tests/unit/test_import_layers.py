@@ -46,7 +46,7 @@ LAYERS: dict[str, Layer] = {
     "elastic": Layer(("ringserve.elastic",), ("numpy facade",)),
     # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
     # errors carried through graph ops).
-    "binding core": Layer(("ringserve.bindings", "ringserve.graph_errors"), ("elastic",)),
+    "binding core": Layer(("ringserve.bindings", "ringserve.graph_ops"), ("elastic",)),
     "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator")),
     "keras binding": Layer(("ringserve.keras",), ("binding core", "coordinator")),
     "tensorflow binding": Layer(("ringserve.tensorflow",), ("binding core", "coordinator")),
