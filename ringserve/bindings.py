@@ -45,6 +45,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "process_set_of",
     "rank",
     "require",
     "shutdown",
@@ -99,6 +100,19 @@ def init(comm: object = None, process_sets: object = None, *, coordinator: str |
     api.init(coordinator, **overrides)
     if static:
         api.context().call(lambda w: w.add_process_sets(static))
+
+
+def process_set_of(process_set: object) -> ProcessSet | None:
+    """None for the global set (or None), else the registered set given.
+
+    Raises:
+        InvalidArgumentError: not a ProcessSet.
+    """
+    if process_set is None or isinstance(process_set, WholeWorld):
+        return None
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
+    return process_set
 
 
 # The lifecycle's end and the topology are the numpy API's own functions.

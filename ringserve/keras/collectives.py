@@ -12,23 +12,8 @@ from typing import Any
 import numpy as np
 
 from ringserve import api, bindings
-from ringserve.bindings import Average, Compression, ReduceOp
-from ringserve.errors import InvalidArgumentError
+from ringserve.bindings import Average, Compression, ReduceOp, process_set_of
 from ringserve.keras import _backend
-from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
-
-
-def _set(process_set: object) -> ProcessSet | None:
-    """None for the global set (or None), else the registered set given.
-
-    Raises:
-        InvalidArgumentError: not a ProcessSet.
-    """
-    if process_set is None or isinstance(process_set, WholeWorld):
-        return None
-    if not isinstance(process_set, ProcessSet):
-        raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
-    return process_set
 
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
@@ -49,7 +34,7 @@ def allreduce(value: Any, name: str | None = None, average: bool | None = None, 
         A backend tensor of value's shape and dtype.
     """
     reduce_op = bindings.resolve_op(op, average)
-    ps = _set(process_set)
+    ps = process_set_of(process_set)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.allreduce",
@@ -63,7 +48,7 @@ def grouped_allreduce(values: list[Any], name: str | None = None, op: ReduceOp |
                       compression: object = Compression.none, process_set: object = None) -> list[Any]:
     """Reduces every tensor of ``values`` in one collective per dtype; returns backend tensors."""
     reduce_op = bindings.resolve_op(op)
-    ps = _set(process_set)
+    ps = process_set_of(process_set)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.grouped_allreduce",
@@ -75,7 +60,7 @@ def grouped_allreduce(values: list[Any], name: str | None = None, op: ReduceOp |
 def allgather(value: Any, name: str | None = None, process_set: object = None) -> Any:
     """Every rank's ``value`` concatenated along the first axis, in rank order (ranks may differ in
     that axis only)."""
-    ps = _set(process_set)
+    ps = process_set_of(process_set)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(api.allgather(arrays[0], name=name, process_set=ps))]
@@ -85,7 +70,7 @@ def allgather(value: Any, name: str | None = None, process_set: object = None) -
 
 def broadcast(value: Any, root_rank: int, name: str | None = None, process_set: object = None) -> Any:
     """``root_rank``'s ``value`` on every rank, bit for bit."""
-    ps = _set(process_set)
+    ps = process_set_of(process_set)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(api.broadcast(arrays[0], root=root_rank, name=name, process_set=ps))]
@@ -97,7 +82,7 @@ def reducescatter(value: Any, name: str | None = None, op: ReduceOp | str | None
                   process_set: object = None) -> Any:
     """This rank's block (along the first axis) of the reduction of every rank's ``value``."""
     reduce_op = bindings.resolve_op(op)
-    ps = _set(process_set)
+    ps = process_set_of(process_set)
 
     def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [np.asarray(api.reduce_scatter(arrays[0], op=reduce_op.value, name=name, process_set=ps))]
@@ -107,14 +92,14 @@ def reducescatter(value: Any, name: str | None = None, op: ReduceOp | str | None
 
 def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None, process_set: object = None) -> object:
     """``root_rank``'s picklable object on every rank."""
-    return api.broadcast_object(obj, root=root_rank, name=name, process_set=_set(process_set))
+    return api.broadcast_object(obj, root=root_rank, name=name, process_set=process_set_of(process_set))
 
 
 def allgather_object(obj: object, name: str | None = None, process_set: object = None) -> list[object]:
     """Every rank's picklable object, in rank order."""
-    return api.allgather_object(obj, name=name, process_set=_set(process_set))
+    return api.allgather_object(obj, name=name, process_set=process_set_of(process_set))
 
 
 def barrier(process_set: object = None) -> None:
     """Returns once every rank (of the set) has called it."""
-    api.barrier(process_set=_set(process_set))
+    api.barrier(process_set=process_set_of(process_set))

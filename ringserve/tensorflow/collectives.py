@@ -14,23 +14,10 @@ import numpy as np
 import tensorflow as tf
 
 from ringserve import api, bindings
-from ringserve.bindings import Average, Compression, ReduceOp, Sum
+from ringserve.bindings import Average, Compression, ReduceOp, Sum, process_set_of
 from ringserve.errors import InvalidArgumentError
 from ringserve.tensorflow._host import host_call
-from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
-
-
-def process_set_of(process_set: object) -> ProcessSet | None:
-    """None for the global set (or None), else the registered set given.
-
-    Raises:
-        InvalidArgumentError: not a ProcessSet.
-    """
-    if process_set is None or isinstance(process_set, WholeWorld):
-        return None
-    if not isinstance(process_set, ProcessSet):
-        raise InvalidArgumentError(f"process_set must be a ProcessSet (or None), not {process_set!r}.")
-    return process_set
+from ringserve.worker.ops.process_sets import ProcessSet
 
 
 def _set_size(ps: ProcessSet | None) -> int:
