@@ -11,6 +11,7 @@ Reads what the benchmarks wrote with ``--json`` (see _results.py) and draws, as 
 - ``training-step.svg`` (training_step.py): step time and CPU time per step against world size for
   each configuration, with one process alone at world 1;
 - ``wan.svg`` (wan.py): the WAN step time of each configuration;
+- ``wan-target.svg`` (wan.py --to-target): each configuration's time to the target loss;
 - ``failover-<name>.svg`` (the chaos tests, CHAOS_TIMELINE_DIR): the job's committed step over time,
   and each worker process's life, with the faults marked.
 
@@ -165,6 +166,34 @@ def wan_chart(record: dict[str, Any], out: pathlib.Path) -> None:
     _save(fig, out / "wan.svg")
 
 
+def wan_target_chart(record: dict[str, Any], out: pathlib.Path) -> None:
+    """Seconds to the target loss of each configuration (wan.py --to-target), as bars."""
+    rows = record["rows"]
+    labels = [r["config"] for r in rows]
+    times = [number(r["time"]) if str(r["time"])[:1].isdigit() else math.nan for r in rows]
+    fig, ax = plt.subplots(figsize=(7.6, 0.45 * len(rows) + 1.6))
+    colors = ["#6a1b9a" if label.startswith("DiLoCo") else "#1565c0" if label.startswith("ringserve") else "#e65100"
+              for label in labels]
+    finite = [0.0 if math.isnan(t) else t for t in times]
+    ax.barh(range(len(rows)), finite, color=colors)
+    top = max(finite) if any(finite) else 1.0
+    for i, (t, r) in enumerate(zip(times, rows, strict=True)):
+        text = (f"{t:.0f} s" + (f" ({r['ratio']}x fp16 hook)" if r.get("ratio", "-") != "-" else "")
+                if not math.isnan(t) else str(r["time"])[:40])
+        ax.text((0 if math.isnan(t) else t) + top * 0.01, i, text, va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds to the target loss (lower is better); orange: DDP, blue: ringserve every step, purple: DiLoCo")
+    ax.set_xlim(0, top * 1.45)
+    ax.grid(True, axis="x", alpha=0.3)
+    target = record.get("target_loss")
+    fig.suptitle(f"Time to a target loss over an emulated WAN ({record.get('hosts', '?')} hosts, "
+                 f"{record.get('rate_mbit', '?'):g} Mbit/s, {record.get('delay_ms', '?'):g} ms one way)"
+                 + (f"; target {target:.4f}" if isinstance(target, float) else ""), fontsize=10)
+    fig.text(0.5, -0.02, subtitle(record), ha="center", fontsize=8, color="#555555")
+    _save(fig, out / "wan-target.svg")
+
+
 def failover_chart(record: dict[str, Any], out: pathlib.Path, stem: str) -> None:
     """The job's committed step over time, and each worker process's life, the faults marked."""
     commits = record["commits"]
@@ -213,7 +242,8 @@ def main() -> None:
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks" / "charts")
     args = p.parse_args()
     plt.rcParams["svg.hashsalt"] = "ringserve"  # stable ids: the same JSON draws the same SVG
-    drawers = {"allreduce.json": allreduce_chart, "training_step.json": training_chart, "wan.json": wan_chart}
+    drawers = {"allreduce.json": allreduce_chart, "training_step.json": training_chart, "wan.json": wan_chart,
+               "wan_target.json": wan_target_chart}
     drawn = 0
     for name, draw in drawers.items():
         path = args.results / name

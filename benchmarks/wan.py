@@ -35,6 +35,8 @@ keeps up at this MTU) and the TCP connect time (one round trip, 2 x ``--delay-ms
 A configuration that does not finish within ``--timeout`` is reported as stalled, with its ranks'
 Python stacks, and the others still run. Needs root, ``ip``, ``tc`` and
 /dev/net/tun; ``netem`` is not needed.
+
+``--to-target`` measures time to a target loss instead (DDP, PowerSGD, DiLoCo): see wan_target.py.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import wan_target
 from _common import PYTHON, read_json, table
 from _netcheck import connect_rtt_ms, ring_bulk_mbit
 from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters
@@ -67,6 +70,14 @@ CODECS = ("none", "fp16", "int8")
 DDP_HOOKS = ("gloo", "fp16", "powersgd", "powersgd-1bucket")
 WIRE_FLOOR = 0.9  # of the ring's share of the payload: less means the bytes went around the links
 _ports = itertools.count(29500)  # fresh namespaces: any port is free; a new one per run skips TIME_WAIT
+
+
+def next_port(count: int = 1) -> int:
+    """A port not used before in this run (``count`` consecutive ones: the first is returned)."""
+    first = next(_ports)
+    for _ in range(count - 1):
+        next(_ports)
+    return first
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------
 
-def _host_env(host: Host) -> dict[str, str]:
+def host_env(host: Host) -> dict[str, str]:
     """What makes a rank use its host's address: gloo binds DEVICE's address, ringserve the given one."""
     return {"GLOO_SOCKET_IFNAME": DEVICE, "RINGSERVE_BIND_HOST": host.address, "RINGSERVE_HOSTNAME": f"h{host.index}"}
 
@@ -185,7 +196,7 @@ def _run_ranks(wan: Wan, args: argparse.Namespace, tmp: pathlib.Path, config: Co
               "--timeout", str(args.timeout), "--powersgd-rank", str(args.powersgd_rank),
               "--counters", wan.counters_path]
     outs = [tmp / f"{config.role}-{config.option}.{h.index}.json" for h in wan.hosts]
-    procs = [subprocess.Popen(wan.command(h, [*common, "--out", str(o)], {**env, **_host_env(h)}),
+    procs = [subprocess.Popen(wan.command(h, [*common, "--out", str(o)], {**env, **host_env(h)}),
                               env={**os.environ, "OMP_NUM_THREADS": "1", "RINGSERVE_RANK_HINT": str(h.index)})
              for h, o in zip(wan.hosts, outs, strict=True)]
     deadline = time.monotonic() + args.timeout
@@ -194,7 +205,7 @@ def _run_ranks(wan: Wan, args: argparse.Namespace, tmp: pathlib.Path, config: Co
             try:
                 code = p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _dump_stacks(config, procs)
+                dump_stacks(config.label, procs)
                 raise Stalled(f"{config.label}: ranks still running after {args.timeout:g} s") from None
             if code != 0:
                 raise RuntimeError(f"{config.label}: rank {i} exited with code {code}")
@@ -207,9 +218,9 @@ def _run_ranks(wan: Wan, args: argparse.Namespace, tmp: pathlib.Path, config: Co
     return [read_json(o) for o in outs]
 
 
-def _dump_stacks(config: Config, procs: list[subprocess.Popen[bytes]]) -> None:
+def dump_stacks(label: str, procs: list[subprocess.Popen[bytes]]) -> None:
     """Makes each stalled rank print its threads' Python stacks (faulthandler, on SIGUSR1)."""
-    print(f"--- {config.label} stalled: the ranks' stacks follow ---", flush=True)
+    print(f"--- {label} stalled: the ranks' stacks follow ---", flush=True)
     for i, p in enumerate(procs):
         if p.poll() is None:
             print(f"--- rank {i} ---", flush=True)
@@ -349,18 +360,22 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--world", type=int, default=4, help="hosts, one rank each")
     p.add_argument("--fusion-bytes", type=int, default=4 << 20, help="ringserve's fusion bucket size")
     p.add_argument("--timeout", type=float, default=300, help="seconds one run may take before it counts as stalled")
-    p.add_argument("--role", choices=["main", "ddp", "ringserve"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--to-target", action="store_true", help="time to a target loss instead (see wan_target.py)")
+    p.add_argument("--role", choices=["main", "ddp", "ringserve", "rank"], default="main", help=argparse.SUPPRESS)
     p.add_argument("--option", default="none", help=argparse.SUPPRESS)
     p.add_argument("--master", default="", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counters", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON (benchmarks/plots.py draws them)")
+    wan_target.add_arguments(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = _parse()
+    if args.to_target:
+        return wan_target.main(args)
     if args.role != "main":
         return worker(args)
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -42,6 +42,7 @@ from ringserve.api import (
 )
 from ringserve.config import CoordinatorConfig, WorkerConfig
 from ringserve.coordinator import Coordinator
+from ringserve.diloco import DiLoCo
 from ringserve.errors import (
     CollectiveTimeoutError,
     CoordinatorUnreachableError,
@@ -62,6 +63,7 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
+from ringserve.powersgd import PowerSGD
 from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
@@ -72,11 +74,13 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "CoordinatorUnreachableError",
+    "DiLoCo",
     "ExcludedError",
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",
     "PeerUnavailableError",
+    "PowerSGD",
     "ProcessSet",
     "ProtocolError",
     "RecoverableError",

@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ringserve import powersgd
 from ringserve.config import WorkerConfig
 from ringserve.constants import THREAD_WAIT_SLACK_S
-from ringserve.errors import CollectiveTimeoutError, NotInitializedError
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
 from ringserve.loop import LoopThread
 from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
@@ -44,6 +45,19 @@ class Context:
     def submit(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
         """Starts a call on the loop and returns its future (for async handles)."""
         return self._thread.submit(call(self.worker))
+
+    def wait(self, future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
+        """The result of a submitted call, waiting at most a collective's deadline plus a slack.
+
+        Raises:
+            CollectiveTimeoutError: the call did not finish in time; it is cancelled.
+        """
+        wait = self.config.collective_timeout_s + THREAD_WAIT_SLACK_S if timeout_s is None else timeout_s
+        try:
+            return future.result(wait)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise CollectiveTimeoutError(f"A call on the ringserve worker did not finish within {wait:g} s.") from None
 
     def call(self, call: Callable[[Worker], Coroutine[Any, Any, T]], timeout_s: float | None = None) -> T:
         """Runs a worker call and waits for it: by default a collective's deadline plus a slack.
@@ -192,13 +206,17 @@ def allreduce(
     name: str | None = None,
     out: np.ndarray | None = None,
     *,
-    compression: str | None = None,
+    compression: str | powersgd.PowerSGD | None = None,
     residual: np.ndarray | None = None,
     check_finite: bool = False,
     parts: Sequence[int] | None = None,
     process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Returns a new array of a's shape and dtype: the reduction of every rank's ``a``.
+
+    ``compression=ringserve.PowerSGD(...)`` averages a float32 ``a`` (op average only) as
+    PowerSGD's low-rank approximation, with its error feedback and warm start kept under ``name``
+    (required): two allreduces, ``name``.p and ``name``.q (see ringserve.powersgd).
 
     ``out=a`` reduces in place (as torch.distributed.all_reduce does); any other ``out`` of the
     same shape and dtype receives the result. ``compression``, ``residual`` (error feedback) and
@@ -213,9 +231,38 @@ def allreduce(
     runs over its members only, as a ring of their own, concurrently with other sets' and the
     whole world's. Only members call it (InvalidArgumentError at once elsewhere).
     """
+    if isinstance(compression, powersgd.PowerSGD):
+        return _powersgd_allreduce(a, compression, op=op, name=name, out=out, process_set=process_set,
+                                   extra=residual is not None or check_finite or parts is not None)
     return context().call(lambda w: w.allreduce(a, op=op, name=name, out=out, compression=compression,
                                                 residual=residual, check_finite=check_finite, parts=parts,
                                                 process_set=process_set))
+
+
+def _powersgd_allreduce(a: Any, compressor: powersgd.PowerSGD, *, op: str, name: str | None, out: np.ndarray | None,
+                        process_set: ProcessSet | None, extra: bool) -> np.ndarray:
+    if name is None:
+        raise InvalidArgumentError("An allreduce with PowerSGD needs a name: its warm start and error feedback are kept by it.")
+    if op != "average":
+        raise InvalidArgumentError(f"PowerSGD averages (op 'average'), not {op!r}.")
+    if extra:
+        raise InvalidArgumentError("PowerSGD keeps its own error feedback: it takes no residual, check_finite or parts.")
+    array = np.asarray(a)
+    if array.dtype != np.float32:
+        raise InvalidArgumentError(f"PowerSGD reduces float32 arrays, not {array.dtype}.")
+    rnd = compressor.begin(name, array.reshape(-1), [array.shape])
+    ctx = context()
+
+    def reduce(w: Worker, x: np.ndarray, n: str) -> Coroutine[Any, Any, np.ndarray]:
+        return w.allreduce(x, op="average", name=n, process_set=process_set)
+
+    reduced = ctx.call(lambda w: powersgd.exchange(rnd, name, lambda x, n: reduce(w, x, n)),
+                       timeout_s=2 * ctx.config.collective_timeout_s + THREAD_WAIT_SLACK_S)
+    result = rnd.finish(reduced).reshape(array.shape)
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def broadcast(a: Any, root: int = 0, name: str | None = None, *, process_set: ProcessSet | None = None) -> np.ndarray:

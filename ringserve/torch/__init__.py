@@ -83,6 +83,7 @@ from ringserve.torch.collectives import (
     synchronize,
 )
 from ringserve.torch.compression import Compression, Compressor
+from ringserve.torch.diloco import DiLoCo
 from ringserve.torch.exchange import alltoall, alltoall_async
 from ringserve.torch.functions import (
     allgather_object,
@@ -111,6 +112,7 @@ __all__ = [
     "Average",
     "Compression",
     "Compressor",
+    "DiLoCo",
     "DistributedOptimizer",
     "Handle",
     "HorovodInternalError",

@@ -13,13 +13,21 @@ with each chunk encoded on the wire and every sum added in float32: fp16 and bf1
 int8 (a float32 scale per block of 256 values) quarters them, without float16's overflow or loss
 in the sums. A compressor of your own (compress/decompress only) is applied around the reduction,
 as in Horovod.
+
+``Compression.powersgd(rank=4)`` is of another kind: PowerSGD's low-rank factors with warm start
+and error feedback (ringserve.powersgd), kept per fusion bucket of a DistributedOptimizer, which
+runs its two allreduces per bucket. It is not a per-tensor compress/decompress pair.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+
+from ringserve.errors import InvalidArgumentError, UnsupportedError
+from ringserve.powersgd import PowerSGD
 
 
 class Compressor:
@@ -89,13 +97,77 @@ class Int8Compressor(NoneCompressor):
     wire = "int8"
 
 
+class PowerSGDCompressor(Compressor):
+    """PowerSGD for DistributedOptimizer: made by ``Compression.powersgd(...)``; ``core`` is the
+    ringserve.powersgd.PowerSGD that holds the knobs and each bucket's Qs and errors.
+
+    Its initial Qs are drawn as torch's ``powerSGD_hook`` draws them (``torch.randn`` under
+    ``torch.manual_seed`` of a seed from ``numpy.random.RandomState(random_seed)``), so that a run
+    and the hook's start from the same projections.
+    """
+
+    def __init__(self, core: PowerSGD) -> None:
+        self.core = core
+
+    def __repr__(self) -> str:
+        return f"Compression.powersgd: {self.core!r}"
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        raise UnsupportedError(
+            "Compression.powersgd keeps state per fusion bucket across steps: use it with DistributedOptimizer "
+            "(or ringserve.allreduce(..., compression=ringserve.PowerSGD(...)) with a name), not with a single collective."
+        )
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        return self.compress(tensor)[0]
+
+
+def torch_init_q(seed: int, shapes: list[tuple[int, int]] | Any) -> list[np.ndarray]:
+    """Standard normal Qs as torch's powerSGD_hook draws them for one bucket, in order."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [torch.randn(*shape, dtype=torch.float32).numpy() for shape in shapes]
+
+
+def powersgd(rank: int | None = None, *, matrix_approximation_rank: int | None = None,
+             start_powerSGD_iter: int = 1_000, min_compression_rate: float = 2.0, use_error_feedback: bool = True,
+             warm_start: bool = True, orthogonalization_epsilon: float = 0.0, random_seed: int = 0) -> PowerSGDCompressor:
+    """PowerSGD with torch's ``PowerSGDState`` knobs and defaults, for DistributedOptimizer.
+
+    Args:
+        rank: the matrix approximation rank (``matrix_approximation_rank`` is the same, torch's name;
+            1 when neither is given).
+        start_powerSGD_iter: steps reduced uncompressed first (torch's default: 1,000).
+        min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon, random_seed:
+            as in torch's PowerSGDState (see ringserve.powersgd).
+
+    Raises:
+        InvalidArgumentError: both ranks given and different, or a knob out of range.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=hvd.Compression.powersgd(rank=4, start_powerSGD_iter=10))
+    """
+    if rank is not None and matrix_approximation_rank is not None and rank != matrix_approximation_rank:
+        raise InvalidArgumentError(
+            f"rank ({rank}) and matrix_approximation_rank ({matrix_approximation_rank}) name the same knob: give one.")
+    r = rank if rank is not None else (matrix_approximation_rank if matrix_approximation_rank is not None else 1)
+    return PowerSGDCompressor(PowerSGD(r, start_powerSGD_iter, min_compression_rate=min_compression_rate,
+                                       use_error_feedback=use_error_feedback, warm_start=warm_start,
+                                       orthogonalization_epsilon=orthogonalization_epsilon, random_seed=random_seed,
+                                       init_q=torch_init_q))
+
+
 class Compression:
-    """The available compressors: ``none``, ``fp16``, ``bf16`` and ``int8``."""
+    """The available compressors: ``none``, ``fp16``, ``bf16`` and ``int8``, and ``powersgd(...)``,
+    which makes a PowerSGD compressor for DistributedOptimizer."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
     int8 = Int8Compressor
+    powersgd = staticmethod(powersgd)
 
 
 def split(compression: type[Compressor] | Compressor) -> tuple[type[Compressor] | Compressor, str | None]:

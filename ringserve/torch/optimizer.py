@@ -43,10 +43,10 @@ import torch
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
 from ringserve.errors import InvalidArgumentError, UnsupportedError, UsageError
-from ringserve.torch import _tensors, adasum, basics, ops, sparse
+from ringserve.torch import _powersgd, _tensors, adasum, basics, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch._wrapping import Wrapping
-from ringserve.torch.compression import Compression, Compressor, split, wire_codec
+from ringserve.torch.compression import Compression, Compressor, NoneCompressor, PowerSGDCompressor, split, wire_codec
 from ringserve.torch.handles import Handle
 from ringserve.worker.ops import adasum as adasum_math
 
@@ -65,7 +65,9 @@ class DistributedOptimizer(Wrapping):
         optimizer: any ``torch.optim.Optimizer``.
         named_parameters: ``model.named_parameters()``; checked to name every parameter once.
         compression: Compression.none (default), fp16, bf16 or int8: how gradients travel on the
-            wire (sums are added in float32; see ringserve.torch.compression).
+            wire (sums are added in float32; see ringserve.torch.compression); or
+            Compression.powersgd(rank=...): each float32 bucket averaged as PowerSGD's low-rank
+            factors, with its own error feedback and warm start (op Average only).
         backward_passes_per_step: backward passes to accumulate locally before one allreduce.
         op: Average (default), Sum, or Adasum: on more than one rank, Adasum makes this an
             ``AdasumOptimizer`` (below; ringserve.torch.adasum), Horovod's delta optimizer.
@@ -145,6 +147,14 @@ class DistributedOptimizer(Wrapping):
         fusion = fusion_bytes_from_env() if fusion_bytes is None else fusion_bytes
         if fusion < 0:
             raise InvalidArgumentError(f"fusion_bytes ({fusion}) must not be negative.")
+        self._powersgd = compression if isinstance(compression, PowerSGDCompressor) else None
+        self._powersgd_iter = 0
+        if self._powersgd is not None:
+            if reduce_op is not ops.Average or gradient_predivide_factor != 1.0 or error_feedback:
+                raise InvalidArgumentError(
+                    "Compression.powersgd averages (op=Average, no gradient_predivide_factor) and keeps its own "
+                    "error feedback (its use_error_feedback knob): error_feedback=True does not apply.")
+            compression = NoneCompressor
         self._compression, self._codec = split(compression)
         if error_feedback and self._codec is None:
             raise InvalidArgumentError(
@@ -173,6 +183,18 @@ class DistributedOptimizer(Wrapping):
         self._rebuild()
 
     # -- delegation (the rest is Wrapping's) -----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._optimizer.state_dict()
+        if self._powersgd is not None:
+            state[_powersgd.STATE_KEY] = self._powersgd_iter
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if _powersgd.STATE_KEY in state_dict:
+            state_dict = dict(state_dict)
+            self._powersgd_iter = int(state_dict.pop(_powersgd.STATE_KEY))
+        self._optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a group to the wrapped optimizer; every rank must add the same groups in order."""
@@ -300,6 +322,11 @@ class DistributedOptimizer(Wrapping):
             buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype))
             if prescale != 1.0:
                 buf.mul_(prescale)
+        if self._powersgd is not None and _powersgd.applies(bucket):
+            bucket.started_at = time.perf_counter()
+            bucket.future, bucket.finish = _powersgd.start(bucket, self._powersgd, self._powersgd_iter,
+                                                           self._process_set)
+            return
         wire, cctx = self._compression.compress(buf)
         array, layout = _tensors.reducible(wire)
         name = bucket.name
@@ -401,6 +428,7 @@ class DistributedOptimizer(Wrapping):
             self._passes.clear()
         self.communication_intervals = intervals
         self._synchronized = True
+        self._powersgd_iter += 1
 
     def reset(self) -> None:
         """Forgets a step cut short by a failure (elastic training calls it on restore).

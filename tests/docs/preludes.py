@@ -38,6 +38,7 @@ loader = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
 metric = 0.5
 epochs = 2
 rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+data = loader
 """,
     # The Keras fragments: data of the shape the guide's model takes (20 features, 2 classes), on
     # Keras's torch backend (the keras extra is installed by setup.sh; TensorFlow is not).
@@ -49,4 +50,26 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 20)).astype("float32")
 y = (x[:, 0] > 0).astype("int64")
 """,
+    # The numpy DiLoCo fragment: arrays, data and an inner update of the reader's own.
+    "diloco_arrays": """
+import numpy as np
+w0 = np.zeros(1000, dtype=np.float32)
+lr = 0.1
+data = [np.random.default_rng(i).normal(size=1000).astype(np.float32) for i in range(4)]
+def grad(w, batch):
+    return w - batch
+""",
 }
+# The fragments that go on from an earlier block of their page: its model, a joined world, and the
+# optimizer (opt) that the earlier block made (a DiLoCo with a short round, or a plain one).
+PRELUDES["torch_hvd"] = PRELUDES["torch_model"] + """
+import ringserve.torch as hvd
+hvd.init()
+opt = optimizer
+"""
+PRELUDES["diloco_torch"] = PRELUDES["torch_model"] + """
+import ringserve.torch as hvd
+hvd.init()
+opt = hvd.DiLoCo(model, inner=optimizer, sync_every=2, compression="int8")
+steps = 4
+"""

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 CHARTS = ROOT / "docs" / "benchmarks" / "charts"
 PLOTS = ROOT / "benchmarks" / "plots.py"
-CHART_OF = {"allreduce.json": "allreduce-busbw.svg", "training_step.json": "training-step.svg", "wan.json": "wan.svg"}
+CHART_OF = {"allreduce.json": "allreduce-busbw.svg", "training_step.json": "training-step.svg", "wan.json": "wan.svg",
+            "wan_target.json": "wan-target.svg"}
 
 
 def draw(results: Path, out: Path) -> subprocess.CompletedProcess[str]:

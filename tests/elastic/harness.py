@@ -162,11 +162,12 @@ def coordinator_address(run: Run, timeout_s: float = 30.0) -> str:
     return line.split(marker, 1)[1].split(";", 1)[0].strip()
 
 
-def start_worker(address: str, log: Path, steps: int, pause_s: float) -> subprocess.Popen[bytes]:
+def start_worker(address: str, log: Path, steps: int, pause_s: float, *, worker: str = WORKER,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """One more worker process for a running job, outside the launcher."""
     env = {**os.environ, "RINGSERVE_COORDINATOR": address, "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
-           "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, WORKER, str(log), str(steps), str(pause_s)], env=env,
+           "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, worker, str(log), str(steps), str(pause_s)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -30,7 +30,7 @@ class Layer:
 GROUND = tuple(
     f"ringserve.{name}"
     for name in ("errors", "config", "constants", "wire", "codecs", "ring", "commits", "security", "transport",
-                 "handshake", "observe", "metrics", "loop", "_malloc")
+                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd")
 )
 
 LAYERS: dict[str, Layer] = {
@@ -42,7 +42,8 @@ LAYERS: dict[str, Layer] = {
     "collectives": Layer(("ringserve.worker.ops",), ("data plane",)),
     "control loops": Layer(("ringserve.worker.control",), ("collectives",)),
     "worker node and faces": Layer(("ringserve.worker",), ("control loops",)),
-    "numpy facade": Layer(("ringserve.api",), ("worker node and faces",)),
+    # DiLoCo on numpy arrays: the facade's collectives, driven by an optimizer's schedule.
+    "numpy facade": Layer(("ringserve.api", "ringserve.diloco"), ("worker node and faces",)),
     "elastic": Layer(("ringserve.elastic",), ("numpy facade",)),
     # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
     # errors carried through graph ops).

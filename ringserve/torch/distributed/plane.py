@@ -26,12 +26,16 @@ Ops of one plane are matched across ranks by their order of issue, as torch requ
 group: each plane names its ops ``<tag>`` so that ringserve numbers them ``<tag>#1``, ``<tag>#2``,
 ..., apart from other groups' and from ringserve's own unnamed collectives. A call takes its
 session on the loop before its first await, so calls start there in the order they were issued.
+A reduction, broadcast or gather started inside a callback of a finished op (a DDP comm hook's
+``.then``) is named after that op instead (``<tag>.then.<label>``, see work.py): the threads that
+run callbacks start ops in no order the ranks share.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+import itertools
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,6 +43,7 @@ import numpy as np
 
 from ringserve.api import Context
 from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.torch.distributed.work import completing
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives, p2p, refusal
@@ -77,6 +82,22 @@ class Plane:
             self.rank, self.size = worker.rank, worker.size
         else:
             self.rank, self.size = members.index(worker.rank), len(members)
+        # Labels of the ops started outside callbacks; shared with the planes with_timeout makes,
+        # whose ops are numbered in the same sequence. (next() of a count is atomic under the GIL.)
+        self._issued = itertools.count(1)
+
+    def _issue(self) -> tuple[str | None, str]:
+        """The name an op starts under and its label (see the module's docstring)."""
+        scope = completing()
+        if scope is None:
+            return self.tag, str(next(self._issued))
+        label = scope.child()
+        return f"{self.tag or 'torch'}.then.{label}", label
+
+    @staticmethod
+    def _labelled(future: Future[T], label: str) -> Future[T]:
+        future.ringserve_label = label  # type: ignore[attr-defined]  # read by work.Completer
+        return future
 
     def with_timeout(self, timeout_s: float) -> Plane:
         """This plane (its ring, and the same sequence of op names) with calls under ``timeout_s``."""
@@ -121,30 +142,31 @@ class Plane:
 
     def allreduce(self, array: np.ndarray, op: str, *, out: np.ndarray | None, compression: str | None,
                   residual: np.ndarray | None) -> Future[np.ndarray]:
-        tag = self.tag
-        return self._on(lambda s, o: collectives.allreduce(s, array, op=op, name=tag, out=out, compression=compression,
-                                                           residual=residual, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.allreduce(
+            s, array, op=op, name=tag, out=out, compression=compression, residual=residual, **o)), label)
 
     def broadcast(self, array: np.ndarray, root: int) -> Future[np.ndarray]:
         """Group rank ``root``'s ``array`` on every rank of the group."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.broadcast(s, array, root=root, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.broadcast(s, array, root=root, name=tag, **o)), label)
 
     def allgather(self, array: np.ndarray) -> Future[np.ndarray]:
         """Every rank's ``array`` concatenated along axis 0 in group-rank order (lengths may differ)."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.allgather(s, array, name=tag, **o)), label)
 
     def allgather_blocks(self, array: np.ndarray, descriptor: Descriptor) -> Future[list[np.ndarray]]:
         """Every rank's 1-D uint8 ``array`` (lengths may differ), one per group rank, in order;
         ``descriptor`` names what the blocks hold, and ranks that disagree on it fail (MismatchError)."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.allgather_blocks(s, array, row=1, name=tag, descriptor=descriptor, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.allgather_blocks(
+            s, array, row=1, name=tag, descriptor=descriptor, **o)), label)
 
     def reduce_scatter(self, array: np.ndarray, op: str) -> Future[np.ndarray]:
         """Row ``rank`` of the reduction of every rank's ``array`` (shaped (size, n))."""
-        tag = self.tag
-        return self._on(lambda s, o: collectives.reduce_scatter(s, array, op=op, name=tag, **o))
+        tag, label = self._issue()
+        return self._labelled(self._on(lambda s, o: collectives.reduce_scatter(s, array, op=op, name=tag, **o)), label)
 
     def barrier(self) -> Future[None]:
         if self.tag is None:

@@ -17,6 +17,13 @@ that value as its tensors, crashes the process. So the future handed out is a ``
 one, whose callback raises the error: torch turns that into a real C++ error, a RuntimeError that
 reads "...DistBackendError: ringserve: all_reduce failed: RingChangedError: ..." when waited on,
 and which DDP's ``backward()`` raises.
+
+Ops started inside a callback: a completion thread runs a finished op's callbacks under its label
+(``completing()``), and an op started there takes a name made from that label (plane.py), not the
+next number of the group's sequence. Two buckets' callbacks run on two threads in whatever order
+their allreduces finish on each rank, so ops numbered in the order those threads start them would
+pair different tensors on different ranks (PowerSGD's hook with DDP's default buckets failed with
+MismatchError); named after their parent, ``<parent>.1``, ``<parent>.2``, they pair alike everywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +41,26 @@ from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotIn
 
 # Completion threads per process group at most: each callback blocked in a nested wait holds one.
 MAX_THREADS = 32
+
+_local = threading.local()
+
+
+class CallbackScope:
+    """The op whose completion runs the callbacks on this thread, and how many ops they started."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._started = 0
+
+    def child(self) -> str:
+        """The label of the next op started by these callbacks."""
+        self._started += 1
+        return f"{self.label}.{self._started}"
+
+
+def completing() -> CallbackScope | None:
+    """The scope of the callbacks running on this thread, if it is a completion thread running some."""
+    return getattr(_local, "scope", None)
 
 
 def backend_error(exc: BaseException, what: str) -> BaseException:
@@ -156,6 +183,7 @@ class Completer:
         work = RingserveWork(what, self._wait_limit_s if wait_limit_s is None else wait_limit_s)
         remaining = [len(parts)]
         lock = threading.Lock()
+        label = getattr(parts[0], "ringserve_label", None) if parts else None  # set by plane.py
 
         def complete() -> None:
             errors = [f.exception() if not f.cancelled() else concurrent.futures.CancelledError() for f in parts]
@@ -167,8 +195,12 @@ class Completer:
                 value = finish([f.result() for f in parts])
             except BaseException as exc:
                 work._complete(error=backend_error(exc, what))
-            else:
-                work._complete(value)
+                return
+            _local.scope = None if label is None else CallbackScope(label)
+            try:
+                work._complete(value)  # runs the future's callbacks, here
+            finally:
+                _local.scope = None
 
         def on_done(_: concurrent.futures.Future[Any]) -> None:
             with lock:
