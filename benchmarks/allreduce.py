@@ -3,6 +3,8 @@
     python benchmarks/allreduce.py                    # worlds 2 and 4; 64 KiB, 1 MiB, 16 MiB, 64 MiB
     python benchmarks/allreduce.py --worlds 4 --sizes 1M 64M --loop asyncio
     python benchmarks/allreduce.py --worlds 2 --sizes 1M 64M --tls --no-gloo   # TLS overhead only
+    sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --rounds 5     # each rank a host (netns)
+    sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --tls --worlds 2 --sizes 64M --no-gloo
 
 For each world and size it prints seconds per op, algorithm bandwidth (S / t), bus bandwidth
 (algbw x 2(N-1)/N), the ratios to gloo, the bytes each ringserve worker sent over the ring optimum
@@ -11,13 +13,23 @@ growth of its resident set from just before the tensor was made, tensor included
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
 
 The workers share one host, so by default ringserve passes payloads through shared memory (only
-headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). A second run with shared memory
-off sends every payload over the stream, as between hosts: its columns say what the network path
-costs on its own (``--no-stream`` skips it).
+headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). Two more runs with
+shared memory off say what the network path costs on its own, over loopback: with the TCP payload
+lane, as between hosts by default, and with every payload over the gRPC stream (``--no-stream``
+skips both).
 
 With ``--tls`` ringserve also runs under mTLS with a job token (stream only: on one host, shared
 memory would carry the payloads around TLS), from a throwaway CA and certificate made in a
 temporary directory, and the table adds its time and its ratio to the stream-only run.
+
+``--between-hosts`` measures between hosts for real: each rank runs in a network namespace of its
+own, all joined by veth pairs to one bridge with no rate limit (_veth.py), so there is no loopback
+and no shared memory (it is turned off: the namespaces share a kernel). In each of ``--rounds``
+interleaved rounds (the order rotated each round) it runs gloo, ringserve with the TCP payload
+lane (``RINGSERVE_PAYLOAD_LANE=tcp``: a lane that failed to attach would fail the run rather than
+time the stream) and ringserve stream-only (``off``), and reports per size the median over the
+rounds of each one's bus bandwidth ratio to the same round's gloo, with the range. With ``--tls``
+it adds the lane under mTLS with a token, and its time over the plaintext lane's of the same round.
 """
 
 from __future__ import annotations
@@ -47,8 +59,9 @@ def iterations(size: int) -> int:
     return max(4, min(60, (256 << 20) // size))
 
 
-def time_ops(run_once, barrier, size: int) -> list[float]:
-    """Per-op times of a few timed batches, after a warm-up."""
+def time_ops(run_once, barrier, size: int, cpu: list[float] | None = None) -> list[float]:
+    """Per-op times of a few timed batches, after a warm-up; ``cpu`` gets this process's CPU
+    seconds per op (every thread, user and system) over the same batches."""
     n = iterations(size)
     for _ in range(2):
         run_once()
@@ -58,9 +71,13 @@ def time_ops(run_once, barrier, size: int) -> list[float]:
     for _ in range(batches):
         barrier()
         t0 = time.perf_counter()
+        c0 = time.process_time()
         for _ in range(per_batch):
             run_once()
         samples.append((time.perf_counter() - t0) / per_batch)
+        c1 = time.process_time()
+        if cpu is not None:
+            cpu.append((c1 - c0) / per_batch)
     return samples
 
 
@@ -76,11 +93,12 @@ def worker_ringserve(args: argparse.Namespace) -> None:
         a = np.ones(size // 4, dtype=np.float32)
         sent0, ops0 = counters.bytes_sent, counters.collectives_done
         # In place, as gloo's all_reduce is: no result buffer is allocated per op.
-        samples = time_ops(lambda a=a: rs.allreduce(a, op="sum", name="bench", out=a), rs.barrier, size)
+        cpu: list[float] = []
+        samples = time_ops(lambda a=a: rs.allreduce(a, op="sum", name="bench", out=a), rs.barrier, size, cpu)
         ops = counters.collectives_done - ops0
         barriers = 3
         sent = (counters.bytes_sent - sent0) / max(1, ops - barriers)
-        results[size] = {"t": statistics.median(samples), "sent": sent,
+        results[size] = {"t": statistics.median(samples), "sent": sent, "cpu": statistics.median(cpu),
                          "peak_over_tensor": (peak_rss_bytes() - before_tensor) / size}
         del a
     pathlib.Path(args.out).write_text(json.dumps(results))
@@ -93,21 +111,23 @@ def worker_gloo(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     rank = int(__import__("os").environ["RINGSERVE_RANK_HINT"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=args.world)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=args.world)
     results = {}
     for size in args.sizes:
         t = torch.ones(size // 4, dtype=torch.float32)
-        samples = time_ops(lambda t=t: dist.all_reduce(t), dist.barrier, size)
-        results[size] = {"t": statistics.median(samples)}
+        cpu: list[float] = []
+        samples = time_ops(lambda t=t: dist.all_reduce(t), dist.barrier, size, cpu)
+        results[size] = {"t": statistics.median(samples), "cpu": statistics.median(cpu)}
     pathlib.Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def tls_settings(tmp: pathlib.Path) -> dict[str, object]:
-    """mTLS and a token from a throwaway CA, as config fields (the workers get them as env)."""
+def tls_settings(tmp: pathlib.Path, names: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict[str, object]:
+    """mTLS and a token from a throwaway CA, as config fields (the workers get them as env); the
+    certificate names ``names`` (the addresses that workers and the coordinator are dialled at)."""
     from ringserve.testing.pki import CertificateAuthority
 
-    files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node")
+    files = CertificateAuthority("benchmark CA").issue_files(tmp / "pki", "node", names=names)
     return {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca, "tls_require_client_auth": True,
             "token": "benchmark-token"}
 
@@ -132,9 +152,11 @@ def run_ringserve(world: int, sizes_arg: list[str], loop: str, tmp: pathlib.Path
         thread.stop()
 
 
-# Every payload over the gRPC stream, as between hosts: the figure for a network, and the base of
-# the TLS ratio (shared memory would carry the payloads around TLS on one host).
-STREAM_ONLY = {"shared_memory": False}
+# Every payload over the gRPC stream: what a network path cost before the TCP payload lane, and
+# the base of the TLS ratio (shared memory would carry the payloads around TLS on one host).
+STREAM_ONLY = {"shared_memory": False, "payload_lane": "off"}
+# Shared memory off, the TCP payload lane on (the default between hosts), over loopback.
+LANE_ONLY = {"shared_memory": False}
 
 
 def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls: bool = False,
@@ -143,6 +165,7 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
     me = str(pathlib.Path(__file__).resolve())
     run_ringserve(world, sizes_arg, loop, tmp, "rs", {})
     if stream:
+        run_ringserve(world, sizes_arg, loop, tmp, "lane", {}, LANE_ONLY)
         run_ringserve(world, sizes_arg, loop, tmp, "stream", {}, STREAM_ONLY)
     if tls:
         run_ringserve(world, sizes_arg, loop, tmp, "tls", tls_settings(tmp), STREAM_ONLY)
@@ -158,6 +181,7 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
         gl_t = max(read_json(tmp / f"gloo{world}.{i}.json")[key]["t"] for i in range(world)) if gloo else float("nan")
         tls_t = max(read_json(tmp / f"tls{world}.{i}.json")[key]["t"] for i in range(world)) if tls else float("nan")
         st_t = max(read_json(tmp / f"stream{world}.{i}.json")[key]["t"] for i in range(world)) if stream else float("nan")
+        ln_t = max(read_json(tmp / f"lane{world}.{i}.json")[key]["t"] for i in range(world)) if stream else float("nan")
         sent = max(read_json(tmp / f"rs{world}.{i}.json")[key]["sent"] for i in range(world))
         peak = max(read_json(tmp / f"rs{world}.{i}.json")[key]["peak_over_tensor"] for i in range(world))
         factor = 2 * (world - 1) / world
@@ -173,6 +197,8 @@ def run_world(world: int, sizes: list[int], loop: str, tmp: pathlib.Path, *, tls
             "busbw_ratio": f"{gl_t / rs_t:.2f}",
             "sent_over_opt": f"{sent / optimum:.4f}",
             "peak_mem": f"{peak:.2f}x" if size == max(sizes) else "-",
+            "lane_ms": f"{ln_t * 1e3:.2f}" if stream else "-",
+            "lane_busbw_ratio": f"{gl_t / ln_t:.2f}" if stream else "-",
             "stream_ms": f"{st_t * 1e3:.2f}" if stream else "-",
             "stream_busbw_ratio": f"{gl_t / st_t:.2f}" if stream else "-",
             "tls_ms": f"{tls_t * 1e3:.2f}" if tls else "-",
@@ -186,7 +212,8 @@ COLUMNS = [
     ("time_ratio", "time / gloo"), ("rs_busbw", "ringserve busbw GB/s"), ("gloo_busbw", "gloo busbw GB/s"),
     ("busbw_ratio", "busbw / gloo"), ("sent_over_opt", "bytes sent / optimum"), ("peak_mem", "peak mem / tensor"),
 ]
-STREAM_COLUMNS = [("stream_ms", "stream-only ms/op"), ("stream_busbw_ratio", "stream-only busbw / gloo")]
+STREAM_COLUMNS = [("lane_ms", "payload lane ms/op"), ("lane_busbw_ratio", "payload lane busbw / gloo"),
+                  ("stream_ms", "stream-only ms/op"), ("stream_busbw_ratio", "stream-only busbw / gloo")]
 TLS_COLUMNS = [("tls_ms", "mTLS+token ms/op"), ("tls_ratio", "mTLS / stream-only")]
 
 
@@ -199,7 +226,11 @@ def main() -> None:
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo runs")
     p.add_argument("--no-stream", action="store_true",
                    help="skip the run with shared memory off (every payload over the gRPC stream)")
+    p.add_argument("--between-hosts", action="store_true",
+                   help="each rank in a network namespace of its own, on an unlimited bridge (needs root)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of a --between-hosts run")
     p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
+    p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default="")
@@ -210,6 +241,10 @@ def main() -> None:
         return worker_ringserve(args)
     if args.role == "gloo":
         return worker_gloo(args)
+    if args.between_hosts:
+        from _between import main as between_hosts
+
+        return between_hosts(args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:

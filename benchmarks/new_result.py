@@ -6,8 +6,9 @@
 ``out = rs.allreduce(x)`` is the common usage; ``rs.allreduce(x, out=x)`` is what gloo's
 all_reduce does. Each worker alternates batches of the two in the same processes (which one goes
 first alternates from round to round), so both see the same machine load, and the table gives, per
-world, size and lane (shared memory on one host, and stream-only with RINGSERVE_SHARED_MEMORY=0, as
-between hosts), the median ms per op of each, and the paired ratio new / in place within each round:
+world, size and lane (shared memory on one host, and with RINGSERVE_SHARED_MEMORY=0, as between
+hosts: the TCP payload lane, or the gRPC stream with ``--lanes stream`` and RINGSERVE_PAYLOAD_LANE=off),
+the median ms per op of each, and the paired ratio new / in place within each round:
 its median and its range over the rounds. The new-result loop keeps the last result alive until the
 next call returns, as ``out = rs.allreduce(x)`` in a loop does. ``--pool-bytes`` sets
 RINGSERVE_RESULT_POOL_BYTES (0: no pool of result buffers, see ringserve/worker/dataplane/pool.py).
@@ -85,6 +86,8 @@ def run_world(world: int, args: argparse.Namespace, tmp: pathlib.Path, shared: b
     thread.run(coord.start(), 10)
     tag = f"{'shm' if shared else 'stream'}{world}"
     env = {"RINGSERVE_COORDINATOR": coord.address, "RINGSERVE_SHARED_MEMORY": "1" if shared else "0"}
+    if not shared and args.stream_only:
+        env["RINGSERVE_PAYLOAD_LANE"] = "off"
     if args.pool_bytes is not None:
         env["RINGSERVE_RESULT_POOL_BYTES"] = str(args.pool_bytes)
     me = str(pathlib.Path(__file__).resolve())
@@ -102,7 +105,7 @@ def run_world(world: int, args: argparse.Namespace, tmp: pathlib.Path, shared: b
         new = [max(r[str(size)]["new"][k] for r in per_rank) for k in range(args.rounds)]
         ratios = [x / y for x, y in zip(new, inp, strict=True)]
         rows.append({
-            "world": world, "size": f"{size >> 20} MiB", "lane": "shared memory" if shared else "stream-only",
+            "world": world, "size": f"{size >> 20} MiB", "lane": "shared memory" if shared else ("stream-only" if args.stream_only else "payload lane"),
             "inp": f"{statistics.median(inp) * 1e3:.1f}", "new": f"{statistics.median(new) * 1e3:.1f}",
             "ratio": f"{statistics.median(ratios):.2f} [{min(ratios):.2f} - {max(ratios):.2f}]",
             "reused": int(min(r[str(size)]["reused"][0] for r in per_rank)),
@@ -120,7 +123,9 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", nargs="+", default=["1M", "64M"])
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--lanes", nargs="+", choices=["shm", "stream"], default=["shm", "stream"])
+    p.add_argument("--lanes", nargs="+", choices=["shm", "stream"], default=["shm", "stream"],
+                   help="shm: shared memory on; stream: shared memory off (the TCP payload lane carries the payloads)")
+    p.add_argument("--stream-only", action="store_true", help="with shared memory off, the payload lane off too")
     p.add_argument("--pool-bytes", type=int, default=None, help="RINGSERVE_RESULT_POOL_BYTES for the workers")
     p.add_argument("--role", choices=["main", "worker"], default="main")
     p.add_argument("--out", default="")

@@ -4,10 +4,11 @@
     python benchmarks/training_step.py --worlds 4 --steps 40 --fusion-bytes 8388608
 
 Every configuration runs in this same invocation, in rounds (``--repeat``): each round runs DDP
-over gloo, DDP over ringserve (torch.distributed's "ringserve" backend), the same with every
-payload over the gRPC stream (RINGSERVE_SHARED_MEMORY=0, as between hosts), and ringserve's
-Horovod-style DistributedOptimizer, one after the other, so that each round's runs see the same
-machine load. The model is an MLP 784-2048-2048-10 (5.8M parameters, float32), SGD, a batch of
+over gloo, DDP over ringserve (torch.distributed's "ringserve" backend), the same with shared memory
+off (RINGSERVE_SHARED_MEMORY=0, as between hosts: payloads take the TCP payload lane) and with the
+lane off too (every payload over the gRPC stream), and ringserve's Horovod-style
+DistributedOptimizer with shared memory and with the lane, one after the other, so that each
+round's runs see the same machine load (``--runs`` picks some; DDP over gloo always runs). The model is an MLP 784-2048-2048-10 (5.8M parameters, float32), SGD, a batch of
 64 per worker, one torch thread per worker. A step is zero_grad, forward, backward and optimizer
 step. The table gives, per world and run, the median step time of the slowest rank in its best
 round, the ratio to DDP over gloo paired within each round (the median, and the range over the
@@ -171,12 +172,16 @@ def _run(role: str, world: int, args: argparse.Namespace, tmp: pathlib.Path,
     return [read_json(o) for o in outs]
 
 
-# The runs of each round, in order: (name in the table, role, extra environment).
-RUNS = [
-    ("DDP over gloo", "ddp", {}),
-    ("DDP over ringserve", "ddp-ringserve", {}),
-    ("DDP over ringserve, stream-only", "ddp-ringserve", {"RINGSERVE_SHARED_MEMORY": "0"}),
-    ("ringserve DistributedOptimizer", "ringserve", {}),
+# The runs of each round, in order: (key for --runs, name in the table, role, extra environment).
+LANE = {"RINGSERVE_SHARED_MEMORY": "0"}  # as between hosts: the TCP payload lane carries the payloads
+STREAM = {"RINGSERVE_SHARED_MEMORY": "0", "RINGSERVE_PAYLOAD_LANE": "off"}
+ALL_RUNS = [
+    ("gloo", "DDP over gloo", "ddp", {}),
+    ("ddp", "DDP over ringserve", "ddp-ringserve", {}),
+    ("ddp-lane", "DDP over ringserve, payload lane", "ddp-ringserve", LANE),
+    ("ddp-stream", "DDP over ringserve, stream-only", "ddp-ringserve", STREAM),
+    ("hvd", "ringserve DistributedOptimizer", "ringserve", {}),
+    ("hvd-lane", "ringserve DistributedOptimizer, payload lane", "ringserve", LANE),
 ]
 
 
@@ -187,6 +192,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=3, help="rounds; each runs every configuration once")
     p.add_argument("--fusion-bytes", type=int, default=4 << 20, help="ringserve's fusion bucket size")
+    p.add_argument("--runs", nargs="+", choices=[key for key, *_ in ALL_RUNS], default=[key for key, *_ in ALL_RUNS],
+                   help="which runs each round makes (DDP over gloo always runs, as the base of the ratios)")
     p.add_argument("--role", choices=["main", "alone", "ddp", "ddp-ringserve", "ringserve"], default="main")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
@@ -195,6 +202,7 @@ def main() -> None:
     args = p.parse_args()
     if args.role != "main":
         return worker(args)
+    runs = [(name, role, env) for key, name, role, env in ALL_RUNS if key == "gloo" or key in args.runs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         where = pathlib.Path(tmp)
@@ -202,14 +210,14 @@ def main() -> None:
         for world in args.worlds:
             rounds: list[dict[str, list[dict[str, float]]]] = []
             for _ in range(args.repeat):
-                rounds.append({name: _run(role, world, args, where, env) for name, role, env in RUNS})
-            for name, _role, _env in RUNS:
+                rounds.append({name: _run(role, world, args, where, env) for name, role, env in runs})
+            for name, _role, _env in runs:
                 steps = [max(r["step"] for r in rnd[name]) for rnd in rounds]
                 cpus = [sum(r["cpu"] for r in rnd[name]) for rnd in rounds]
                 cpu_ratios = sorted(c / sum(r["cpu"] for r in rnd["DDP over gloo"]) for c, rnd in zip(cpus, rounds, strict=True))
                 ratios = sorted(s / max(r["step"] for r in rnd["DDP over gloo"]) for s, rnd in zip(steps, rounds, strict=True))
                 best = rounds[steps.index(min(steps))][name]
-                hvd = name == "ringserve DistributedOptimizer"
+                hvd = name.startswith("ringserve DistributedOptimizer")
                 rows.append({"world": world, "run": name, "step": f"{min(steps) * 1e3:.1f}",
                              "gloo": f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]",
                              "alone": f"{min(steps) / alone:.2f}",

@@ -17,7 +17,9 @@ torch thread per worker:
   this WAN: see docs/benchmarks/wan.md) and with one bucket for the whole model (``powersgd-1bucket``);
 - ringserve's DistributedOptimizer (``--codecs``): ``none``, ``fp16``, ``int8`` with error feedback,
   with the shared-memory lane off (``RINGSERVE_SHARED_MEMORY=0``). The hosts share one kernel, so
-  the lane would otherwise carry every payload around the shaped links.
+  the lane would otherwise carry every payload around the shaped links. Payloads take the TCP
+  payload lane, as between real hosts (``RINGSERVE_PAYLOAD_LANE=off`` in the environment: the gRPC
+  stream).
 
 It runs every configuration once per round, ``--rounds`` times, in a rotated order, so that each
 sees the machine's load swing alike. The table gives, per configuration, the median over the rounds

@@ -11,6 +11,7 @@ Synchronous numpy API for training scripts::
     rs.shutdown()
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
+Parameter-server mode: ``ringserve.ParameterServer`` and ``ringserve.ps`` (clients, optimizers).
 ``import ringserve`` never imports torch.
 """
 
@@ -50,12 +51,14 @@ from ringserve.errors import (
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
+    PayloadLaneError,
     PeerUnavailableError,
     ProtocolError,
     RecoverableError,
     RendezvousTimeoutError,
     RingChangedError,
     RingserveError,
+    ShardUnavailableError,
     StateLostError,
     TLSHandshakeError,
     UnsupportedError,
@@ -64,6 +67,7 @@ from ringserve.errors import (
     WorkerFailedError,
 )
 from ringserve.powersgd import PowerSGD
+from ringserve.ps.server import ParameterServer
 from ringserve.worker.ops.process_sets import ProcessSet
 from ringserve.worker.runtime import Worker
 
@@ -79,6 +83,8 @@ __all__ = [
     "InvalidArgumentError",
     "MismatchError",
     "NotInitializedError",
+    "ParameterServer",
+    "PayloadLaneError",
     "PeerUnavailableError",
     "PowerSGD",
     "ProcessSet",
@@ -87,6 +93,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingChangedError",
     "RingserveError",
+    "ShardUnavailableError",
     "StateLostError",
     "TLSHandshakeError",
     "UnsupportedError",

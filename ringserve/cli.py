@@ -1,4 +1,4 @@
-"""The ``ringserve`` command: ``coordinator``, ``run`` and ``status``."""
+"""The ``ringserve`` command: ``coordinator``, ``run``, ``ps`` and ``status``."""
 
 from __future__ import annotations
 
@@ -112,6 +112,10 @@ def _cmd_coordinator(ns: argparse.Namespace) -> int:
     return 0
 
 
+# With --ps the first view forms once one worker joined (min-np 1): a longer settle window lets
+# the -np workers that start together land in it, instead of waiting to be admitted at a step.
+PS_SETTLE_S = 1.0
+
 _SECURITY_ENV = {f"RINGSERVE_{f.upper()}" for f in (*_SECURITY_FIELDS, "token")}
 
 
@@ -150,7 +154,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from ringserve.launch import launch
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
-    min_np = ns.min_np if ns.min_np is not None else ns.np
+    # With shards, workers are independent: a dead one leaves the others training.
+    min_np = ns.min_np if ns.min_np is not None else (1 if ns.ps else ns.np)
     max_np = ns.max_np if ns.max_np is not None else ns.np
     if ns.start_timeout is None:
         ns.start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or REMOTE_START_TIMEOUT_S)
@@ -166,7 +171,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         host=ns.host or "127.0.0.1",
         min_workers=min_np,
         max_workers=max(max_np, ns.np),
-        settle_s=0.2,
+        settle_s=PS_SETTLE_S if ns.ps else 0.2,
         heartbeat_timeout_s=ns.heartbeat_timeout,
         http_port=ns.http_port,
         **{f: getattr(security, f) for f in (*_SECURITY_FIELDS, "token")},
@@ -175,7 +180,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     env.setdefault("RINGSERVE_ELASTIC_TIMEOUT_S", f"{ns.elastic_timeout:g}")
     elastic = min_np < ns.np or ns.restart_failed or bool(ns.host_discovery_script)
     outcome = launch(ns.np, command, coordinator=config, env=env, elastic=elastic, placement=placement,
-                     restart_failed=ns.restart_failed, max_restarts=ns.max_restarts)
+                     restart_failed=ns.restart_failed, max_restarts=ns.max_restarts, ps_shards=ns.ps)
     if outcome.reason:
         lost = " (StateLostError: the job's committed state is lost)" if outcome.code == STATE_LOST_EXIT_CODE else ""
         stopped = "; the other ranks were stopped." if outcome.failed_rank is not None else "."
@@ -199,12 +204,14 @@ def _format_status(status: object) -> str:
             f"heartbeats of the {len(beats)} listed: newest {beats[0]:.1f} s ago, "
             f"median {beats[len(beats) // 2]:.1f} s, oldest {beats[-1]:.1f} s"
         )
-    header = f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} {'received':>12}"
+    header = (f"{'rank':>4}  {'address':<22} {'host':<16} {'heartbeat':>10} {'collectives':>12} {'sent':>12} "
+              f"{'received':>12} {'lane sent':>12} {'lane fallbacks':>14}")
     lines.append(header)
     lines.extend(
         f"{m.member.rank:>4}  {m.member.address:<22} {m.member.hostname[:16]:<16} "
         f"{m.seconds_since_heartbeat:>8.1f} s {m.counters.collectives_done:>12} "
-        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12}"
+        f"{_human(m.counters.bytes_sent):>12} {_human(m.counters.bytes_received):>12} "
+        f"{_human(m.counters.lane_bytes_sent):>12} {m.counters.lane_fallbacks:>14}"
         for m in status.members
     )
     if len(status.members) < size:
@@ -245,6 +252,41 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+_PS_FIELDS = ("coordinator", "shards", "shard_index", "bind_host", "bind_port", "advertise_host", "advertise_port",
+              "checkpoint_dir", "checkpoint_updates", "checkpoint_keep", "max_wait_s", *_SECURITY_FIELDS)
+
+
+def _ps_args(p: argparse.ArgumentParser) -> None:
+    """``ringserve ps``'s flags; each falls back on its RINGSERVE_* variable."""
+    p.add_argument("--shards", type=int, default=None, help="S, the job's number of shards (default 1)")
+    p.add_argument("--coordinator", default=None, help="host:port of the coordinator, the shards' directory")
+    p.add_argument("--one-shard", action="store_true",
+                   help="run one shard of S in this process (a container's; default: all S, one process each)")
+    p.add_argument("--shard-index", type=int, default=None,
+                   help="with --one-shard: the index to take (default -1: the lowest free one)")
+    p.add_argument("--shard-id", default="", help=argparse.SUPPRESS)  # ringserve ps's children keep theirs
+    p.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)  # and stop when it is gone
+    p.add_argument("--bind-host", default=None, help="address the shards bind (default 127.0.0.1)")
+    p.add_argument("--bind-port", type=int, default=None, help="with --one-shard: port to bind (default any)")
+    p.add_argument("--advertise-host", default=None, help="address workers dial ('auto': the route to the coordinator)")
+    p.add_argument("--advertise-port", type=int, default=None, help="port workers dial, where it is mapped")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoint every --checkpoint-updates updates here, and resume from it (RINGSERVE_CHECKPOINT_DIR)")
+    p.add_argument("--checkpoint-updates", type=int, default=None, help="updates between checkpoints (default 100)")
+    p.add_argument("--checkpoint-keep", type=int, default=None, help="checkpoints kept per shard (default 2)")
+    p.add_argument("--max-wait-seconds", dest="max_wait_s", type=float, default=None,
+                   help="the longest a pull or push waits on a shard for a round or the slowest worker (default 300)")
+    _security_args(p, server=True)
+
+
+def _cmd_ps(ns: argparse.Namespace) -> int:
+    from ringserve.config import ShardConfig
+    from ringserve.ps.server import serve
+
+    config = ShardConfig.from_env(**_overrides(ns, _PS_FIELDS))
+    return serve(config, one_shard=ns.one_shard or config.shards == 1, shard_id=ns.shard_id, parent=ns.parent)
+
+
 def _cmd_timeline_merge(ns: argparse.Namespace) -> int:
     from ringserve.observe import merge_traces
 
@@ -269,6 +311,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=10, help="with --restart-failed: restarts in all")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds of silence before a worker is declared dead")
+    p.add_argument("--ps", type=int, default=0, metavar="S",
+                   help="also run S parameter-server shards (ringserve.ps) on this host; workers that die leave "
+                        "the others training (--min-np defaults to 1)")
     p.add_argument("--http-port", type=int, default=-1,
                    help="serve the coordinator's live status page on this port of --host (needs ringserve[status])")
     hosts = p.add_argument_group("hosts (as horovodrun)")
@@ -313,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a command as N workers of a fresh coordinator, here or on several hosts")
     _run_args(p)
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("ps", help="run parameter-server shards (ringserve.ps) until SIGINT or SIGTERM")
+    _ps_args(p)
+    p.set_defaults(func=_cmd_ps)
 
     p = sub.add_parser("status", help="show the current view and each worker's counters")
     p.add_argument("--coordinator", required=True, help="host:port of the coordinator")

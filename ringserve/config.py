@@ -15,6 +15,7 @@ from typing import Any
 
 from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
+from ringserve.selection import SETTINGS as ALGORITHMS
 
 MiB = 1 << 20
 
@@ -25,8 +26,26 @@ ADVERTISE_AUTO = "auto"
 # worker/dataplane/shared.py, whose layout this must match; a unit test checks that it does).
 MAX_SHARED_SLOTS = 4032
 
+# WorkerConfig.payload_lane values: fall back per edge, require, or never use the TCP payload lane.
+PAYLOAD_LANES = ("auto", "tcp", "off")
 
-def _check_security(owner: CoordinatorConfig | WorkerConfig) -> None:
+
+def route_host(coordinator: str) -> str:
+    """This machine's address on the route to ``coordinator`` (host:port), as ``auto`` advertises it
+    (see WorkerConfig.advertised_host)."""
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            found = str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        found = socket.gethostbyname(socket.gethostname())
+    return f"[{found}]" if ":" in found else found
+
+
+def _check_security(owner: CoordinatorConfig | WorkerConfig | ShardConfig | PSClientConfig) -> None:
     """Validates the TLS and token settings shared by both configs (files are read at start)."""
     name = type(owner).__name__
     cert, key = owner.tls_cert, owner.tls_key
@@ -298,11 +317,34 @@ class WorkerConfig(SecuritySettings):
             are found through /proc only.
         shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
             payloads travel over the stream until one is freed.
+        payload_lane: the TCP payload lane between hosts (see worker/dataplane/tcplane.py):
+            each worker listens on one payload port, and a DATA frame's payload travels on a
+            plain TCP (or, with TLS, a TLS) connection beside the gRPC stream, which still carries
+            its header. ``auto`` (the default): an edge whose lane cannot connect and
+            authenticate within payload_connect_timeout_s sends its payloads over the stream,
+            logged once and counted (``lane_fallbacks``); ``tcp``: the lane is required, and an
+            edge without it fails with PayloadLaneError naming the port; ``off``: every payload
+            between hosts travels over the stream. Shared memory still wins on one host.
+        payload_port: the port the payload lane listens on, on bind_host; 0 (the default) takes
+            any free port. Pin it where a firewall, a NAT or a container must open a known port.
+        payload_advertise_port: the payload port peers dial, where a NAT or a container maps
+            payload_port to another; 0 (the default) advertises the bound port. Peers dial it at
+            the host of this worker's advertised address.
+        payload_connect_timeout_s: how long a receiver may take to connect to a sender's
+            payload lane, finish TLS and present its token, before it falls back to the stream
+            for that edge (in ``auto``).
         hierarchical: allreduce by host (see worker/ops/hierarchy.py): a reduce-scatter among the
             workers of each host, an allreduce of each slice across hosts, an allgather within
             each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
             the same number, more than one, of workers on each; ``1``: whenever every host has
             the same number of workers; ``0``: the flat ring always. Every worker must agree.
+        algorithm: which algorithm collectives run (see ringserve/selection.py and
+            docs/design/algorithms.md): ``auto`` picks, call by call, the fastest by a cost model of
+            the call's size, the ring's size and its links' latency and bandwidth (measured once
+            per view, or link_latency_s and link_mbps); ``ring``, ``halving_doubling``, ``tree``
+            and ``ring2d`` name one (the ring where it cannot run the call). Every worker must agree.
+        link_latency_s, link_mbps: the one-way latency (seconds) and bandwidth (Mbit/s) of the
+            links between workers, for ``auto``; both 0 (the default): measured once per view.
         result_pool_bytes: new-result collectives (``out = allreduce(x)``) take their result
             buffers from a pool of at most this many bytes, reusing a buffer only once nothing
             outside the pool refers to it (see worker/dataplane/pool.py); it saves the page faults of a
@@ -358,8 +400,15 @@ class WorkerConfig(SecuritySettings):
     shared_memory: bool = True
     shared_slots: int = 32
     shared_dir: str = ""
+    payload_lane: str = "auto"
+    payload_port: int = 0
+    payload_advertise_port: int = 0
+    payload_connect_timeout_s: float = 1.0
     result_pool_bytes: int = 512 * MiB
     hierarchical: str = "auto"
+    algorithm: str = "auto"
+    link_latency_s: float = 0.0
+    link_mbps: float = 0.0
     checkpoint_dir: str = ""
     checkpoint_every: int = 1
     checkpoint_keep: int = 2
@@ -371,7 +420,7 @@ class WorkerConfig(SecuritySettings):
                   "collective_timeout_s", "rpc_timeout_s", "abort_grace_s", "drain_timeout_s",
                   "max_concurrent_rpcs", "max_unverified_streams", "peer_hello_timeout_s",
                   "peer_idle_timeout_s", "checkpoint_every", "checkpoint_keep", "checkpoint_timeout_s",
-                  "join_timeout_s")
+                  "join_timeout_s", "payload_connect_timeout_s")
         _check_security(self)
         if not 1 <= self.shared_slots <= MAX_SHARED_SLOTS:
             raise InvalidArgumentError(
@@ -387,6 +436,16 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.hierarchical ({self.hierarchical!r}, RINGSERVE_HIERARCHICAL) must be auto, 1 or 0."
             )
+        if self.algorithm not in ALGORITHMS:
+            raise InvalidArgumentError(
+                f"WorkerConfig.algorithm ({self.algorithm!r}, RINGSERVE_ALGORITHM) must be one of "
+                f"{', '.join(ALGORITHMS)}."
+            )
+        if not (self.link_latency_s >= 0 and self.link_mbps >= 0) or (self.link_latency_s > 0) != (self.link_mbps > 0):
+            raise InvalidArgumentError(
+                f"WorkerConfig.link_latency_s ({self.link_latency_s!r}, RINGSERVE_LINK_LATENCY_S) and link_mbps "
+                f"({self.link_mbps!r}, RINGSERVE_LINK_MBPS) must both be greater than zero, or both 0 (measured)."
+            )
         if self.shared_dir:
             _check_shared_dir(self.shared_dir)
         if self.timeline:
@@ -395,7 +454,12 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.holder_wait_s ({self.holder_wait_s!r}) must be at least 0 (RINGSERVE_HOLDER_WAIT_S)."
             )
-        for port in ("bind_port", "advertise_port"):
+        if self.payload_lane not in PAYLOAD_LANES:
+            raise InvalidArgumentError(
+                f"WorkerConfig.payload_lane ({self.payload_lane!r}, RINGSERVE_PAYLOAD_LANE) must be one of "
+                f"{', '.join(PAYLOAD_LANES)}."
+            )
+        for port in ("bind_port", "advertise_port", "payload_port", "payload_advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:
                 raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
         if ":" not in self.coordinator:
@@ -431,16 +495,7 @@ class WorkerConfig(SecuritySettings):
         """
         if self.advertise_host != ADVERTISE_AUTO:
             return self.advertise_host or self.bind_host
-        host, _, port = self.coordinator.rpartition(":")
-        host = host.strip("[]")
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
-            with socket.socket(family, kind, proto) as probe:
-                probe.connect(address)
-                found = str(probe.getsockname()[0])
-        except (OSError, ValueError):
-            found = socket.gethostbyname(socket.gethostname())
-        return f"[{found}]" if ":" in found else found
+        return route_host(self.coordinator)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
@@ -480,3 +535,133 @@ def _from_env(cls: type, env: Mapping[str, str] | None, overrides: Mapping[str, 
             ) from None
     values.update({k: v for k, v in overrides.items() if v is not None})
     return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig(SecuritySettings):
+    """Settings of one parameter-server shard (``ringserve ps``, ringserve.ps.Shard).
+
+    Attributes:
+        coordinator: host:port of the coordinator, the shards' directory.
+        bind_host, bind_port: where the shard's server listens (port 0: any free one).
+        advertise_host, advertise_port: the address workers dial, when not the bound one
+            (``auto``: this machine's address on the route to the coordinator, as for workers).
+        shards: S, the job's number of shards; every shard and the directory must agree.
+        shard_index: the index this shard asks for; -1 (the default) takes the lowest free one,
+            or one whose shard's lease lapsed (a container restarted by its policy).
+        checkpoint_dir: write a checkpoint of the shard every checkpoint_updates updates under
+            this directory (``<dir>/ps/shard-<i>-of-<S>/``), and resume from the newest one
+            there when the shard starts. Empty: none; a shard that restarts empty is then seeded
+            again by the first worker that finds it so, from the values it last pulled.
+        checkpoint_updates: K: a checkpoint after every K updates applied (K rounds in sync).
+        checkpoint_keep: the newest checkpoints kept; older ones are deleted.
+        chunk_bytes: pulled values stream in chunks of at most this size.
+        connect_timeout_s: deadline of each call to reach the coordinator.
+        register_timeout_s: how long a starting shard tries to take its index: while the
+            coordinator does not answer yet, or while the index is held by a shard whose lease
+            has not lapsed (the one it replaces).
+        rpc_timeout_s: deadline of each call to the coordinator (registration, its refresh).
+        max_wait_s: the longest a pull or a push waits on the shard (for a round, a view, the
+            staleness gate), whatever the caller's deadline; it then fails with DEADLINE_EXCEEDED.
+        max_shard_bytes: an Init that would make this shard hold more is refused.
+        max_concurrent_rpcs: calls served at once; beyond it, RESOURCE_EXHAUSTED.
+        use_uvloop: run the shard's event loop on uvloop.
+        tls_*, token, token_file: see SecuritySettings.
+    """
+
+    coordinator: str = "127.0.0.1:50051"
+    bind_host: str = "127.0.0.1"
+    bind_port: int = 0
+    advertise_host: str = ""
+    advertise_port: int = 0
+    shards: int = 1
+    shard_index: int = -1
+    checkpoint_dir: str = ""
+    checkpoint_updates: int = 100
+    checkpoint_keep: int = 2
+    chunk_bytes: int = 2 * MiB
+    connect_timeout_s: float = 10.0
+    register_timeout_s: float = 60.0
+    rpc_timeout_s: float = 5.0
+    max_wait_s: float = 300.0
+    max_shard_bytes: int = 16 << 30
+    max_concurrent_rpcs: int = 256
+    use_uvloop: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "shards", "checkpoint_updates", "checkpoint_keep", "chunk_bytes", "connect_timeout_s",
+                  "register_timeout_s", "rpc_timeout_s", "max_wait_s", "max_shard_bytes", "max_concurrent_rpcs")
+        _check_security(self)
+        if not -1 <= self.shard_index < self.shards:
+            raise InvalidArgumentError(
+                f"ShardConfig.shard_index ({self.shard_index}, RINGSERVE_SHARD_INDEX) must be in [0, {self.shards}) "
+                f"or -1 (any free index)."
+            )
+        for port in ("bind_port", "advertise_port"):
+            if not 0 <= getattr(self, port) <= 65535:
+                raise InvalidArgumentError(f"{port} ({getattr(self, port)}) must be in [0, 65535].")
+        if ":" not in self.coordinator:
+            raise InvalidArgumentError(f"The coordinator address ({self.coordinator!r}) must have the form host:port.")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest message a shard sends or takes: a chunk and room for its header."""
+        return self.chunk_bytes + 64 * 1024
+
+    def advertised_host(self) -> str:
+        if self.advertise_host != ADVERTISE_AUTO:
+            return self.advertise_host or self.bind_host
+        return route_host(self.coordinator)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ShardConfig:
+        """Builds a config from RINGSERVE_* variables (RINGSERVE_SHARDS, RINGSERVE_CHECKPOINT_DIR, ...)."""
+        return cls(**_from_env(cls, env, overrides))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSClientConfig(SecuritySettings):
+    """Settings of a parameter-server client (ringserve.ps.Client, ParameterServerOptimizer).
+
+    Attributes:
+        coordinator: host:port of the coordinator, where the shards are listed.
+        chunk_bytes: pushed and initial values stream in chunks of at most this size.
+        push_codec: the wire codec of pushed gradients and deltas (none, fp16, bf16, int8; see
+            ringserve/codecs.py). Pulled values are always sent whole.
+        connect_timeout_s: deadline of each call to a shard that does not wait on others.
+        rpc_timeout_s: deadline of each call to the coordinator.
+        round_timeout_s: how long a pull may wait for its round (sync, average) or for the
+            slowest worker (ssp), and a push for the shard to hear of the worker's view; then
+            CollectiveTimeoutError, naming the shard and the members it waits for.
+        shard_wait_s: how long to wait for every shard to be listed alive: at start, and when a
+            shard stops answering (it restarts and registers again); then ShardUnavailableError.
+        tls_*, token, token_file: see SecuritySettings (a worker's client takes the worker's).
+    """
+
+    coordinator: str = "127.0.0.1:50051"
+    chunk_bytes: int = 1 * MiB
+    push_codec: str = "none"
+    connect_timeout_s: float = 10.0
+    rpc_timeout_s: float = 5.0
+    round_timeout_s: float = 300.0
+    shard_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        from ringserve.codecs import codec
+
+        _positive(self, "chunk_bytes", "connect_timeout_s", "rpc_timeout_s", "round_timeout_s", "shard_wait_s")
+        _check_security(self)
+        codec(self.push_codec)  # names the bad codec
+        if ":" not in self.coordinator:
+            raise InvalidArgumentError(f"The coordinator address ({self.coordinator!r}) must have the form host:port.")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest message received: a shard's chunk is at most ShardConfig.chunk_bytes (64 MiB of
+        room, so that a shard's larger chunks still pass)."""
+        return max(self.chunk_bytes, 64 * MiB) + 64 * 1024
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PSClientConfig:
+        """Builds a config from RINGSERVE_* variables (RINGSERVE_PUSH_CODEC, ...); overrides win."""
+        return cls(**_from_env(cls, env, overrides))

@@ -8,13 +8,16 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         │   ├── PeerUnavailableError  a ring neighbour stopped answering
         │   ├── RingChangedError      the view changed under a collective (old and new view named)
         │   ├── CollectiveTimeoutError  a collective passed its deadline
-        │   └── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+        │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+        │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
         ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
         ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
         ├── StateLostError            every worker holding the last commit died and no durable copy
         │                             exists: the job cannot go on without going back; never retried
         ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
         ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
+        ├── PayloadLaneError          RINGSERVE_PAYLOAD_LANE=tcp and an edge's TCP payload lane could
+        │                             not attach (the port and the reason named): a deployment to fix
         ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
         ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
         ├── ViewInstallError          this worker could not take its place in a view; it left the world
@@ -75,6 +78,16 @@ class CorruptFrameError(RecoverableError):
     def __init__(self, op_key: str, detail: str) -> None:
         self.op_key = op_key
         super().__init__(f"Collective {op_key!r} was aborted on every rank: {detail}")
+
+
+class ShardUnavailableError(RecoverableError):
+    """A parameter-server shard stopped answering and was not listed alive again within the wait."""
+
+    def __init__(self, shard: int, address: str, waited_s: float, detail: str = "") -> None:
+        self.shard = shard
+        self.address = address
+        message = f"Parameter-server shard {shard} (last at {address or 'no address yet'}) was not available within {waited_s:g} s"
+        super().__init__(f"{message}: {detail}" if detail else message + ".")
 
 
 class NonFiniteError(RingserveError):
@@ -147,6 +160,13 @@ class TLSHandshakeError(RingserveError):
         self.refused_by = refused_by
         self.cause = cause
         super().__init__(f"The TLS handshake with {address} failed, refused by the {refused_by}: {cause}")
+
+
+class PayloadLaneError(RingserveError):
+    """An edge's TCP payload lane could not attach where the lane is required
+    (RINGSERVE_PAYLOAD_LANE=tcp): a firewall, a NAT or a proxy in the way, which retrying in a new
+    view will not remove. A lane that breaks once attached fails its collectives with
+    PeerUnavailableError, as a broken stream does."""
 
 
 class ExcludedError(RingserveError):

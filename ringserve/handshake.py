@@ -57,7 +57,7 @@ def _split(address: str) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def _pem_file(data: bytes) -> Iterator[str]:
+def pem_file(data: bytes) -> Iterator[str]:
     """A path holding data for ssl's load_cert_chain, which reads only files: an anonymous memory
     file where there is one (the key never touches a disk), else a private temporary file."""
     if hasattr(os, "memfd_create"):
@@ -86,7 +86,7 @@ def _context(security: Security) -> ssl.SSLContext:
     else:
         ctx.load_default_certs()
     if security.cert is not None and security.key is not None:
-        with _pem_file(security.cert + b"\n" + security.key) as path:
+        with pem_file(security.cert + b"\n" + security.key) as path:
             ctx.load_cert_chain(path)
     return ctx
 
@@ -210,7 +210,7 @@ def _own_certificate_problem(cert: bytes, key: bytes, ca: bytes | None) -> str |
     checking = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     checking.check_hostname = False
     try:
-        with _pem_file(cert + b"\n" + key) as path:
+        with pem_file(cert + b"\n" + key) as path:
             serving.load_cert_chain(path)
         checking.load_verify_locations(cadata=ca.decode())
     except (ssl.SSLError, OSError, ValueError):

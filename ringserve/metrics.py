@@ -47,9 +47,21 @@ class WorkerCollector(Collector):
             latency.add_metric([*values, op], cumulative, entry.total_s)
         yield ops
         yield latency
+        chosen = CounterMetricFamily("ringserve_collectives_by_algorithm",
+                                     "Collectives completed, by op and by the algorithm they ran.",
+                                     labels=[*labels, "op", "algorithm"])
+        for (op, algorithm), count in sorted(c.algorithms.items()):
+            chosen.add_metric([*values, op, algorithm], count)
+        yield chosen
         yield counter("sent_bytes", "Bytes sent to the ring successor.", c.bytes_sent)
         yield counter("shared_sent_bytes", "Of those, payload bytes sent through same-host shared memory.",
                       c.shared_bytes_sent)
+        yield counter("lane_sent_bytes", "Of those, payload bytes sent over TCP payload lanes (between hosts).",
+                      c.lane_bytes_sent)
+        yield counter("lane_fallbacks", "Edges whose TCP payload lane did not attach: their payloads took the stream.",
+                      c.lane_fallbacks)
+        yield counter("lane_refused", "Connections to the payload port closed without a lane (garbage, silence, "
+                      "a bad token).", c.lane_refused)
         yield counter("received_bytes", "Bytes received from the ring predecessor.", c.bytes_received)
         yield counter("frames_rejected", "Frames of another view, dropped and never summed.", c.frames_rejected)
         yield counter("view_changes", "New views installed after the first.", c.view_changes)

@@ -41,19 +41,24 @@ class Counters:
     collectives_done: int = 0
     bytes_sent: int = 0  # payloads and headers, over the stream or through shared memory
     shared_bytes_sent: int = 0  # the payload bytes of those that went through shared memory
+    lane_bytes_sent: int = 0  # the payload bytes of those that went over TCP payload lanes
+    lane_fallbacks: int = 0  # edges whose payload lane did not attach: their payloads took the stream
+    lane_refused: int = 0  # connections to the payload port closed without a lane (garbage, silence, a bad token)
     bytes_received: int = 0
     frames_rejected: int = 0
     view_changes: int = 0
     heartbeats_missed: int = 0
     stall_warnings: int = 0
     latency: dict[str, Latency] = field(default_factory=dict)
+    algorithms: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, algorithm): collectives done
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, algorithm: str = "ring") -> None:
         self.collectives_done += 1
         entry = self.latency.get(kind)
         if entry is None:
             entry = self.latency[kind] = Latency()
         entry.observe(seconds)
+        self.algorithms[(kind, algorithm)] = self.algorithms.get((kind, algorithm), 0) + 1
 
 
 class Span:

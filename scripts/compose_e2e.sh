@@ -8,6 +8,10 @@
 #                   leave at its next commit (exit 0); the other 5 finish with identical parameters
 #   kill            4 train; `docker kill` of one (exit 137); the other 3 go on from their last
 #                   commit and finish with identical parameters
+#   ps              the parameter-server demo (examples/train_digits_ps.py, ssp mode):
+#                   `--profile ps up --scale worker=4 --scale ps=2`; shard 1's process is killed
+#                   (SIGKILL) mid-run, its restart policy brings it back, it resumes from its
+#                   checkpoint; every worker exits 0 and prints its test accuracy
 #
 # Then `down`. Exits non-zero if any check fails; prints what each step took.
 #
@@ -36,9 +40,10 @@ ENGINE=${RINGSERVE_DOCKER_ENGINE:-$(find_engine || true)}
 [ -n "$ENGINE" ] && [ -x "$ENGINE" ] || { echo "compose_e2e: no ../shared/tools/docker-engine above $ROOT" >&2; exit 2; }
 
 PROJECT=${COMPOSE_PROJECT:-ringserve-e2e}
-SCENARIOS=${SCENARIOS:-"scale:2 scale:4 scale:8 grow-stop kill"}
+SCENARIOS=${SCENARIOS:-"scale:2 scale:4 scale:8 grow-stop kill ps"}
 EPOCHS=${E2E_EPOCHS:-10}              # plain runs
 LONG_EPOCHS=${E2E_LONG_EPOCHS:-200}   # runs changed mid-way: long enough for containers to start and join
+PS_EPOCHS=${E2E_PS_EPOCHS:-40}        # the ps demo: long enough for a shard to die and come back
 WAIT_S=${E2E_TIMEOUT_S:-900}          # one run, at most
 LOGS=${E2E_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/compose-e2e.XXXXXX")}
 export RINGSERVE_IMAGE=${RINGSERVE_IMAGE:-ringserve:e2e}
@@ -120,7 +125,7 @@ check_finish() {
   grep -hE '^epoch [0-9]+/[0-9]+ on' "$dir"/worker-*.log | tail -1 | sed "s/^/[$name] last: /" || true
 }
 
-down() { dc down -v --remove-orphans -t 5 > /dev/null 2>&1 || true; }
+down() { dc --profile ps down -v --remove-orphans -t 5 > /dev/null 2>&1 || true; }
 
 scenario_scale() { # N
   local n=$1 name=scale-$1 t0; t0=$(now)
@@ -185,6 +190,55 @@ scenario_kill() {
   TIMINGS+=("$name: $(since "$t0") s (load $(load) at the end)")
 }
 
+checkpointed() { # CONTAINER: how many shards' checkpoint folders hold a checkpoint (the volume is shared)
+  docker exec "$1" python -c "import pathlib
+print(sum(any(d.glob('v*.npz')) for d in pathlib.Path('/var/lib/ringserve/ps').rglob('shard-*')))" 2>/dev/null || echo 0
+}
+
+shards() { # the ps containers, oldest first
+  docker ps -a -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=ps" | tac
+}
+
+scenario_ps() {
+  local name=ps t0 t1 victim; t0=$(now)
+  log "== $name: --profile ps up --scale worker=4 --scale ps=2, one shard killed mid-run ($PS_EPOCHS epochs; load $(load))"
+  down
+  DEMO_EPOCHS=$PS_EPOCHS PS_SHARDS=2 RINGSERVE_CHECKPOINT_UPDATES=20 \
+    dc --profile ps up -d --no-build --scale worker=4 --scale ps=2 > "$LOGS/$name.up.log" 2>&1 \
+    || { fail "$name: up failed: $(tail -3 "$LOGS/$name.up.log")"; down; return; }
+  victim=$(shards | sed -n 2p)
+  local deadline=$(( $(date +%s) + 600 ))
+  until [ "$(checkpointed "$victim")" = 2 ]; do  # both shards have written a checkpoint
+    if [ "$(date +%s)" -gt "$deadline" ] || [ -z "$(running_workers)" ]; then
+      fail "$name: the shards wrote no checkpoints while the workers trained"; save_logs "$name"; down; return; fi
+    sleep 1
+  done
+  t1=$(now)
+  docker exec "$victim" python -c "import os
+for p in os.listdir('/proc'):
+    if p.isdigit() and int(p) != os.getpid() and b'ringserve' in open(f'/proc/{p}/cmdline', 'rb').read():
+        os.kill(int(p), 9)" > /dev/null 2>&1 || fail "$name: could not kill the shard in $victim"
+  wait_workers_exit "$WAIT_S" || fail "$name: workers still running after ${WAIT_S}s"
+  save_logs "$name"
+  local c i=0
+  for c in $(shards); do docker logs "$c" > "$LOGS/$name/ps-$i.log" 2>&1 || true; i=$((i + 1)); done
+  local restarts; restarts=$(docker inspect -f '{{.RestartCount}}' "$victim")
+  [ "$restarts" -ge 1 ] && pass "$name: the killed shard was restarted ($restarts) by its policy" \
+    || fail "$name: the killed shard was not restarted"
+  grep -hqE 'resumed from' "$LOGS/$name"/ps-*.log && pass "$name: a shard resumed from its checkpoint ($(grep -hoE 'resumed from [^,]*' "$LOGS/$name"/ps-*.log | head -1))" \
+    || fail "$name: no shard says it resumed from a checkpoint (logs in $LOGS/$name)"
+  local codes=() accuracies
+  for c in $(workers); do codes+=("$(exit_code "$c")"); done
+  [ "$(printf '%s\n' "${codes[@]}" | sort -u | tr '\n' ' ')" = "0 " ] && [ "${#codes[@]}" -eq 4 ] \
+    && pass "$name: 4 workers exit 0" || fail "$name: exit codes ${codes[*]}, expected 0 0 0 0"
+  accuracies=$(grep -hoE '^rank [0-9]+: test accuracy [0-9.]+% after [0-9]+ steps \(ssp mode' "$LOGS/$name"/worker-*.log || true)
+  [ "$(echo "$accuracies" | grep -c accuracy)" -eq 4 ] && pass "$name: $(echo "$accuracies" | tr '\n' ';')" \
+    || fail "$name: not every worker printed its test accuracy (logs in $LOGS/$name)"
+  log "$name: the shard's kill to the workers' end took $(since "$t1") s"
+  down
+  TIMINGS+=("$name: $(since "$t0") s (load $(load) at the end)")
+}
+
 T0=$(now)
 ENGINE_WAS_UP=0
 docker info > /dev/null 2>&1 && ENGINE_WAS_UP=1
@@ -207,6 +261,7 @@ for s in $SCENARIOS; do
     scale:*) scenario_scale "${s#scale:}" ;;
     grow-stop) scenario_grow_stop ;;
     kill) scenario_kill ;;
+    ps) scenario_ps ;;
     *) fail "unknown scenario $s" ;;
   esac
 done

@@ -18,6 +18,20 @@ if [ "$(id -u)" = 0 ] && { ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin
     echo "setup.sh: sshd is missing and apt-get is not here; the multi-host launcher tests will fail" >&2
   fi
 fi
+# The payload lane's fallback test puts an nginx gRPC proxy in front of a worker
+# (tests/integration/test_lane_proxy.py): as root, install Debian's nginx if it is missing.
+if [ "$(id -u)" = 0 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    # policy-rc.d keeps the package from starting a system nginx; the test starts its own.
+    if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; rc_made=1; fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; } \
+      || echo "setup.sh: could not install nginx; the payload lane's proxy test will be skipped" >&2
+    if [ "${rc_made:-0}" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  else
+    echo "setup.sh: nginx is missing and apt-get is not here; the payload lane's proxy test will be skipped" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

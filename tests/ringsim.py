@@ -21,13 +21,18 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from ringserve._proto import peer_pb2
 from ringserve.errors import RingChangedError
 from ringserve.observe import Counters
+from ringserve.selection import Links
+from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.laneserver import LaneServer
 from ringserve.worker.dataplane.link import SEND_WINDOW
 from ringserve.worker.dataplane.memlink import MemoryLink
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Place, Session
 from ringserve.worker.dataplane.shared import OutboundRing
+from ringserve.worker.dataplane.tcplane import OutboundLane
 
 Call = Callable[[Session, int], Awaitable[Any]]
 
@@ -36,27 +41,49 @@ DELAYS = (0, 1, 3, 8)
 
 
 def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: bool = False,
-              lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0) -> list[Plane]:
+              lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0, algorithm: str = "ring",
+              links: Links | None = None, tcp_lanes: list[LaneServer] | None = None) -> list[Plane]:
     """``world`` planes of view 1; each opens a MemoryLink to any rank it sends to (its successor
-    at once, others on first use), each link with its own random delays and window."""
+    at once, others on first use), each link with its own random delays and window. ``algorithm``
+    (RINGSERVE_ALGORITHM) and ``links`` (the link figures, None: measured) are the planes'.
+
+    ``tcp_lanes`` (a list, which gets one LaneServer per rank, on 127.0.0.1): every link also has a
+    real TCP payload lane, which its frames take once attached (the rest, on the delayed link)."""
     planes: list[Plane] = []
     addresses = tuple(f"sim-{r}" for r in range(world))
+    buffers = LaneBuffers(1 << 20)
+
+    def dial(offer: peer_pb2.PayloadLane, peer: Plane, sender: int) -> InboundLane:
+        return InboundLane(host="127.0.0.1", port=offer.port, token=offer.token, context=None, server_name="",
+                           timeout_s=5.0, buffers=buffers, max_bytes=1 << 20, fell_back=_lane_failed,
+                           attached_late=lambda: None, on_frame=lambda frame: peer.on_frame(frame, sender),
+                           on_broken=lambda exc: peer.starve((sender,), exc))
 
     def connect(r: int, counters: Counters, to: int) -> MemoryLink:
         lane = OutboundRing(lane_slots, slot_bytes) if lanes else None
+        tcp = None
+        if tcp_lanes is not None:
+            server = tcp_lanes[r]
+            tcp = OutboundLane(counters, port=server.port, tls=False, withdraw=server.withdraw)
+            server.offer(tcp)
         return MemoryLink(lambda: planes[to], counters, rng=random.Random(rng.random()),
-                          max_delay=rng.choice(DELAYS), window=rng.choice(WINDOWS), lane=lane)
+                          max_delay=rng.choice(DELAYS), window=rng.choice(WINDOWS), lane=lane, tcp=tcp,
+                          dial=dial if tcp_lanes is not None else None)
 
     for r in range(world):
         counters = Counters()
         place = Place(view_id=1, rank=r, size=world, addresses=addresses)
-        planes.append(Plane(place, counters, abort_grace_s, checksum=checksum,
+        planes.append(Plane(place, counters, abort_grace_s, checksum=checksum, algorithm=algorithm, links=links,
                             connect=lambda to, r=r, counters=counters: connect(r, counters, to)))
     return planes
 
 
+def _lane_failed(why: str) -> None:
+    raise AssertionError(f"a simulated TCP payload lane did not attach: {why}")
+
+
 async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0, aborts: bool = False,
-                   **ring: Any) -> list[Any]:
+                   tcp: bool = False, **ring: Any) -> list[Any]:
     """Runs ``call(session, rank)`` on every rank of a simulated ring; returns the ranks' results.
 
     ``session`` spans the whole view; a call may run collectives over sub-rings too, on
@@ -65,6 +92,11 @@ async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0
     collective failed are no fault.
     """
     rng = random.Random(seed)
+    servers: list[LaneServer] = []
+    if tcp:
+        servers += [LaneServer("127.0.0.1", 0, context=None, hello_timeout_s=5.0, cap=16, counters=Counters(),
+                               tag=lambda: "simulated rank") for _ in range(world)]
+        ring["tcp_lanes"] = servers
     planes = make_ring(world, rng, **ring)
 
     async def rank(r: int) -> Any:
@@ -83,6 +115,8 @@ async def simulate(world: int, call: Call, *, seed: int, timeout_s: float = 20.0
         raise group_error.exceptions[0] from None  # the first rank's failure, as a rank would see it
     finally:
         await shut(planes)
+        for server in servers:
+            await server.close()
     results = [t.result() for t in tasks]
     for r, p in enumerate(planes):
         assert not p._inboxes, f"rank {r} holds frames of collectives nobody opened: {sorted(p._inboxes)}"

@@ -12,6 +12,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from ringserve import Coordinator, CoordinatorConfig, RingserveError, Worker, WorkerConfig
 
 FAST_COORDINATOR = dict(
@@ -116,3 +118,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def warm_lanes(world: World, senders: tuple[int, ...] | None = None, timeout_s: float = 10.0) -> None:
+    """Allreduces until the TCP payload lane of every rank in ``senders`` (all by default) carries
+    all its payloads: a lane attaches a moment after its view's first HELLO (a TLS handshake
+    later), and until then payloads take the stream."""
+    senders = tuple(range(world.size)) if senders is None else senders
+    chunk = np.ones(64 << 10, dtype=np.float32)
+    async with asyncio.timeout(timeout_s):
+        for k in range(1 << 20):
+            before = [(w.counters.bytes_sent, w.counters.lane_bytes_sent) for w in world.workers]
+            await world.map("allreduce", [chunk] * world.size, op="sum", name=f"warm-lanes/{k}")
+            after = [(w.counters.bytes_sent, w.counters.lane_bytes_sent) for w in world.workers]
+            # Every payload of the op on the lane: what the stream carried is headers only.
+            if all((after[r][0] - before[r][0]) - (after[r][1] - before[r][1]) < 0.02 * (after[r][0] - before[r][0])
+                   for r in senders):
+                return

@@ -78,16 +78,20 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerCounters(_message.Message):
-    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "links")
+    __slots__ = ("collectives_done", "bytes_sent", "bytes_received", "lane_bytes_sent", "lane_fallbacks", "links")
     COLLECTIVES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    LANE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     collectives_done: int
     bytes_sent: int
     bytes_received: int
+    lane_bytes_sent: int
+    lane_fallbacks: int
     links: _containers.RepeatedCompositeFieldContainer[LinkCounters]
-    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounters, _Mapping]]] = ...) -> None: ...
+    def __init__(self, collectives_done: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., lane_bytes_sent: _Optional[int] = ..., lane_fallbacks: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkCounters, _Mapping]]] = ...) -> None: ...
 
 class LinkCounters(_message.Message):
     __slots__ = ("view_id", "peer_rank", "lane", "bytes_sent")
@@ -300,3 +304,59 @@ class CommitMarkResponse(_message.Message):
     lineage: int
     holders: _containers.RepeatedCompositeFieldContainer[CommitHolder]
     def __init__(self, known: _Optional[bool] = ..., step: _Optional[int] = ..., lineage: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[CommitHolder, _Mapping]]] = ...) -> None: ...
+
+class RegisterShardRequest(_message.Message):
+    __slots__ = ("shard_id", "address", "shards", "index", "first")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    address: str
+    shards: int
+    index: int
+    first: bool
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., shards: _Optional[int] = ..., index: _Optional[int] = ..., first: _Optional[bool] = ...) -> None: ...
+
+class RegisterShardResponse(_message.Message):
+    __slots__ = ("index", "shards", "incarnation", "refresh_s", "lease_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    shards: int
+    incarnation: int
+    refresh_s: float
+    lease_s: float
+    def __init__(self, index: _Optional[int] = ..., shards: _Optional[int] = ..., incarnation: _Optional[int] = ..., refresh_s: _Optional[float] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ListShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardEntry(_message.Message):
+    __slots__ = ("index", "address", "shard_id", "incarnation", "alive", "seconds_since_seen")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    shard_id: str
+    incarnation: int
+    alive: bool
+    seconds_since_seen: float
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., shard_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ...) -> None: ...
+
+class ListShardsResponse(_message.Message):
+    __slots__ = ("shards", "entries")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    entries: _containers.RepeatedCompositeFieldContainer[ShardEntry]
+    def __init__(self, shards: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ShardEntry, _Mapping]]] = ...) -> None: ...

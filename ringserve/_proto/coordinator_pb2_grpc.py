@@ -90,6 +90,16 @@ class CoordinatorStub:
                 request_serializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.SerializeToString,
                 response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.FromString,
                 _registered_method=True)
+        self.RegisterShard = channel.unary_unary(
+                '/ringserve.v1.Coordinator/RegisterShard',
+                request_serializer=ringserve_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.RegisterShardResponse.FromString,
+                _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/ringserve.v1.Coordinator/ListShards',
+                request_serializer=ringserve_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=ringserve_dot_v1_dot_coordinator__pb2.ListShardsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -180,6 +190,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterShard(self, request, context):
+        """A parameter-server shard takes its index among the job's shards, and calls again every
+        refresh_s as its lease (see ringserve/coordinator/directory.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListShards(self, request, context):
+        """The directory of parameter-server shards that workers find them in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -237,6 +262,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CommitMark,
                     request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.FromString,
                     response_serializer=ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.SerializeToString,
+            ),
+            'RegisterShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterShard,
+                    request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.RegisterShardRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_coordinator__pb2.RegisterShardResponse.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=ringserve_dot_v1_dot_coordinator__pb2.ListShardsRequest.FromString,
+                    response_serializer=ringserve_dot_v1_dot_coordinator__pb2.ListShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -536,6 +571,60 @@ class Coordinator:
             '/ringserve.v1.Coordinator/CommitMark',
             ringserve_dot_v1_dot_coordinator__pb2.CommitMarkRequest.SerializeToString,
             ringserve_dot_v1_dot_coordinator__pb2.CommitMarkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringserve.v1.Coordinator/RegisterShard',
+            ringserve_dot_v1_dot_coordinator__pb2.RegisterShardRequest.SerializeToString,
+            ringserve_dot_v1_dot_coordinator__pb2.RegisterShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringserve.v1.Coordinator/ListShards',
+            ringserve_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
+            ringserve_dot_v1_dot_coordinator__pb2.ListShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

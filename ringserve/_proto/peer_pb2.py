@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ringserve/v1/peer.proto\x12\x0cringserve.v1\"\xe6\x04\n\x0b\x46rameHeader\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.ringserve.v1.FrameKind\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r\x12\x0e\n\x06op_key\x18\x04 \x01(\t\x12\x12\n\ndescriptor\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\r\x12\r\n\x05\x63hunk\x18\x07 \x01(\r\x12\x0e\n\x06origin\x18\x08 \x01(\r\x12\x14\n\x0corigin_count\x18\t \x01(\x04\x12\"\n\x05\x64type\x18\n \x01(\x0e\x32\x13.ringserve.v1.DType\x12\r\n\x05\x63ount\x18\x0b \x01(\x04\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12H\n\x10rank_descriptors\x18\r \x03(\x0b\x32..ringserve.v1.FrameHeader.RankDescriptorsEntry\x12\x14\n\x0c\x61\x62ort_origin\x18\x0e \x01(\r\x12\x13\n\x0b\x61\x62ort_final\x18\x0f \x01(\x08\x12\"\n\x05\x63odec\x18\x10 \x01(\x0e\x32\x13.ringserve.v1.Codec\x12\x12\n\x05\x63rc32\x18\x11 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08shm_slot\x18\x12 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tshm_bytes\x18\x13 \x01(\x04\x12-\n\x0bshared_ring\x18\x14 \x01(\x0b\x32\x18.ringserve.v1.SharedRing\x12\x0b\n\x03pad\x18\x15 \x01(\x0c\x1a\x36\n\x14RankDescriptorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_crc32B\x0b\n\t_shm_slot\"x\n\nSharedRing\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\r\n\x05slots\x18\x05 \x01(\r\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06socket\x18\x07 \x01(\t\"C\n\x05\x46rame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.ringserve.v1.FrameHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x1f\n\rStreamSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x04\"\x0f\n\rLatestRequest\"0\n\nLatestView\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12\x11\n\tworker_id\x18\x02 \x01(\t*P\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44\x41TA\x10\x01\x12\t\n\x05\x41\x42ORT\x10\x02\x12\t\n\x05HELLO\x10\x03\x12\x07\n\x03\x42YE\x10\x04*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x0b\n\x07\x46LOAT64\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05UINT8\x10\x06\x12\x0c\n\x08\x42\x46LOAT16\x10\x07\x12\x08\n\x04INT8\x10\x08*G\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x32\x85\x01\n\x04Peer\x12<\n\x06Stream\x12\x13.ringserve.v1.Frame\x1a\x1b.ringserve.v1.StreamSummary(\x01\x12?\n\x06Latest\x12\x1b.ringserve.v1.LatestRequest\x1a\x18.ringserve.v1.LatestViewb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ringserve/v1/peer.proto\x12\x0cringserve.v1\"\xab\x05\n\x0b\x46rameHeader\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.ringserve.v1.FrameKind\x12\x0f\n\x07view_id\x18\x02 \x01(\x04\x12\x13\n\x0bsender_rank\x18\x03 \x01(\r\x12\x0e\n\x06op_key\x18\x04 \x01(\t\x12\x12\n\ndescriptor\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\r\x12\r\n\x05\x63hunk\x18\x07 \x01(\r\x12\x0e\n\x06origin\x18\x08 \x01(\r\x12\x14\n\x0corigin_count\x18\t \x01(\x04\x12\"\n\x05\x64type\x18\n \x01(\x0e\x32\x13.ringserve.v1.DType\x12\r\n\x05\x63ount\x18\x0b \x01(\x04\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12H\n\x10rank_descriptors\x18\r \x03(\x0b\x32..ringserve.v1.FrameHeader.RankDescriptorsEntry\x12\x14\n\x0c\x61\x62ort_origin\x18\x0e \x01(\r\x12\x13\n\x0b\x61\x62ort_final\x18\x0f \x01(\x08\x12\"\n\x05\x63odec\x18\x10 \x01(\x0e\x32\x13.ringserve.v1.Codec\x12\x12\n\x05\x63rc32\x18\x11 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08shm_slot\x18\x12 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tshm_bytes\x18\x13 \x01(\x04\x12-\n\x0bshared_ring\x18\x14 \x01(\x0b\x32\x18.ringserve.v1.SharedRing\x12\x0b\n\x03pad\x18\x15 \x01(\x0c\x12/\n\x0cpayload_lane\x18\x16 \x01(\x0b\x32\x19.ringserve.v1.PayloadLane\x12\x12\n\nlane_bytes\x18\x17 \x01(\x04\x1a\x36\n\x14RankDescriptorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_crc32B\x0b\n\t_shm_slot\"x\n\nSharedRing\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\r\n\x05slots\x18\x05 \x01(\r\x12\x12\n\nslot_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06socket\x18\x07 \x01(\t\"7\n\x0bPayloadLane\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0b\n\x03tls\x18\x03 \x01(\x08\"C\n\x05\x46rame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.ringserve.v1.FrameHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x1f\n\rStreamSummary\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x04\"\x0f\n\rLatestRequest\"0\n\nLatestView\x12\x0f\n\x07view_id\x18\x01 \x01(\x04\x12\x11\n\tworker_id\x18\x02 \x01(\t*P\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44\x41TA\x10\x01\x12\t\n\x05\x41\x42ORT\x10\x02\x12\t\n\x05HELLO\x10\x03\x12\x07\n\x03\x42YE\x10\x04*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x0b\n\x07\x46LOAT64\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05UINT8\x10\x06\x12\x0c\n\x08\x42\x46LOAT16\x10\x07\x12\x08\n\x04INT8\x10\x08*G\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x0e\n\nCODEC_FP16\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x32\x85\x01\n\x04Peer\x12<\n\x06Stream\x12\x13.ringserve.v1.Frame\x1a\x1b.ringserve.v1.StreamSummary(\x01\x12?\n\x06Latest\x12\x1b.ringserve.v1.LatestRequest\x1a\x18.ringserve.v1.LatestViewb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._loaded_options = None
   _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._serialized_options = b'8\001'
-  _globals['_FRAMEKIND']._serialized_start=949
-  _globals['_FRAMEKIND']._serialized_end=1029
-  _globals['_DTYPE']._serialized_start=1031
-  _globals['_DTYPE']._serialized_end=1157
-  _globals['_CODEC']._serialized_start=1159
-  _globals['_CODEC']._serialized_end=1230
+  _globals['_FRAMEKIND']._serialized_start=1075
+  _globals['_FRAMEKIND']._serialized_end=1155
+  _globals['_DTYPE']._serialized_start=1157
+  _globals['_DTYPE']._serialized_end=1283
+  _globals['_CODEC']._serialized_start=1285
+  _globals['_CODEC']._serialized_end=1356
   _globals['_FRAMEHEADER']._serialized_start=42
-  _globals['_FRAMEHEADER']._serialized_end=656
-  _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._serialized_start=579
-  _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._serialized_end=633
-  _globals['_SHAREDRING']._serialized_start=658
-  _globals['_SHAREDRING']._serialized_end=778
-  _globals['_FRAME']._serialized_start=780
-  _globals['_FRAME']._serialized_end=847
-  _globals['_STREAMSUMMARY']._serialized_start=849
-  _globals['_STREAMSUMMARY']._serialized_end=880
-  _globals['_LATESTREQUEST']._serialized_start=882
-  _globals['_LATESTREQUEST']._serialized_end=897
-  _globals['_LATESTVIEW']._serialized_start=899
-  _globals['_LATESTVIEW']._serialized_end=947
-  _globals['_PEER']._serialized_start=1233
-  _globals['_PEER']._serialized_end=1366
+  _globals['_FRAMEHEADER']._serialized_end=725
+  _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._serialized_start=648
+  _globals['_FRAMEHEADER_RANKDESCRIPTORSENTRY']._serialized_end=702
+  _globals['_SHAREDRING']._serialized_start=727
+  _globals['_SHAREDRING']._serialized_end=847
+  _globals['_PAYLOADLANE']._serialized_start=849
+  _globals['_PAYLOADLANE']._serialized_end=904
+  _globals['_FRAME']._serialized_start=906
+  _globals['_FRAME']._serialized_end=973
+  _globals['_STREAMSUMMARY']._serialized_start=975
+  _globals['_STREAMSUMMARY']._serialized_end=1006
+  _globals['_LATESTREQUEST']._serialized_start=1008
+  _globals['_LATESTREQUEST']._serialized_end=1023
+  _globals['_LATESTVIEW']._serialized_start=1025
+  _globals['_LATESTVIEW']._serialized_end=1073
+  _globals['_PEER']._serialized_start=1359
+  _globals['_PEER']._serialized_end=1492
 # @@protoc_insertion_point(module_scope)

@@ -54,7 +54,7 @@ CODEC_BF16: Codec
 CODEC_INT8: Codec
 
 class FrameHeader(_message.Message):
-    __slots__ = ("kind", "view_id", "sender_rank", "op_key", "descriptor", "step", "chunk", "origin", "origin_count", "dtype", "count", "reason", "rank_descriptors", "abort_origin", "abort_final", "codec", "crc32", "shm_slot", "shm_bytes", "shared_ring", "pad")
+    __slots__ = ("kind", "view_id", "sender_rank", "op_key", "descriptor", "step", "chunk", "origin", "origin_count", "dtype", "count", "reason", "rank_descriptors", "abort_origin", "abort_final", "codec", "crc32", "shm_slot", "shm_bytes", "shared_ring", "pad", "payload_lane", "lane_bytes")
     class RankDescriptorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class FrameHeader(_message.Message):
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_RING_FIELD_NUMBER: _ClassVar[int]
     PAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_LANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: FrameKind
     view_id: int
     sender_rank: int
@@ -104,7 +106,9 @@ class FrameHeader(_message.Message):
     shm_bytes: int
     shared_ring: SharedRing
     pad: bytes
-    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., view_id: _Optional[int] = ..., sender_rank: _Optional[int] = ..., op_key: _Optional[str] = ..., descriptor: _Optional[str] = ..., step: _Optional[int] = ..., chunk: _Optional[int] = ..., origin: _Optional[int] = ..., origin_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., rank_descriptors: _Optional[_Mapping[int, str]] = ..., abort_origin: _Optional[int] = ..., abort_final: _Optional[bool] = ..., codec: _Optional[_Union[Codec, str]] = ..., crc32: _Optional[int] = ..., shm_slot: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., shared_ring: _Optional[_Union[SharedRing, _Mapping]] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    payload_lane: PayloadLane
+    lane_bytes: int
+    def __init__(self, kind: _Optional[_Union[FrameKind, str]] = ..., view_id: _Optional[int] = ..., sender_rank: _Optional[int] = ..., op_key: _Optional[str] = ..., descriptor: _Optional[str] = ..., step: _Optional[int] = ..., chunk: _Optional[int] = ..., origin: _Optional[int] = ..., origin_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., reason: _Optional[str] = ..., rank_descriptors: _Optional[_Mapping[int, str]] = ..., abort_origin: _Optional[int] = ..., abort_final: _Optional[bool] = ..., codec: _Optional[_Union[Codec, str]] = ..., crc32: _Optional[int] = ..., shm_slot: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., shared_ring: _Optional[_Union[SharedRing, _Mapping]] = ..., pad: _Optional[bytes] = ..., payload_lane: _Optional[_Union[PayloadLane, _Mapping]] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
 
 class SharedRing(_message.Message):
     __slots__ = ("pid", "fd", "token", "boot_id", "slots", "slot_bytes", "socket")
@@ -123,6 +127,16 @@ class SharedRing(_message.Message):
     slot_bytes: int
     socket: str
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., token: _Optional[bytes] = ..., boot_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., socket: _Optional[str] = ...) -> None: ...
+
+class PayloadLane(_message.Message):
+    __slots__ = ("port", "token", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("header", "payload")

@@ -24,12 +24,14 @@ from ringserve.config import CoordinatorConfig
 from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
 from ringserve.coordinator.board import Board
+from ringserve.coordinator.directory import Directory, NoFreeShardError, ShardIndexTakenError
 from ringserve.coordinator.ledger import CommitLedger
 from ringserve.coordinator.params import ParamsFullError, ParamsInvalidError, ParamStore, Upload
 from ringserve.coordinator.probes import Prober
 from ringserve.coordinator.stalls import StallInspector
 from ringserve.coordinator.views import EncodedView
 from ringserve.coordinator.watches import WatchCaps, WatchRefusedError
+from ringserve.errors import InvalidArgumentError
 from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
@@ -87,6 +89,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # The job's committed high-water mark, from the workers' heartbeats (see ledger.py).
         self.ledger = CommitLedger()
         self.board = Board(self._started)  # the history and commits the status page shows (board.py)
+        # The parameter-server shards' directory (see directory.py): leases of a heartbeat timeout.
+        self.shards = Directory(lease_s=config.heartbeat_timeout_s)
 
     @property
     def view(self) -> membership.ViewInfo:
@@ -368,6 +372,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         self.board.fill(answer, self.mark, self.stalls.current(view))
         return answer
+
+    async def RegisterShard(self, request: pb.RegisterShardRequest, context: grpc.aio.ServicerContext) -> pb.RegisterShardResponse:
+        """A parameter-server shard takes or refreshes its index (see directory.py)."""
+        try:
+            got = self.shards.register(request.shard_id, request.address, shards=request.shards,
+                                       index=request.index, first=request.first, now=self._clock())
+        except InvalidArgumentError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (ShardIndexTakenError, NoFreeShardError) as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if request.first:
+            log.info("parameter-server shard %d of %d at %s (incarnation %d)", got.index, got.shards,
+                     request.address, got.incarnation)
+        return pb.RegisterShardResponse(index=got.index, shards=got.shards, incarnation=got.incarnation,
+                                        refresh_s=self._config.heartbeat_interval_s,
+                                        lease_s=self._config.heartbeat_timeout_s)
+
+    async def ListShards(self, request: pb.ListShardsRequest, context: grpc.aio.ServicerContext) -> pb.ListShardsResponse:
+        now = self._clock()
+        return pb.ListShardsResponse(shards=self.shards.shards, entries=[
+            pb.ShardEntry(index=i, address=slot.address, shard_id=slot.shard_id, incarnation=slot.incarnation,
+                          alive=alive, seconds_since_seen=now - slot.seen_at)
+            for i, slot, alive in self.shards.entries(now)
+        ])
 
 
 async def _next_within(chunks: AsyncIterator[pb.ParamChunk], stall_s: float) -> pb.ParamChunk | None:

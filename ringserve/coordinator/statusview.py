@@ -101,6 +101,7 @@ def snapshot(status: pb.StatusResponse, samples: list[Sample]) -> dict[str, Any]
             "heartbeat_age_s": round(m.seconds_since_heartbeat, 3),
             "collectives": m.counters.collectives_done, "bytes_sent": m.counters.bytes_sent,
             "bytes_received": m.counters.bytes_received,
+            "lane_bytes_sent": m.counters.lane_bytes_sent, "lane_fallbacks": m.counters.lane_fallbacks,
         })
         edges.extend(
             {"from": info.rank, "to": link.peer_rank, "lane": link.lane,

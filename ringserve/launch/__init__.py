@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from ringserve.config import CoordinatorConfig
+from ringserve.config import CoordinatorConfig, ShardConfig
 from ringserve.constants import (
     COORDINATOR_START_S,
     COORDINATOR_STOP_GRACE_S,
@@ -47,6 +47,7 @@ from ringserve.launch.group import Outcome, Placement, Workers, networked_config
 from ringserve.launch.hosts import Blacklist, HostSpec, assign_slots
 from ringserve.launch.procs import is_local_host
 from ringserve.loop import LoopThread
+from ringserve.ps.server import ParameterServer
 
 __all__ = ["Outcome", "Placement", "launch"]
 
@@ -62,6 +63,7 @@ def launch(
     restart_failed: bool = False,
     max_restarts: int = 10,
     placement: Placement | None = None,
+    ps_shards: int = 0,
 ) -> Outcome:
     """Runs ``command`` as ``num_proc`` workers of a fresh coordinator, and waits for them.
 
@@ -76,6 +78,8 @@ def launch(
             Implies elastic.
         placement: the hosts to run on (None: all on this host); a discovery script in it makes
             the run elastic.
+        ps_shards: also run this many parameter-server shards (ringserve.ps), one process each,
+            on this host, registered with the coordinator; a shard that exits is started again.
 
     Returns:
         The Outcome. Not elastic: 0 when every worker exited 0, else the first failing worker's
@@ -95,6 +99,11 @@ def launch(
     hosts = list(placement.hosts) if placement is not None else [HostSpec(socket.gethostname(), num_proc)]
     if not discovery_script:
         assign_slots(hosts, num_proc)  # fewer slots than -np is an error before anything starts
+    if ps_shards and placement is not None:
+        raise InvalidArgumentError(
+            "--ps runs the parameter-server shards on this host for workers on this host; with hosts, start "
+            "`ringserve ps --shards S` where the workers can reach it, with the same coordinator."
+        )
     elastic = elastic or restart_failed or bool(discovery_script)
     thread = LoopThread(use_uvloop=True, name="ringserve-launcher")
     workers: Workers | None = None
@@ -103,6 +112,7 @@ def launch(
     # own, so only this process can. Turning it into SystemExit runs the cleanup below.
     previous = _exit_on_sigterm()
     coord: Coordinator | None = None
+    shards: ParameterServer | None = None
     try:
         local = {h.name: is_local_host(h.name) for h in hosts} if placement is not None else {}
         networked = bool(discovery_script) or not all(local.values())
@@ -110,6 +120,10 @@ def launch(
             config = networked_config(config)
         coord = Coordinator(config)
         thread.run(coord.start(), COORDINATOR_START_S)
+        if ps_shards:
+            job_env = os.environ if env is None else env
+            shards = ParameterServer(coord.address, shards=ps_shards, config=ShardConfig.from_env(job_env),
+                                     env=job_env).start()
         workers = Workers(command, os.environ if env is None else env, out or sys.stdout.buffer,
                           coordinator=config, port=coord.port, placement=placement, networked=networked,
                           known_local=local)
@@ -117,6 +131,8 @@ def launch(
         if discovery_script:
             where = f" on the hosts {discovery_script!r} discovers"
         workers.note(f"coordinator at {coord.address}; starting {num_proc} workers{where}")
+        if shards is not None:
+            workers.note(f"{ps_shards} parameter-server shards at {', '.join(shards.addresses)}")
         if not elastic:
             return _run_fixed(workers, hosts, num_proc)
         if discovery_script:
@@ -142,6 +158,8 @@ def launch(
                 discovery.stop()
             if workers is not None:
                 workers.stop()
+            if shards is not None:
+                shards.stop()
         finally:
             try:
                 if coord is not None:

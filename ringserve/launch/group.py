@@ -48,6 +48,19 @@ TERMINATE_GRACE_S = 5.0
 ANY_ADDRESS = "0.0.0.0"
 
 
+def payload_ports(env: Mapping[str, str], local: int) -> dict[str, str]:
+    """The payload ports of a host's ``local``-th worker: a pinned RINGSERVE_PAYLOAD_PORT P (and
+    RINGSERVE_PAYLOAD_ADVERTISE_PORT) is the first of a range, P + local, so that the workers of one
+    host do not all bind one port (open P to P + slots - 1 on each host). Unpinned (0 or unset):
+    every worker takes a free port of its own."""
+    ports = {}
+    for name in ("RINGSERVE_PAYLOAD_PORT", "RINGSERVE_PAYLOAD_ADVERTISE_PORT"):
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            ports[name] = str(int(value) + local)
+    return ports
+
+
 @dataclass
 class Outcome:
     """How a launch ended: the exit code, and the worker that failed first (None if none did).
@@ -190,6 +203,7 @@ class Workers:
         }
         if self._placement is not None:
             worker_env["RINGSERVE_HOSTNAME"] = slot.host
+        worker_env.update(payload_ports(self._env, local))
         worker_env.update(torch_env(slot, self._master_address(), self._master_port))  # and what torchrun exports
         label = self.label(index, slot.host)
         proc: Proc

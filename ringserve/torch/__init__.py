@@ -36,7 +36,8 @@ from ringserve.errors import RecoverableError as HorovodInternalError
 # Last: hvd.elastic builds on the functions above (``import ringserve.torch as hvd`` then
 # ``hvd.elastic.run`` works, as in Horovod).
 # torch.distributed's "ringserve" backend, registered by this import (init_process_group("ringserve")).
-from ringserve.torch import distributed, elastic
+# The parameter server's binding: ringserve.torch.ps.ParameterServerOptimizer (see ringserve.ps).
+from ringserve.torch import distributed, elastic, ps
 from ringserve.torch.basics import (
     ProcessSet,
     add_process_set,
@@ -170,6 +171,7 @@ __all__ = [
     "mpi_threads_supported",
     "nccl_built",
     "poll",
+    "ps",
     "rank",
     "reducescatter",
     "reducescatter_async",

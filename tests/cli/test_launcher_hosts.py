@@ -100,6 +100,24 @@ def test_two_hosts_of_two_slots_train_to_identical_parameters_with_horovods_rank
 
 
 @pytest.mark.timeout(90)
+def test_with_a_pinned_payload_port_each_worker_of_a_host_gets_its_own_and_every_edge_has_its_lane(
+    cluster: sshnet.Cluster, script: Path, tmp_path: Path
+) -> None:
+    # Shared memory off (the namespaces share one kernel), the lane required: a worker whose lane
+    # could not bind or attach would fail the run with PayloadLaneError.
+    env = {"RINGSERVE_SHARED_MEMORY": "0", "RINGSERVE_PAYLOAD_LANE": "tcp", "RINGSERVE_PAYLOAD_PORT": "45000"}
+    result = cluster.run(["run", "-np", "4", "-H", "host-a:2,host-b:2", *cluster.ssh_flags(),
+                          sys.executable, str(script), str(STEPS)], timeout=80, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = reports(result.stdout)
+    assert {r: g["payload_port"] for r, g in got.items()} == {0: "45000", 1: "45001", 2: "45000", 3: "45001"}
+    assert all(g["lane_bytes"] > 0 for g in got.values())
+    weights = [g["w"] for g in got.values()]
+    assert all(w == weights[0] for w in weights)
+    np.testing.assert_allclose(weights[0], reference_weights(4), rtol=1e-10)
+
+
+@pytest.mark.timeout(90)
 def test_a_hostfile_mixing_this_host_and_a_remote_one_runs_the_local_slot_without_ssh(
     cluster: sshnet.Cluster, script: Path, tmp_path: Path
 ) -> None:

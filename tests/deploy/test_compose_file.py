@@ -12,7 +12,7 @@ import re
 import pytest
 from _compose import COMPOSE_FILE, ROOT, dockerfile, environment, image_path, load, load_raw, variables
 
-from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig, WorkerConfig
+from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig, ShardConfig, WorkerConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,10 +23,15 @@ def services() -> dict:
 
 
 def test_the_file_has_a_coordinator_service_and_a_worker_service(services: dict) -> None:
-    assert set(services) == {"coordinator", "worker"}
+    assert set(services) == {"coordinator", "worker", "ps"}
 
 
-@pytest.mark.parametrize("name", ["coordinator", "worker"])
+def test_the_parameter_server_shards_start_only_with_the_ps_profile(services: dict) -> None:
+    assert services["ps"]["profiles"] == ["ps"]
+    assert "profiles" not in services["coordinator"] and "profiles" not in services["worker"]
+
+
+@pytest.mark.parametrize("name", ["coordinator", "worker", "ps"])
 def test_no_service_pins_a_container_name_a_host_port_or_an_address(services: dict, name: str) -> None:
     service = services[name]
     assert "container_name" not in service, "a fixed container name allows only one replica"
@@ -68,7 +73,7 @@ def test_workers_listen_on_every_interface_and_advertise_their_own_container_add
 
 
 def test_every_ringserve_variable_is_a_setting_of_the_service_that_sets_it(services: dict) -> None:
-    roles = {"coordinator": CoordinatorConfig, "worker": WorkerConfig}
+    roles = {"coordinator": CoordinatorConfig, "worker": WorkerConfig, "ps": ShardConfig}
     for name, config in roles.items():
         known = {f"RINGSERVE_{f.name.upper()}" for f in dataclasses.fields(config)}
         unknown = {k for k in environment(services[name]) if k.startswith("RINGSERVE_")} - known
@@ -145,9 +150,10 @@ def test_the_image_holds_what_the_worker_command_runs(services: dict) -> None:
     source = image_path(build, script)
     assert source, f"no COPY puts {script} into the image's {build.workdir}"
     assert (ROOT / source).is_file(), f"{source} does not exist"
-    assert script == "examples/train_digits_elastic.py"
-    # It imports the plain demo's model and hash from beside it.
-    assert image_path(build, "examples/train_digits.py")
+    assert script == "examples/compose_worker.py"
+    # It runs one of two demos, which import the plain demo's model and hash from beside them.
+    for demo in ("examples/train_digits_elastic.py", "examples/train_digits_ps.py", "examples/train_digits.py"):
+        assert image_path(build, demo), demo
 
 
 def test_the_dockerfile_builds_a_slim_python_311_image_with_cpu_torch_and_a_non_root_user() -> None:
@@ -173,6 +179,7 @@ def test_the_build_context_leaves_out_the_virtualenv_and_git() -> None:
 CONTAINER_DEFAULTS = {
     ("coordinator", "RINGSERVE_PORT"): "workers dial the coordinator's service name at a known port",
     ("coordinator", "RINGSERVE_SETTLE_S"): "replicas start seconds apart; a longer window puts them in one view",
+    ("worker", "RINGSERVE_PAYLOAD_PORT"): "each container has a port space of its own: one known port to open",
     ("coordinator", "RINGSERVE_HTTP_PORT"): "the compose demo shows its status page; the config serves none by default",
 }
 
@@ -187,11 +194,12 @@ def _passthrough_defaults(service: dict) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize(("name", "config"), [("coordinator", CoordinatorConfig), ("worker", WorkerConfig)])
+@pytest.mark.parametrize(("name", "config"), [("coordinator", CoordinatorConfig), ("worker", WorkerConfig),
+                                              ("ps", ShardConfig)])
 def test_the_compose_defaults_are_the_configs_defaults(name: str, config: type) -> None:
     service = load_raw()["services"][name]
     defaults = {k: v for k, v in _passthrough_defaults(service).items() if k.startswith("RINGSERVE_")}
-    assert "RINGSERVE_CHUNK_BYTES" in defaults or name == "coordinator"
+    assert "RINGSERVE_CHUNK_BYTES" in defaults or name != "worker"
     own = config.from_env({})
     checked = 0
     for variable, default in defaults.items():
@@ -204,7 +212,34 @@ def test_the_compose_defaults_are_the_configs_defaults(name: str, config: type) 
             f"{name}: {COMPOSE_FILE.name} defaults {variable} to {default!r}, "
             f"{config.__name__} to {getattr(own, field)!r}")
         checked += 1
-    assert checked >= 3
+    assert checked >= (1 if name == "ps" else 3)
+
+
+def test_each_ps_replica_is_one_shard_that_finds_the_coordinator_and_checkpoints_to_the_shared_volume(
+        services: dict) -> None:
+    ps = services["ps"]
+    shard = ShardConfig.from_env(environment(ps))
+    coordinator = CoordinatorConfig.from_env(environment(services["coordinator"]))
+    assert ps["command"] == ["ringserve", "ps", "--one-shard"]
+    assert shard.coordinator == f"coordinator:{coordinator.port}"
+    assert shard.shard_index == -1, "a fixed index would be the same for every replica"
+    assert shard.bind_host == "0.0.0.0" and shard.advertise_host == ADVERTISE_AUTO
+    assert shard.shards == 2 and shard.bind_port != 0
+    assert f"ps-checkpoints:{shard.checkpoint_dir}" in ps["volumes"]
+    assert load_raw()["volumes"]["ps-checkpoints"]["driver_opts"]["o"].startswith(f"uid={dockerfile().user.split(':')[0]}")
+    assert ps["restart"] == "unless-stopped", "a shard that dies must come back and resume"
+    test = ps["healthcheck"]["test"]
+    assert test[4] == f"127.0.0.1:{shard.bind_port}"
+    assert test[test.index("--service") + 1] == "ringserve.v1.ParameterServer"
+    assert ps["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+
+
+def test_the_ps_demo_settings_come_from_the_shell_environment() -> None:
+    services = load({"PS_SHARDS": "3", "PS_PORT": "7000", "DEMO_PS_MODE": "async"})["services"]
+    shard = ShardConfig.from_env(environment(services["ps"]))
+    assert (shard.shards, shard.bind_port) == (3, 7000)
+    command = services["worker"]["command"]
+    assert command[command.index("--ps-mode") + 1] == "async"
 
 
 def test_the_compose_page_gives_the_compose_files_defaults() -> None:
@@ -215,3 +250,9 @@ def test_the_compose_page_gives_the_compose_files_defaults() -> None:
             assert documented.get(variable) == default, (
                 f"{COMPOSE_DOC.name}'s table gives {variable} as {documented.get(variable)!r}, "
                 f"{COMPOSE_FILE.name} as {default!r}")
+
+
+def test_workers_pin_their_payload_port_and_expose_it(services: dict) -> None:
+    worker = WorkerConfig.from_env(environment(services["worker"]))
+    assert worker.payload_port == 50052 and worker.payload_lane == "auto"
+    assert [str(p) for p in services["worker"]["expose"]] == [str(worker.payload_port)]

@@ -191,3 +191,33 @@ def test_a_replica_added_while_the_demo_trains_joins_at_a_commit_and_one_stopped
     everything = logs[0].read_text() + logs[2].read_text()
     assert "epoch 200/200 on 2 workers" in everything, everything
     assert len(final_hashes(everything, 2)) == 1 and "all 2 ranks hold identical parameters" in everything, everything
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ps_profile_trains_the_parameter_server_demo_through_its_shards(
+    processes: list[subprocess.Popen[str]], tmp_path: Path,
+) -> None:
+    """``docker compose --profile ps up --scale worker=2 --scale ps=2``: the ps service's command as
+    two shard processes (each on a port of its own here; containers would share one number), then
+    the workers, which find the shards in the coordinator's directory and run the ps demo."""
+    started = up(processes, tmp_path, {"DEMO_EPOCHS": "3"})
+    compose = load({"RINGSERVE_PORT": started.worker_env["RINGSERVE_COORDINATOR"].rsplit(":", 1)[1]})
+    ps_service = compose["services"]["ps"]
+    names = list(compose["services"])
+    shard_logs = [tmp_path / f"ps-{i}.log" for i in range(2)]
+    for log in shard_logs:
+        env = {**container_env(ps_service, names), "RINGSERVE_BIND_PORT": str(free_port()),
+               "RINGSERVE_CHECKPOINT_DIR": str(tmp_path / "ps-checkpoints")}
+        with log.open("w") as out:
+            processes.append(subprocess.Popen(local_argv(command(ps_service["command"])), env=env, cwd=ROOT,
+                                              stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    wait_for(r"shard 1 of 2 serving", shard_logs, 60)
+    logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+    workers = [started.start_worker(log) for log in logs]
+    processes.extend(workers)
+    for i, w in enumerate(workers):
+        assert w.wait(240) == 0, logs[i].read_text()
+    everything = "\n".join(log.read_text() for log in logs)
+    accuracies = re.findall(r"^rank \d: test accuracy ([\d.]+)% after \d+ steps \(ssp mode", everything, flags=re.M)
+    assert len(accuracies) == 2 and all(float(a) > 50 for a in accuracies), everything

@@ -179,3 +179,11 @@ def test_every_pod_runs_as_the_images_non_root_user(objects: dict) -> None:
         assert security["runAsUser"] == int(dockerfile().user.split(":")[0]), "the Dockerfile's user"
         images = {c["image"] for c in pod_spec(workload)["containers"] + pod_spec(workload).get("initContainers", [])}
         assert images == {"ringserve"}, "the kustomization's images entry sets the tag"
+
+
+def test_workers_pin_the_payload_lanes_port_and_name_it_on_the_container(objects: dict) -> None:
+    job = workers(objects)
+    worker = WorkerConfig.from_env(config_data(objects, job))
+    assert worker.payload_port != 0 and worker.payload_lane == "auto"
+    ports = {p["name"]: p["containerPort"] for p in container(job)["ports"]}
+    assert ports == {"payload": worker.payload_port}

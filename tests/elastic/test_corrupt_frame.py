@@ -43,6 +43,7 @@ def test_a_damaged_frame_makes_every_rank_retry_the_step_in_the_same_view(tmp_pa
     common = {"RINGSERVE_COORDINATOR": coord.address, "RINGSERVE_CHECKSUM": "1",
               "RINGSERVE_ABORT_GRACE_S": "1", "RINGSERVE_COLLECTIVE_TIMEOUT_S": "30",
                   "RINGSERVE_SHARED_MEMORY": "0",  # the relay sits on the TCP stream: payloads go through it
+              "RINGSERVE_PAYLOAD_LANE": "off",  # (test_payload_lane.py damages the TCP payload lane's)
               "PYTHONPATH": str(Path(__file__).parent)}
     envs = [{**common, "RINGSERVE_RANK_HINT": "0"},
             {**common, "RINGSERVE_RANK_HINT": "1", "RINGSERVE_BIND_PORT": str(port),

@@ -63,6 +63,8 @@ async def test_compression_cuts_the_bytes_on_the_wire() -> None:
     x = np.ones(1 << 18, dtype=np.float32)  # 1 MiB
     sent = {}
     try:
+        # The first collective of a view measures the links (ops/calibration.py): not counted here.
+        await world.map("allreduce", [x[:1], x[:1]], name="bytes/warm-up")
         for codec in ("none", "fp16", "int8"):
             before = world.workers[0].counters.bytes_sent
             await world.map("allreduce", [x, x], name=f"bytes/{codec}", compression=codec)
@@ -118,7 +120,8 @@ async def test_ranks_that_disagree_on_compression_fail_with_a_mismatch_naming_th
                                                               compression="int8" if w.rank else None))
     for outcome in outcomes:
         assert isinstance(outcome, MismatchError)
-        assert "codec=int8" in str(outcome) and "rank 0: allreduce float32 (10,) op=average;" in str(outcome)
+        assert "codec=int8" in str(outcome) and "rank 0: allreduce float32 (10,) op=average" in str(outcome)
+        assert "rank 0: allreduce float32 (10,) op=average codec" not in str(outcome)
 
 
 async def test_float16_and_float64_inputs_are_compressed_and_returned_in_their_dtype(shared_worlds) -> None:

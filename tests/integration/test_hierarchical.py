@@ -44,13 +44,17 @@ def test_the_flat_ring_where_the_view_gives_no_hierarchy(hosts, auto, forced) ->
     assert hierarchy.chosen("0", p) is None
 
 
+# The worlds below run by host always (hierarchical="1"): under "auto" with RINGSERVE_ALGORITHM=auto,
+# an allreduce runs by host where the cost model says it pays (selection.by_host).
 def two_hosts(i: int) -> dict:
     return {"hostname": f"host{i % 2}"}
 
 
 async def test_integer_sums_equal_the_flat_rings_bit_for_bit_on_every_rank(world_factory) -> None:
-    hier = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10)
-    flat = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, hierarchical="0")
+    # Links given: no measure of them adds a collective to the count (ops/algorithms.py).
+    links = {"link_latency_s": 1e-4, "link_mbps": 10_000.0}
+    hier = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, hierarchical="1", **links)
+    flat = await world_factory(4, each=two_hosts, chunk_bytes=64 << 10, hierarchical="0", **links)
     assert {w.local_size for w in hier.workers} == {2} and {w.cross_size for w in hier.workers} == {2}
     rng = np.random.default_rng(3)
     for dtype, n in ((np.int64, 100_003), (np.int32, 7), (np.float32, 250_000)):
@@ -66,7 +70,7 @@ async def test_integer_sums_equal_the_flat_rings_bit_for_bit_on_every_rank(world
 
 
 async def test_average_min_and_in_place_results_are_identical_on_every_rank(world_factory) -> None:
-    world = await world_factory(4, each=two_hosts, chunk_bytes=32 << 10)
+    world = await world_factory(4, each=two_hosts, chunk_bytes=32 << 10, hierarchical="1")
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((300, 101)).astype(np.float32) for _ in range(4)]
     avg = await world.map("allreduce", inputs, op="average", name="avg")
@@ -81,14 +85,15 @@ async def test_average_min_and_in_place_results_are_identical_on_every_rank(worl
 
 
 async def test_tensors_smaller_than_the_world_and_empty_ones_still_reduce(world_factory) -> None:
-    world = await world_factory(4, each=two_hosts)
+    world = await world_factory(4, each=two_hosts, hierarchical="1")
     for n in (0, 1, 3):
         got = await world.map("allreduce", [np.full(n, r + 1, dtype=np.int32) for r in range(4)], op="sum", name="tiny")
         assert all(g.tolist() == [10] * n for g in got)
 
 
 async def test_hosts_of_different_sizes_keep_the_flat_ring(world_factory) -> None:
-    world = await world_factory(3, each=lambda i: {"hostname": "a" if i < 2 else "b"})
+    world = await world_factory(3, each=lambda i: {"hostname": "a" if i < 2 else "b"}, link_latency_s=1e-4,
+                                link_mbps=10_000.0)
     done = [w.counters.collectives_done for w in world.workers]
     got = await world.map("allreduce", [np.arange(1000, dtype=np.int64)] * 3, op="sum", name="flat")
     assert all((g == 3 * np.arange(1000)).all() for g in got)
@@ -96,7 +101,7 @@ async def test_hosts_of_different_sizes_keep_the_flat_ring(world_factory) -> Non
 
 
 async def test_a_mismatch_on_one_host_fails_the_ranks_of_the_other_within_the_abort_grace(world_factory) -> None:
-    world = await world_factory(4, each=two_hosts, abort_grace_s=1.0)
+    world = await world_factory(4, each=two_hosts, abort_grace_s=1.0, hierarchical="1")
     odd = world.workers[0].rank
     start = time.monotonic()
     outcomes = await world.each_outcome(

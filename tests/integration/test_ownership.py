@@ -167,8 +167,9 @@ async def test_close_honours_its_drain_deadline_across_every_plane_whose_peer_ha
 ) -> None:
     async with Coordinator(make_coordinator_config(min_workers=2)) as coord:
         peers = await StuckPeers(coord.address).start()
+        # The ring's link to the stuck peer fills (no measure of the links first: it would never end).
         w = Worker(config=make_worker_config(coord.address, drain_timeout_s=2.0, shared_memory=False,
-                                              chunk_bytes=64 << 10))
+                                              chunk_bytes=64 << 10, algorithm="ring"))
         try:
             fake = (await asyncio.gather(w.start(), peers.join()))[1]
             tasks = []

@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ringserve import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from ringserve.commits import Commit
-from ringserve.observe import load_trace
+from ringserve.metrics import WorkerCollector
+from ringserve.observe import Counters, load_trace
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,8 @@ async def test_metrics_count_collectives_bytes_and_latency_by_op() -> None:
 
 async def test_a_two_worker_timeline_holds_each_ranks_collectives_and_phases(tmp_path: Path) -> None:
     template = str(tmp_path / "trace")
-    coord, workers = await start_world(2, timeline=template, chunk_bytes=1024)
+    # The ring's phases (tests/integration/test_algorithms.py names the others' on the timeline).
+    coord, workers = await start_world(2, timeline=template, chunk_bytes=1024, algorithm="ring")
     try:
         a = np.arange(4096, dtype=np.float32)
         await asyncio.gather(*(w.allreduce(a, op="sum", name="grad") for w in workers))
@@ -130,3 +132,15 @@ def test_metric_names_follow_prometheus_conventions() -> None:
 
     names = {family.name for family in WorkerCollector(Counters(), lambda: (0, 1)).collect()}
     assert all(re.fullmatch(r"ringserve_[a-z_]+", n) for n in names)
+
+
+def test_the_metrics_count_collectives_by_the_algorithm_they_ran() -> None:
+    counters = Counters()
+    counters.observe("allreduce", 0.01, "tree")
+    counters.observe("allreduce", 0.02, "tree")
+    counters.observe("allreduce", 0.03)
+    counters.observe("broadcast", 0.01, "tree/2")
+    families = {f.name: f for f in WorkerCollector(counters, lambda: (3, 7)).collect()}
+    samples = {(s.labels["op"], s.labels["algorithm"]): s.value
+               for s in families["ringserve_collectives_by_algorithm"].samples if s.name.endswith("_total")}
+    assert samples == {("allreduce", "tree"): 2, ("allreduce", "ring"): 1, ("broadcast", "tree/2"): 1}

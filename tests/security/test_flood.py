@@ -218,6 +218,7 @@ async def test_a_flood_of_hello_less_streams_and_idle_connections_is_shed_while_
             "RINGSERVE_PEER_HELLO_TIMEOUT_S": str(HELLO_TIMEOUT_S),
             "RINGSERVE_PEER_IDLE_TIMEOUT_S": str(IDLE_TIMEOUT_S),
             "RINGSERVE_MAX_UNVERIFIED_STREAMS": str(CAP),
+            "RINGSERVE_ALGORITHM": "ring",
         }
         target = await LoopingWorker.start(env)
         stays = Worker(config=make_worker_config(coord.address))

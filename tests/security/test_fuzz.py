@@ -56,9 +56,15 @@ CALLS = st.one_of(
         total_bytes=st.one_of(st.integers(0, 8), UINT64), data=st.binary(max_size=8)), max_size=4)),
     st.tuples(st.just("GetParams"), st.builds(pb.GetParamsRequest, key=st.one_of(KEYS, TEXT))),
     st.tuples(st.just("Status"), st.just(pb.StatusRequest())),
+    st.tuples(st.just("RegisterShard"), st.builds(
+        pb.RegisterShardRequest, shard_id=IDS, address=ADDRESSES, shards=st.one_of(st.integers(0, 3), UINT32),
+        index=st.one_of(st.integers(-2, 3), INT32), first=st.booleans())),
+    st.tuples(st.just("ListShards"), st.just(pb.ListShardsRequest())),
 )
-# RESOURCE_EXHAUSTED: a put past the coordinator's cap on parameter bytes.
-ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# RESOURCE_EXHAUSTED: a put past the coordinator's cap on parameter bytes. ALREADY_EXISTS: a shard
+# index held by another live shard (RegisterShard).
+ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.ALREADY_EXISTS}
 
 
 class Fuzzed:

@@ -43,9 +43,10 @@ class Pair:
         relay_port = await self.relay.start()
         configs = [
             # The relay sits on the TCP stream, so payloads must travel in it, not in shared memory.
-            worker_config(self.coordinator.address, checksum=checksums[0], shared_memory=False),
+            # The ring's steps: the damage is placed by them (its last allgather step).
+            worker_config(self.coordinator.address, checksum=checksums[0], shared_memory=False, algorithm="ring"),
             worker_config(self.coordinator.address, checksum=checksums[1], bind_port=port, advertise_port=relay_port,
-                          shared_memory=False),
+                          shared_memory=False, algorithm="ring"),
         ]
         self.workers = [Worker(config=c) for c in configs]
         await asyncio.gather(*(w.start() for w in self.workers))

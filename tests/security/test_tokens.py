@@ -64,6 +64,9 @@ CALLS: dict[str, Callable[[pb_grpc.CoordinatorStub, Any], Awaitable[Any]]] = {
     "GetParams": lambda s, md: _one(s.GetParams(pb.GetParamsRequest(key="p"), metadata=md, timeout=5)),
     "Status": lambda s, md: s.Status(pb.StatusRequest(), metadata=md, timeout=5),
     "CommitMark": lambda s, md: s.CommitMark(pb.CommitMarkRequest(worker_id=WORKER_ID), metadata=md, timeout=5),
+    "RegisterShard": lambda s, md: s.RegisterShard(
+        pb.RegisterShardRequest(shard_id="s", address="127.0.0.1:9", shards=1, index=-1, first=True), metadata=md, timeout=5),
+    "ListShards": lambda s, md: s.ListShards(pb.ListShardsRequest(), metadata=md, timeout=5),
 }
 
 
@@ -93,7 +96,8 @@ def snapshot(service: Any) -> tuple[Any, ...]:
                state.bump, state.check, state.held)
     return (members, dict(service.params._blobs), dict(service.params._versions), dict(service.counts),
             dict(service._counters), service.stalls.reported(), service.views_formed, service.prober.running, service.mark,
-            service.heartbeat_streams.open)
+            service.heartbeat_streams.open,
+            tuple((i, s.shard_id, s.address, s.seen_at, s.incarnation) for i, s in service.shards.slots.items()))
 
 
 async def code_of(call: Awaitable[Any]) -> grpc.StatusCode:

@@ -30,14 +30,13 @@ class Layer:
 GROUND = tuple(
     f"ringserve.{name}"
     for name in ("errors", "config", "constants", "wire", "codecs", "ring", "commits", "security", "transport",
-                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd")
+                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd", "topology", "selection")
 )
 
 LAYERS: dict[str, Layer] = {
     "wire contract": Layer(("ringserve._proto",), ()),
     "ground": Layer(GROUND, ("wire contract",)),
     "coordinator": Layer(("ringserve.coordinator",), ("ground",)),
-    "parameter servers": Layer(("ringserve.ps",), ("ground",)),
     "data plane": Layer(("ringserve.worker.dataplane",), ("ground",)),
     "collectives": Layer(("ringserve.worker.ops",), ("data plane",)),
     "control loops": Layer(("ringserve.worker.control",), ("collectives",)),
@@ -45,10 +44,13 @@ LAYERS: dict[str, Layer] = {
     # DiLoCo on numpy arrays: the facade's collectives, driven by an optimizer's schedule.
     "numpy facade": Layer(("ringserve.api", "ringserve.diloco"), ("worker node and faces",)),
     "elastic": Layer(("ringserve.elastic",), ("numpy facade",)),
+    # The shards stand on the ground alone (tests/ps/test_layers.py holds them to it); the package's
+    # synchronous client (ps/api.py) is a worker of the numpy facade's context, whose id and view it pushes as.
+    "parameter servers": Layer(("ringserve.ps",), ("numpy facade",)),
     # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
     # errors carried through graph ops).
     "binding core": Layer(("ringserve.bindings", "ringserve.graph_ops"), ("elastic",)),
-    "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator")),
+    "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator", "parameter servers")),
     "keras binding": Layer(("ringserve.keras",), ("binding core", "coordinator")),
     "tensorflow binding": Layer(("ringserve.tensorflow",), ("binding core", "coordinator")),
     "engines": Layer(

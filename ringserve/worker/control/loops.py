@@ -152,7 +152,8 @@ class Lifeline:
             self.heartbeat_now.clear()
             c = self.counters
             counters = cpb.WorkerCounters(
-                collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received
+                collectives_done=c.collectives_done, bytes_sent=c.bytes_sent, bytes_received=c.bytes_received,
+                lane_bytes_sent=c.lane_bytes_sent, lane_fallbacks=c.lane_fallbacks,
             )
             plane = self.planes.current
             view_id = plane.view_id if plane is not None else 0

@@ -15,6 +15,7 @@ The encoding, a field at a time and in this order, each only when set::
     allreduce float32 (4, 3) op=average codec=int8
     allreduce float32 (8,) op=adasum parts=(5, 3)
     allreduce float32 (8,) op=sum stage=cross invalid: an earlier stage of this hierarchical allreduce failed
+    allreduce float32 (1024,) op=sum algo=tree    an algorithm other than the ring (routes.py)
     broadcast int64 (3,) root=1
     allgather float32 (*, 17, 17)          rows: the shape after a first dimension ranks may differ in
     message float64 x5                     count: a message's number of elements
@@ -22,7 +23,8 @@ The encoding, a field at a time and in this order, each only when set::
     barrier
 
 ``kind`` is the first word; ``invalid: ...`` (``problem``) names why a rank refuses the collective
-(see ops/refusal.py).
+(see ops/refusal.py); ``algo=...`` names the algorithm when it is not the ring (routes.py), so ranks
+that chose differently disagree on the descriptor.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ Shape = tuple[int, ...]
 
 _SHAPE = r"\((?:\d+(?:, \d+)*,?)?\)"  # (), (4,), (4, 3)
 _ROWS = r"\(\*, (?:\d+(?:, \d+)*)?\)"  # (*, ), (*, 3), (*, 17, 17)
-_KEYS = r"(?!op=|codec=|root=|parts=|stage=|invalid: )"
+_KEYS = r"(?!op=|codec=|root=|parts=|stage=|algo=|invalid: )"
 _ARRAY = rf"(?P<dtype>[a-z][a-z0-9_]*)(?: (?P<shape>{_SHAPE}))?(?: (?P<rows>{_ROWS}))?"
 _TEXT = re.compile(
     rf"(?P<kind>[a-z_]+)"
@@ -50,6 +52,7 @@ _TEXT = re.compile(
     rf"(?: root=(?P<root>\d+))?"
     rf"(?: parts=(?P<parts>{_SHAPE}))?"
     rf"(?: stage=(?P<stage>\S+))?"
+    rf"(?: algo=(?P<algo>\S+))?"
     rf"(?: invalid: (?P<problem>.*))?",
     re.DOTALL,
 )
@@ -90,6 +93,7 @@ class Descriptor:
     root: int | None = None
     parts: Shape | None = None  # Adasum: the element counts of the tensors fused in the array
     stage: str = ""  # a stage of a collective made of several (hierarchy.py, join's last lap)
+    algo: str = ""  # the algorithm it runs when not the ring (routes.py, selection.py)
     problem: str = ""  # why this rank refuses the collective ("": it does not)
     text: str = field(init=False, repr=False, compare=False)
 
@@ -118,6 +122,8 @@ class Descriptor:
             words.append(f"parts={_shape_text(self.parts)}")
         if self.stage:
             words.append(f"stage={self.stage}")
+        if self.algo:
+            words.append(f"algo={self.algo}")
         if self.problem:
             words.append(f"invalid: {self.problem}")
         return " ".join(words)
@@ -149,7 +155,7 @@ class Descriptor:
             rows=_shape_of(match["rows"]), count=None if match["count"] is None else int(match["count"]),
             items=tuple(i for i in items if i is not None), op=match["op"] or "", codec=match["codec"] or "",
             root=None if match["root"] is None else int(match["root"]), parts=_shape_of(match["parts"]),
-            stage=match["stage"] or "", problem=match["problem"] or "",
+            stage=match["stage"] or "", algo=match["algo"] or "", problem=match["problem"] or "",
         )
         if parsed.text != text:
             raise ProtocolError(f"{text!r} is not a collective's descriptor as ranks write them ({parsed.text!r}).")

@@ -6,6 +6,9 @@ the timeline span and its phases, the confirmation lap when checksums are on, an
 (it waits for room on the link before each send). Sends never wait for a receive: chunk c of step
 s + 1 leaves as soon as chunk c of step s has arrived and been reduced, whatever else is pending.
 
+A stage may be several programs at once (``programs.Programs``: a pipelined tree's climb and
+descent), carried out concurrently over the same frames and values; the first to fail fails all.
+
 Every frame names its sender's arguments (the descriptor), so a rank whose arguments differ is
 caught by its successor at the first step, and every step carries at least one frame (an empty one
 for an empty segment), which is what lets each rank check its predecessor.
@@ -20,7 +23,7 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError
 from ringserve.observe import Span
-from ringserve.worker.dataplane import programs
+from ringserve.worker.dataplane import programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import (
     NO_SEND,
@@ -32,6 +35,7 @@ from ringserve.worker.dataplane.programs import (
     Phase,
     Place,
     Program,
+    Programs,
     Recv,
     Ring,
     Signal,
@@ -46,7 +50,7 @@ def ring_of(session: Session) -> Ring:
     return session.ring
 
 
-async def run(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float, program: Program,
+async def run(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float, program: Programs,
               values: Values, *, key: str | None = None) -> str:
     """Runs one collective's program under its deadline, counts it, and forgets its frames afterwards.
 
@@ -58,7 +62,7 @@ async def run(session: Session, name: str | None, descriptor: Descriptor, timeou
 
 
 async def run_stages(session: Session, name: str | None, descriptor: Descriptor, timeout_s: float,
-                     stages: Iterator[tuple[Program, Values]], *, key: str | None = None) -> str:
+                     stages: Iterator[tuple[Programs, Values]], *, key: str | None = None) -> str:
     """Runs a collective made of several programs, one after the other, under one key and deadline.
 
     ``stages`` gives each program with its values once the one before has finished (so a stage may
@@ -67,9 +71,11 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
     one descriptor and one timeline span. Each stage must use slots of its own (programs.shifted).
     """
     text, kind = descriptor.text, descriptor.kind
+    algorithm = routes.algorithm_of(descriptor)
     key, inbox = session.open(name, text, key=key)
     span = inbox.span = Span(session.timeline, session.counters, f"{kind} {key}", {
         "op": kind, "op_key": key, "descriptor": text, "view": session.view_id, "rank": session.plane.place.rank,
+        "algorithm": algorithm,
     })
     ok = False
     values = Values()
@@ -81,10 +87,8 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
             async with asyncio.timeout(timeout_s):
                 for program, values in stages:
                     values.key = key
-                    try:
-                        await execute(session, key, inbox, program, values)
-                    finally:
-                        program.close()
+                    await _execute_all(session, key, inbox, program, values)
+                    await session.flushed()  # the TCP lane sends from the buffers (tcplane.py)
                 if session.checksum:
                     await execute(session, key, inbox, programs.confirm(ring_of(session)), values)
         ok = True
@@ -96,8 +100,28 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
     finally:
         session.release(key)
         elapsed = span.end(ok)
-    session.counters.observe(kind, elapsed)
+    session.counters.observe(kind, elapsed, algorithm)
     return key
+
+
+async def _execute_all(session: Session, key: str, inbox: Inbox, program: Programs, values: Values) -> None:
+    """Carries out a program, or several at once (a tuple: a tree's two directions, see
+    programs_tree.py), over the same frames and values; the first to fail fails them all."""
+    if not isinstance(program, tuple):
+        try:
+            await execute(session, key, inbox, program, values)
+        finally:
+            program.close()
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for one in program:
+                group.create_task(execute(session, key, inbox, one, values))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    finally:
+        for one in program:
+            one.close()
 
 
 async def execute(session: Session, key: str, inbox: Inbox, program: Program, values: Values) -> None:
@@ -117,45 +141,49 @@ async def execute(session: Session, key: str, inbox: Inbox, program: Program, va
             return
         reply = None
         match step:  # the most frequent steps first
-            case Recv(slot, chunk):
-                frame = await session.recv(key, inbox, slot, chunk)
+            case Recv(slot, chunk, frm):
+                frame = await session.recv(key, inbox, slot, chunk, frm)
                 reply = frame.header.origin_count
             case Take(a, b):
                 values.take(a, b, _held(frame, step, key))
-            case Fold(slot, chunk, a, b):
-                payload = values.pass_on(a, b, values.reduce(a, b, _held(frame, step, key)))
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec)
-            case Forward():
+            case Fold(slot, chunk, a, b, to):
+                part = values.reduce(a, b, _held(frame, step, key))
+                if slot != NO_SEND:
+                    payload = values.pass_on(a, b, part)
+                    if not has_room(to):
+                        await _room(session, to)
+                    send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec,
+                         to=to)
+            case Forward(to):
                 held = _held(frame, step, key)
-                if not has_room():
-                    await _room(session)
-                session.forward(held)
-            case Own(slot, chunk, a, b, alone):
+                if not has_room(to):
+                    await _room(session, to)
+                session.forward(held, to)
+            case Own(slot, chunk, a, b, alone, to):
                 part = values.alone(a, b) if alone else values.reduce(a, b, _held(frame, step, key))
                 done = values.own(a, b, part)
                 if slot != NO_SEND:
-                    if not has_room():
-                        await _room(session)
-                    send(key, inbox, slot=slot, chunk=chunk, payload=done, dtype=dtype, count=b - a, codec=codec)
-            case Lead(slot, chunk, a, b):
+                    if not has_room(to):
+                        await _room(session, to)
+                    send(key, inbox, slot=slot, chunk=chunk, payload=done, dtype=dtype, count=b - a, codec=codec,
+                         to=to)
+            case Lead(slot, chunk, a, b, to):
                 payload = values.first(a, b)
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec)
-            case Give(slot, chunk, origin, a, b, total):
+                if not has_room(to):
+                    await _room(session, to)
+                send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a, codec=codec, to=to)
+            case Give(slot, chunk, origin, a, b, total, to):
                 payload = values.block(origin)[a:b]
-                if not has_room():
-                    await _room(session)
+                if not has_room(to):
+                    await _room(session, to)
                 send(key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=b - a,
-                     origin=origin, origin_count=total)
+                     origin=origin, origin_count=total, to=to)
             case Place(origin, a, b, total):
                 values.place(origin, a, b, total, _held(frame, step, key))
-            case Signal(slot):
-                if not has_room():
-                    await _room(session)
-                send(key, inbox, slot=slot, chunk=0, payload=b"", dtype=dtype, count=0)
+            case Signal(slot, to):
+                if not has_room(to):
+                    await _room(session, to)
+                send(key, inbox, slot=slot, chunk=0, payload=b"", dtype=dtype, count=0, to=to)
             case Phase(name):
                 if inbox.span is not None:
                     inbox.span.phase(name)
@@ -163,10 +191,10 @@ async def execute(session: Session, key: str, inbox: Inbox, program: Program, va
                 raise ProtocolError(f"The program of collective {key!r} took an unknown step {step!r}.")
 
 
-async def _room(session: Session) -> None:
-    """Waits until the link to the successor takes another frame (see link.py)."""
-    while not session.has_room():
-        await session.room()
+async def _room(session: Session, to: tuple[int, ...]) -> None:
+    """Waits until the links to ``to`` (the successor when empty) take another frame (see link.py)."""
+    while not session.has_room(to):
+        await session.room(to)
 
 
 def _held(frame: Received | None, step: object, key: str) -> Received:

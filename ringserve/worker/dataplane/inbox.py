@@ -25,14 +25,17 @@ class Received(NamedTuple):
 class Inbox:
     """The frames of one collective, by (step, chunk), and how that collective failed if it did.
 
-    ``ring`` is the ring the collective runs over (its key names it, see plane.py), and ``source``
-    the one rank whose stream may bring its frames: this rank's predecessor in that ring.
+    ``ring`` is the ring the collective runs over (its key names it, see plane.py). Which of its
+    members may send it frames depends on its program (routes.py): a ring's come from the
+    predecessor only, a halving-doubling's from each partner. ``sinks`` are the ranks it sends
+    to (set when it opens), so that a link that fails fails the collectives that use it.
     """
 
-    def __init__(self, ring: Ring | None = None, source: int = -1) -> None:
+    def __init__(self, ring: Ring | None = None) -> None:
         self.ring = ring
-        self.source = source
+        self.sinks: frozenset[int] = frozenset()
         self._slots: dict[tuple[int, int], asyncio.Future[Received]] = {}
+        self._waiting: dict[tuple[int, int], int] = {}  # frames waited for: the rank each comes from
         self.error: BaseException | None = None
         self._failed = asyncio.get_running_loop().create_future()
         self.descriptor: str | None = None
@@ -40,9 +43,17 @@ class Inbox:
         self.abort_reason = MISMATCH
         self.abort_sent = False
         self._timer: asyncio.TimerHandle | None = None
-        self._starved: BaseException | None = None
+        self._starved: dict[int, BaseException] = {}  # ranks whose stream in has ended
         self.span: Span | None = None
         self.announced = False  # its first frame was reported to a joined rank (Plane.on_unopened)
+
+    @property
+    def source(self) -> int:
+        """The rank a ring's frames come from: the ring's predecessor (-1 in a ring of one)."""
+        ring = self.ring
+        if ring is None or ring.size == 1:
+            return -1
+        return ring.members[(ring.index - 1) % ring.size]
 
     def deliver(self, key: tuple[int, int], frame: Received) -> None:
         fut = self._slots.get(key)
@@ -66,28 +77,39 @@ class Inbox:
         frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
         return {f.header.sender_rank: f.header.descriptor for f in frames if f.header.descriptor != descriptor}
 
-    async def take(self, key: tuple[int, int]) -> Received:
+    async def take(self, key: tuple[int, int], source: int = -1) -> Received:
+        """The frame ``key``, which comes from rank ``source`` (-1: the ring's predecessor)."""
         if self.error is not None:
             raise self.error
+        if source < 0:
+            source = self.source
         fut = self._slots.get(key)
         if fut is None:
-            if self._starved is not None:
-                raise self._starved
+            starved = self._starved.get(source)
+            if starved is not None:
+                raise starved
             fut = self._slots[key] = asyncio.get_running_loop().create_future()
+        if not fut.done():
+            self._waiting[key] = source
         try:
             return await fut
         finally:
             self._slots.pop(key, None)
+            self._waiting.pop(key, None)
 
-    def starve(self, exc: BaseException) -> None:
-        """No more frames will come: frames already here stay takeable, waiting for others fails."""
-        if self._starved is not None:
-            return
-        self._starved = exc
-        for key, fut in list(self._slots.items()):
-            if not fut.done():
-                fut.set_exception(exc)
-                del self._slots[key]
+    def starve(self, exc: BaseException, source: int | None = None) -> None:
+        """No more frames will come from rank ``source`` (None: from any rank): frames already
+        here stay takeable, waiting for one from it fails."""
+        for rank in (self.ring.members if source is None and self.ring is not None else (source,)):
+            if rank is None or rank in self._starved:
+                continue
+            self._starved[rank] = exc
+            for key, waited in list(self._waiting.items()):
+                fut = self._slots.get(key)
+                if waited == rank and fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                    del self._slots[key]
+                    del self._waiting[key]
 
     def fail(self, exc: BaseException) -> None:
         if self.error is not None:

@@ -5,19 +5,22 @@ per rank it sends to. The executor hands it DATA frames (new ones, and frames fo
 came); the plane hands it ABORT frames. The link encodes them, puts a
 payload into the shared-memory lane when the lane is attached and has a free slot (the header then
 names the slot, see shared.py), and moves the frames, in the order they were given, to the peer,
-where they arrive at that peer's ``Plane.on_frame``. A new way to move frames (fd passing between
+where they arrive at that peer's ``Plane.on_frame``. Between hosts, once the TCP payload lane is
+attached, frames go on it instead, each with its payload (tcplane.py). A new way to move frames (fd passing between
 containers, a faster lane between hosts) is one new subclass: it implements ``_run``, which takes
 frames with ``_next`` until it returns None, then ends the stream cleanly.
 
 - ``StreamLink``: the gRPC stream to a peer (the contract between hosts), optionally with the
-  shared-memory lane of ``OutboundRing`` for payloads between processes of one host.
+  shared-memory lane of ``OutboundRing`` for payloads between processes of one host, and the TCP
+  payload lane of ``OutboundLane`` for payloads between hosts.
 - ``MemoryLink`` (memlink.py): a Plane in the same process, for tests and the simulator.
 
 Backpressure: at most ``window`` DATA frames (``SEND_WINDOW`` by default) wait in a link's queue,
 and one more is being written. The executor asks ``has_room`` before it sends and waits on
 ``room()`` when there is none, so a rank never runs more than ``window`` chunks ahead of its link:
 a link's memory is bounded by ``window + 1`` frames of at most ``chunk_bytes`` and a header each
-(with the lane attached, a queued frame is its header only). ABORT frames and the clean end never
+(with the shared ring attached, a queued frame is its header only; the TCP lane holds at most
+``window`` buffers that the kernel has not taken, see tcplane.py). ABORT frames and the clean end never
 wait: they are a few hundred bytes at most, once per collective, and are sent from the receive
 path, which must never block. A full queue cannot deadlock the ring: the receiving side routes
 every frame to its collective's inbox as it arrives, whatever that collective is waiting for.
@@ -41,11 +44,12 @@ import numpy as np
 
 from ringserve import wire
 from ringserve._proto import peer_pb2
-from ringserve.errors import PeerUnavailableError
+from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
 from ringserve.transport import peer_error
 from ringserve.worker.dataplane.channels import Lease
 from ringserve.worker.dataplane.shared import OutboundRing
+from ringserve.worker.dataplane.tcplane import OutboundLane
 
 log = logging.getLogger("ringserve.worker")
 
@@ -54,6 +58,7 @@ SEND_WINDOW = 32
 # itself: the coordinator shows whatever text a worker reports).
 LANE_STREAM = "stream"
 LANE_SHARED = "shared memory"
+LANE_TCP = "tcp lane"
 STREAM_METHOD = "/ringserve.v1.Peer/Stream"
 
 Payload = np.ndarray | memoryview | bytes
@@ -65,11 +70,18 @@ OnFailure = Callable[[BaseException, str], None]
 class Link:
     """The outbound half of one edge: frames to one peer, in order, with backpressure."""
 
-    def __init__(self, counters: Counters, *, lane: OutboundRing | None = None, window: int = SEND_WINDOW) -> None:
+    def __init__(self, counters: Counters, *, lane: OutboundRing | None = None, tcp: OutboundLane | None = None,
+                 window: int = SEND_WINDOW) -> None:
         if window < 1:
             raise ValueError("A link needs a window of at least one frame.")
         self.counters = counters
         self.lane = lane
+        self.tcp = tcp
+        if tcp is not None:
+            tcp.window = window
+            tcp.on_room = self._let_one_in
+            tcp.on_failure = self._fail
+            tcp.spared = lambda: lane is not None and lane.attached  # the shared ring won: no TCP lane needed
         self.window = window
         self._frames: deque[tuple[bytes, bool]] = deque()
         self._queued = 0  # DATA frames in _frames
@@ -84,7 +96,9 @@ class Link:
     @property
     def lane_name(self) -> str:
         """How payloads travel on this link now (the status page's lane)."""
-        return LANE_SHARED if self.lane is not None and self.lane.attached else LANE_STREAM
+        if self.lane is not None and self.lane.attached:
+            return LANE_SHARED
+        return LANE_TCP if self.tcp is not None and self.tcp.attached else LANE_STREAM
 
     # -- the sending side ------------------------------------------------------------------
 
@@ -92,6 +106,8 @@ class Link:
         """Starts moving frames; ``hello`` goes first (with the lane's offer, if there is a lane)."""
         if self.lane is not None:
             hello.shared_ring.CopyFrom(self.lane.offer())
+        if self.tcp is not None:
+            hello.payload_lane.CopyFrom(self.tcp.offer())
         self._on_failure = on_failure
         self._task = asyncio.get_running_loop().create_task(self._pump(hello), name=f"ringserve-link-v{hello.view_id}")
         self._task.add_done_callback(self._ended)
@@ -99,7 +115,7 @@ class Link:
     @property
     def has_room(self) -> bool:
         """Whether a DATA frame may be sent now; a closed link has room (its frames are dropped)."""
-        return self._closed or self._queued < self.window
+        return self._closed or (self._queued < self.window and (self.tcp is None or self.tcp.has_room))
 
     async def room(self) -> None:
         """Returns once a DATA frame has left the queue (or the link closed); check has_room again."""
@@ -120,6 +136,13 @@ class Link:
 
         ``whole``: the frame already encoded with its payload, if it was (a frame forwarded).
         """
+        if self.tcp is not None and self.tcp.attached:
+            header.lane_bytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
+            frame = wire.encode(header)
+            sent = len(frame) + self.tcp.frame(frame, payload)
+            self.counters.bytes_sent += sent
+            self.bytes_sent += sent
+            return
         slot = self.lane.put(payload) if self.lane is not None else None
         if slot is None:
             self._push(whole or wire.encode(header, payload), True)
@@ -133,29 +156,46 @@ class Link:
     def forward(self, header: wire.FrameHeader, payload: memoryview, raw: bytes) -> None:
         """Queues a received frame as it is: the same header, the same payload.
 
-        A frame that came whole goes on as the same bytes, unless the lane is attached and has
-        room (one copy into the lane beats the stream's copies); one whose payload sits in the
-        predecessor's lane is copied into ours, or into the frame.
+        A frame that came whole goes on as the same bytes, unless a lane is attached (the TCP lane
+        takes every frame; the ring, a payload it has room for: one copy into it beats the
+        stream's copies); one whose payload came in the predecessor's shared ring or on its TCP
+        lane goes on a lane of ours, or into the frame.
         """
-        if not header.HasField("shm_slot") and (self.lane is None or not self.lane.attached):
+        beside = header.HasField("shm_slot") or header.lane_bytes
+        if (not beside and (self.lane is None or not self.lane.attached)
+                and (self.tcp is None or not self.tcp.attached)):
             self._push(raw, True)
             return
         copy = wire.FrameHeader()
         copy.CopyFrom(header)
-        if copy.HasField("shm_slot"):
+        if beside:
             copy.ClearField("shm_slot")
             copy.shm_bytes = 0
+            copy.lane_bytes = 0
             self.send(copy, payload)
         else:
             self.send(copy, payload, raw)
 
+    async def flushed(self) -> None:
+        """Returns once no payload sent so far is still read from its caller's memory (the TCP
+        lane sends from it; the stream and the shared ring copy at once)."""
+        if self.tcp is not None:
+            await self.tcp.flushed()
+
     def control(self, frame: bytes) -> None:
         """Queues an encoded control frame (an ABORT); it never waits for room."""
+        if self.tcp is not None and self.tcp.attached and not self._closed:
+            self.counters.bytes_sent += len(frame)
+            self.bytes_sent += len(frame)
+            self.tcp.frame(frame)
+            return
         self._push(frame, False)
 
     def end(self) -> None:
-        """No more frames: the link ends cleanly once the queue is empty."""
+        """No more frames: the link ends cleanly once the queue is empty (and the TCP lane's)."""
         self._ending = True
+        if self.tcp is not None:
+            self.tcp.end()
         self._wake_pump()
 
     def close(self) -> None:
@@ -166,6 +206,8 @@ class Link:
             self._task.cancel()
         if self.lane is not None:
             self.lane.close()  # a pump cancelled before it ran never reaches its own close
+        if self.tcp is not None:
+            self.tcp.close()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -207,23 +249,28 @@ class Link:
         frame, data = self._frames.popleft()
         if data:
             self._queued -= 1
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
+            self._let_one_in()
         return frame
+
+    def _let_one_in(self) -> None:
+        """A DATA frame left the queue (or the TCP lane's): the first sender waiting for room may go."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
 
     def _fail(self, exc: BaseException, why: str = "") -> None:
         self._on_failure(exc, why)
 
     # -- internals -------------------------------------------------------------------------
 
-    def _push(self, frame: bytes, data: bool, shared_bytes: int = 0) -> None:
+    def _push(self, frame: bytes, data: bool, beside: int = 0) -> None:
+        """Queues a frame; ``beside``: its payload's bytes, sent through a lane instead."""
         if self._closed:
             return
-        self.counters.bytes_sent += len(frame) + shared_bytes
-        self.bytes_sent += len(frame) + shared_bytes
+        self.counters.bytes_sent += len(frame) + beside
+        self.bytes_sent += len(frame) + beside
         self._frames.append((frame, data))
         if data:
             self._queued += 1
@@ -244,6 +291,10 @@ class Link:
         finally:
             if self.lane is not None:
                 self.lane.close()
+            if self.tcp is not None:
+                # A clean end comes after the peer routed every frame, so every payload was read.
+                self.tcp.close()
+                await self.tcp.wait_closed()
             # The plane holds the link, and the callback holds the plane: break the cycle, so
             # that both (and the channel, whose poller thread waits for its last user) go at once
             # when the worker drops them, not at the next garbage collection.
@@ -261,8 +312,8 @@ class StreamLink(Link):
     """
 
     def __init__(self, lease: Lease, counters: Counters, *, drain_timeout_s: float,
-                 lane: OutboundRing | None = None, window: int = SEND_WINDOW) -> None:
-        super().__init__(counters, lane=lane, window=window)
+                 lane: OutboundRing | None = None, tcp: OutboundLane | None = None, window: int = SEND_WINDOW) -> None:
+        super().__init__(counters, lane=lane, tcp=tcp, window=window)
         self.lease = lease
         self.address = lease.address
         self.drain_timeout_s = drain_timeout_s
@@ -297,10 +348,17 @@ class StreamLink(Link):
                 f"The peer at {self.address} did not confirm the end of view {view} within {self.drain_timeout_s:g} s."
             ))
         except grpc.aio.AioRpcError as exc:
-            # A refusal (INVALID_ARGUMENT) says that the peer is alive and disagrees, not that it died.
+            # A refusal (INVALID_ARGUMENT) says that the peer is alive and disagrees, not that it died;
+            # FAILED_PRECONDITION: it requires a payload lane (RINGSERVE_PAYLOAD_LANE=tcp) that did not attach.
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._fail(PayloadLaneError(f"The peer at {self.address} refused the stream: {exc.details()}"))
+                return
             refused = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
             self._fail(peer_error(exc, self.address), "" if refused else f"the stream to it failed: {exc.code().name}")
-        except asyncio.InvalidStateError:
+        except asyncio.InvalidStateError:  # the peer ended the call while we wrote: with what status?
+            if await call.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._fail(PayloadLaneError(f"The peer at {self.address} refused the stream: {await call.details()}"))
+                return
             self._fail(PeerUnavailableError(f"The stream to {self.address} closed."), "its stream closed")
         finally:
             call.cancel()

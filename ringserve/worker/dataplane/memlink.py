@@ -2,7 +2,9 @@
 
 It moves the very bytes a StreamLink would write (encoded frames, payloads in the shared-memory
 lane if it has one), in order, into the peer's ``on_frame``, as the peer server does with a
-stream: the peer accepts the HELLO first, and hears when the link ends, cleanly or not. Each frame
+stream: the peer accepts the HELLO first, and hears when the link ends, cleanly or not. With a
+TCP payload lane (``tcp``, and ``dial`` to make the peer's end of it: see tests/ringsim.py), frames
+go on that real lane once it attaches, as between hosts, while the rest keep to the link. Each frame
 waits a random number of loop turns first (from a seeded generator), so that N ranks linked in a
 ring run under many interleavings while each link keeps its order, as a stream does. A frame the
 peer refuses (a ProtocolError) fails both ends, as a refused stream does: the sender's link fails
@@ -16,20 +18,28 @@ import random
 from collections.abc import Callable
 
 from ringserve import wire
+from ringserve._proto import peer_pb2
 from ringserve.errors import ProtocolError
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.lanein import InboundLane
 from ringserve.worker.dataplane.link import SEND_WINDOW, Link
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.shared import InboundRing, OutboundRing
+from ringserve.worker.dataplane.tcplane import OutboundLane
+
+# Makes the receiving end of a TCP payload lane that a HELLO offers: (offer, the peer, the sender).
+Dial = Callable[[peer_pb2.PayloadLane, Plane, int], InboundLane]
 
 
 class MemoryLink(Link):
     """A link to ``peer()``, a Plane of the same loop (looked up when the link opens)."""
 
     def __init__(self, peer: Callable[[], Plane], counters: Counters, *, rng: random.Random | None = None,
-                 max_delay: int = 0, lane: OutboundRing | None = None, window: int = SEND_WINDOW) -> None:
-        super().__init__(counters, lane=lane, window=window)
+                 max_delay: int = 0, lane: OutboundRing | None = None, window: int = SEND_WINDOW,
+                 tcp: OutboundLane | None = None, dial: Dial | None = None) -> None:
+        super().__init__(counters, lane=lane, tcp=tcp, window=window)
+        self._dial = dial
         self._peer = peer
         self._rng = rng or random.Random(0)
         self._max_delay = max_delay
@@ -51,6 +61,8 @@ class MemoryLink(Link):
             self._fail(exc)
             return
         inbound = InboundRing.attach(hello.shared_ring) if hello.HasField("shared_ring") else None
+        tcp = (self._dial(hello.payload_lane, peer, sender)
+               if self._dial is not None and inbound is None and hello.HasField("payload_lane") else None)
         clean = False
         try:
             while (raw := await self._next()) is not None:
@@ -64,10 +76,12 @@ class MemoryLink(Link):
                     payload = inbound.payload(header)
                 peer.on_frame(Received(header, payload, raw), sender)
                 del payload, header
-            clean = True
+            clean = tcp is None or await tcp.finished(5.0)  # the lane's frames are routed too
         except ProtocolError as exc:
             self._fail(exc)
         finally:
+            if tcp is not None:
+                tcp.close()
             peer.stream_ended(sender, clean)
             if inbound is not None:
                 inbound.close()

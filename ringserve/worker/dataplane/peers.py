@@ -5,7 +5,9 @@ A peer stream opens with a HELLO that names a view and the sender's rank in it. 
 not this worker's own. Only then are its frames read into the plane, routed by collective key,
 each collective checking that its frames come from the rank that precedes this one in its ring
 (``Plane.on_frame``: a frame any other stream brings is refused, and so is its stream); and only
-then is a shared-memory ring it offers mapped (see shared.py). So any rank of a view can stream to
+then is a shared-memory ring it offers mapped (see shared.py), or, where there is none, its TCP
+payload lane dialled (see tcplane.py, lanein.py): once that lane is attached, the sender's frames
+come on it, read and routed by the lane as the stream's are, with the same checks. So any rank of a view can stream to
 any other, as sub-rings and point-to-point programs need, while the bounds of gate.py hold for the
 streams that have proved nothing.
 
@@ -16,7 +18,12 @@ without this worker, is never verified: its frames are dropped and counted, and 
 at its deadline.
 
 When a verified stream ends, its plane hears of it (``Plane.stream_ended``): the collectives that
-wait on that sender starve, and a stream that broke (no BYE) is reported to the coordinator.
+wait on that sender starve, and a stream that broke (no BYE) is reported to the coordinator. A
+stream's BYE counts once its lane has delivered every frame (the lane's end marker). A payload
+lane that breaks starves the collectives that wait on its sender and is reported, as a broken
+stream is; its sender's link fails as it sees the lane close. Where the lane is required
+(RINGSERVE_PAYLOAD_LANE=tcp) and does not attach, the stream is refused with FAILED_PRECONDITION
+and the sender's collectives starve with PayloadLaneError.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import grpc
 from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
-from ringserve.errors import ProtocolError
+from ringserve.errors import PayloadLaneError, ProtocolError
 from ringserve.observe import Counters
 from ringserve.ring import predecessor
 from ringserve.worker.dataplane.gate import Pass, StreamGate
 from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.lanein import InboundLane
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.registry import Planes
 from ringserve.worker.dataplane.shared import InboundRing
@@ -97,6 +105,8 @@ class PeerServicer:
         admitted = self.gate.enter()
         frames = 0
         ring: InboundRing | None = None
+        lane: InboundLane | None = None
+        lane_broke: list[BaseException] = []
         plane: Plane | None = None
         clean = False
         try:
@@ -118,6 +128,8 @@ class PeerServicer:
                         ring = await self._attach(hello.shared_ring)
                         if ring is not None:
                             self._rings.add(ring)
+                    if ring is None:
+                        lane = await self._dial(hello, plane, lane_broke)
                 sender = hello.sender_rank
                 async for raw in raws:
                     header, payload = wire.decode(raw)
@@ -133,16 +145,31 @@ class PeerServicer:
                         if ring is None:
                             raise ProtocolError("A frame names a slot of a shared ring that this stream never set up.")
                         payload = ring.payload(header)
+                    elif header.lane_bytes:
+                        raise ProtocolError("A frame on the stream names bytes on a payload lane.")
                     if plane is None:
                         self.counters.frames_rejected += 1
                         continue
                     plane.on_frame(Received(header, payload, raw), sender)
+                if clean and lane is not None:  # the BYE counts once the lane has brought every frame
+                    clean = await lane.finished(self.config.drain_timeout_s)
+                    frames += lane.frames
         except ProtocolError as exc:
             log.warning("%s: rejected a peer stream: %s", self._tag(), exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TimeoutError:
             await context.abort(*self._timed_out(admitted))
+        except PayloadLaneError as exc:  # required, and not there: the sender's collectives fail with it
+            log.error("%s: %s", self._tag(), exc)
+            if plane is not None and admitted.hello is not None:
+                plane.starve((admitted.hello.sender_rank,), exc)
+            # Hold the stream, unread, until the sender's own deadline has failed its link with the
+            # same error (tcplane.py): refused at once, a sender still writing could see INTERNAL.
+            await asyncio.sleep(self.planes.lanes.required_within_s + self.config.rpc_timeout_s)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
+            if lane is not None:
+                lane.close()
             if ring is not None:
                 ring.close()  # unmapped once the collectives are done with its payloads
                 self._rings.discard(ring)
@@ -151,9 +178,51 @@ class PeerServicer:
             if plane is not None and admitted.hello is not None:
                 hello = admitted.hello
                 self._count(hello, -1)
-                if plane.stream_ended(hello.sender_rank, clean):
+                if plane.stream_ended(hello.sender_rank, clean) and not lane_broke:  # (reported then)
                     self._report(hello.view_id, hello.sender_rank, f"its stream to rank {plane.place.rank} broke")
+            if lane is not None:
+                await lane.wait_closed()  # last: a second cancellation here loses nothing above
         return peer_pb2.StreamSummary(frames=frames)
+
+    async def _dial(self, hello: wire.FrameHeader, plane: Plane, broke: list[BaseException]) -> InboundLane | None:
+        """The payload lane the HELLO offers, being dialled (None: this stream keeps its frames).
+        Its frames go to ``plane`` as the stream's do; ``broke`` gets the error if it breaks. Where
+        the lane is required (RINGSERVE_PAYLOAD_LANE=tcp), it waits until the lane attaches.
+
+        Raises:
+            PayloadLaneError: the lane is required and does not attach (or is not offered).
+        """
+        lanes = self.planes.lanes
+        sender, view = hello.sender_rank, hello.view_id
+        address = plane.place.addresses[sender]
+        edge = f"rank {sender} ({address}) -> rank {plane.place.rank} of view {plane.view_id}"
+        if not hello.HasField("payload_lane"):
+            if lanes.mode == "tcp":
+                lanes.fell_back(edge, "its HELLO offers no payload lane (is RINGSERVE_PAYLOAD_LANE off there?)",
+                                peer=address)
+            return None
+
+        def on_frame(frame: Received) -> None:
+            if frame.header.view_id != view or frame.header.kind == wire.HELLO:
+                raise ProtocolError(f"The payload lane of a stream of view {view} carried a frame of kind "
+                                    f"{frame.header.kind} of view {frame.header.view_id}.")
+            plane.on_frame(frame, sender)
+
+        def on_broken(exc: BaseException) -> None:
+            broke.append(exc)
+            plane.starve((sender,), exc)
+            log.warning("%s: %s", self._tag(), exc)
+            if plane.retired is None and plane.error is None and not isinstance(exc, ProtocolError):
+                self._report(view, sender, f"its payload lane to rank {plane.place.rank} broke")
+
+        lane = lanes.inbound(hello.payload_lane, address=address, edge=edge, on_frame=on_frame, on_broken=on_broken)
+        if lane is not None and lanes.mode == "tcp":
+            try:
+                await lane.ready()
+            except ConnectionError as exc:
+                lane.close()
+                lanes.fell_back(f"{edge} (port {lane.where})", str(exc), peer=address)
+        return lane
 
     async def _attach(self, offer: peer_pb2.SharedRing) -> InboundRing | None:
         """The predecessor's shared ring, mapped; through its ring server in the shared directory

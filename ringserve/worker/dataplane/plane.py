@@ -31,8 +31,10 @@ import numpy as np
 from ringserve import wire
 from ringserve.errors import PeerUnavailableError, ProtocolError, UsageError
 from ringserve.observe import Counters, Timeline
-from ringserve.worker.dataplane import aborts, keys
+from ringserve.selection import Links
+from ringserve.worker.dataplane import aborts, keys, routes
 from ringserve.worker.dataplane.aborts import Aborts
+from ringserve.worker.dataplane.calibration import Measures
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.dataplane.link import Link
 from ringserve.worker.dataplane.policy import Place
@@ -62,10 +64,21 @@ class Plane:
         checksum: bool = False,
         pool: ResultPool | None = None,
         hierarchical: str = "0",
+        algorithm: str = "ring",
+        links: Links | None = None,
+        measure_timeout_s: float = 60.0,
+        scale: int = 1,
     ) -> None:
         self.place = place
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
         self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
+        # RINGSERVE_ALGORITHM, and the link figures it goes by (worker/ops/algorithms.py): given, or
+        # measured once per ring of this view (calibration.py).
+        self.algorithm = algorithm
+        self.measures = Measures(links, measure_timeout_s)
+        # Each payload byte stands for ``scale`` bytes when algorithms are chosen: the virtual
+        # sizes of the simulator (ringserve/testing/netsim.py); 1 everywhere else.
+        self.scale = scale
         self.ring = Ring.whole(place.rank, place.size)
         self.counters = counters
         self.abort_grace_s = abort_grace_s
@@ -140,8 +153,10 @@ class Plane:
             raise self.error
         if self.retired is not None:
             raise self.retired
-        if ring.size > 1 and ring.next in self._broken:
-            raise self._broken[ring.next]
+        sinks = routes.sinks(routes.algorithm_of(descriptor), ring)
+        for rank in sinks:
+            if rank in self._broken:
+                raise self._broken[rank]
         link = self.link_to(ring.next) if ring.size > 1 else None
         if key is None:
             key = self.numbering.next(name if name is not None else "", spec)
@@ -150,6 +165,7 @@ class Plane:
         else:
             self.numbering.claim(key)
         inbox = self._inbox(key, ring)
+        inbox.sinks = sinks
         inbox.descriptor = descriptor
         inbox.known[self.place.rank] = descriptor
         foreign = inbox.foreign(descriptor)
@@ -206,13 +222,14 @@ class Plane:
         if self._active == 0 and self.retired is not None:
             self._end_links()
 
-    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
-        """The frame (slot, chunk) of a collective, after checking its author ran the same call.
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received:
+        """The frame (slot, chunk) of a collective, from rank ``source`` (-1: the ring's
+        predecessor), after checking its author ran the same call.
 
         A slot names what a frame carries (a ring step, a segment, an origin rank), chosen so that
         a frame forwarded unchanged keeps its key from hop to hop.
         """
-        frame = await inbox.take((slot, chunk))
+        frame = await inbox.take((slot, chunk), source)
         if frame.header.descriptor != inbox.descriptor:
             self._abort_start(key, inbox, {frame.header.sender_rank: frame.header.descriptor})
             raise await inbox.failure()
@@ -282,7 +299,7 @@ class Plane:
                 names a ring in which ``sender`` does not precede this rank), or it is malformed.
         """
         header = frame.header
-        self.counters.bytes_received += len(frame.raw) + header.shm_bytes
+        self.counters.bytes_received += len(frame.raw) + header.shm_bytes + header.lane_bytes
         if self.error is not None:
             self.counters.frames_rejected += 1
             return
@@ -297,17 +314,13 @@ class Plane:
         inbox = self._inboxes.get(key)
         ring = inbox.ring if inbox is not None else keys.ring_of(key, self.ring, self.view_id)
         assert ring is not None
-        source = inbox.source if inbox is not None else keys.source(ring)
-        if sender != source:
-            raise ProtocolError(
-                f"A frame of collective {key!r} came from rank {sender}, but rank {self.place.rank} of view "
-                f"{self.view_id} receives that collective's frames from rank {source} only."
-            )
+        # Aborts go round the ring; data frames come from the ranks their program names.
+        routes.check_sender(header.descriptor if header.kind == wire.DATA else "", key, ring, sender, self.view_id)
         if inbox is None and self._finished(key):
             # A collective this rank already finished or gave up on: a late data frame is
             # dropped; an abort is still passed on (the other ranks' laps need it) but kept nowhere.
             if header.kind == wire.ABORT:
-                late = Inbox(ring, source)
+                late = Inbox(ring)
                 self._pass_on(late, self._aborts.received(key, late, header))
             else:
                 self.counters.frames_rejected += 1
@@ -315,6 +328,8 @@ class Plane:
         if inbox is None:
             inbox = self._inbox(key, ring)
             self._arrived()
+        if inbox.descriptor is None and header.kind == wire.DATA and self.measures.pull(header.descriptor, key, self):
+            inbox.announced = True  # a measure of the links: every rank takes part (calibration.py)
         if (inbox.descriptor is None and self.on_unopened is not None and not inbox.announced
                 and not keys.split(key)[2]):
             inbox.announced = True
@@ -366,6 +381,7 @@ class Plane:
             inbox.fail(exc)
         self._arrived()
         self._ended = True
+        self.measures.close()
         for link in self._links.values():
             link.close()
 
@@ -394,26 +410,25 @@ class Plane:
     def _inbox(self, key: str, ring: Ring) -> Inbox:
         inbox = self._inboxes.get(key)
         if inbox is None:
-            source = keys.source(ring)
-            inbox = self._inboxes[key] = Inbox(ring, source)
+            inbox = self._inboxes[key] = Inbox(ring)
             if self.error is not None:
                 inbox.fail(self.error)
-            elif source in self._gone:
-                inbox.starve(self._gone[source])
+            else:
+                for rank, exc in self._gone.items():
+                    inbox.starve(exc, rank)
         return inbox
 
     def _starve(self, rank: int, exc: BaseException) -> None:
         exc = self._gone.setdefault(rank, exc)
         for inbox in self._inboxes.values():
-            if inbox.source == rank:
-                inbox.starve(exc)
+            inbox.starve(exc, rank)
 
     def _link_failed(self, rank: int, exc: BaseException, why: str) -> None:
         """The link to ``rank`` failed: the collectives that send there fail, and, if the peer
         looks dead (``why``), the coordinator hears of it."""
         self._broken.setdefault(rank, exc)
         for inbox in self._inboxes.values():
-            if inbox.ring is not None and inbox.ring.size > 1 and inbox.ring.next == rank:
+            if rank in inbox.sinks:
                 inbox.fail(exc)
         link = self._links.get(rank)
         if link is not None:

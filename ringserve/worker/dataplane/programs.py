@@ -21,6 +21,12 @@ by how far its origin is (``alltoall_ring``); a point-to-point message is a ``Gi
 two, its sender and its receiver (``message``, run by worker/ops/p2p.py). The simulator (tests/ringsim.py) runs these very
 programs, through the executor, over in-memory links.
 
+Programs that are not rings (halving-doubling, trees, 2D rings: programs_hd.py, programs_tree.py,
+programs_grid.py) address peers by position: a sending step's ``to`` names the positions it goes
+to (empty: the ring's next member), and a ``Recv``'s ``frm`` the position it comes from (-1: the
+ring's previous member). Which positions a program may hear from is a pure function of its
+algorithm and its ring (peers.py), so a frame's sender is checked on arrival, as a ring's is.
+
 A collective made of several programs run one after the other under one key (Adasum's exchange,
 its rounds of dot products, its gather) gives each its own range of slots with ``shifted``.
 """
@@ -66,32 +72,38 @@ class Ring:
 
 
 class Recv(NamedTuple):
-    """Wait for frame (slot, chunk) from the predecessor; it becomes the frame in hand.
+    """Wait for frame (slot, chunk) from the predecessor (or from position ``frm``); it becomes
+    the frame in hand.
 
     The program is sent the frame's ``origin_count`` back.
     """
 
     slot: int
     chunk: int
+    frm: int = -1  # the position it comes from; -1: the ring's previous one (routes.py checks senders)
 
 
 class Lead(NamedTuple):
-    """Send this rank's own contribution to elements [a, b) as frame (slot, chunk)."""
+    """Send this rank's own contribution to elements [a, b) as frame (slot, chunk) (to the
+    positions ``to``; empty: the ring's next one, as for every sending step)."""
 
     slot: int
     chunk: int
     a: int
     b: int
+    to: tuple[int, ...] = ()
 
 
 class Fold(NamedTuple):
     """Reduce the frame in hand with this rank's contribution to [a, b); send the partial result
-    on as frame (slot, chunk)."""
+    on as frame (slot, chunk), or, with ``slot`` NO_SEND, keep it here to be reduced again (a
+    program that reduces an element more than once on one rank, see partials.py)."""
 
     slot: int
     chunk: int
     a: int
     b: int
+    to: tuple[int, ...] = ()
 
 
 class Own(NamedTuple):
@@ -104,6 +116,7 @@ class Own(NamedTuple):
     a: int
     b: int
     alone: bool = False
+    to: tuple[int, ...] = ()
 
 
 class Take(NamedTuple):
@@ -122,6 +135,7 @@ class Give(NamedTuple):
     a: int
     b: int
     total: int
+    to: tuple[int, ...] = ()
 
 
 class Place(NamedTuple):
@@ -134,13 +148,17 @@ class Place(NamedTuple):
 
 
 class Forward(NamedTuple):
-    """Send the frame in hand on to the successor unchanged: same key, same bytes."""
+    """Send the frame in hand on to the successor (or to the positions ``to``) unchanged: same
+    key, same bytes. The frame stays in hand, so it may be forwarded again."""
+
+    to: tuple[int, ...] = ()
 
 
 class Signal(NamedTuple):
     """Send an empty frame (slot, 0): an acknowledgement, a commit, a confirmation."""
 
     slot: int
+    to: tuple[int, ...] = ()
 
 
 class Phase(NamedTuple):
@@ -151,6 +169,9 @@ class Phase(NamedTuple):
 
 Step = Recv | Lead | Fold | Own | Take | Give | Place | Forward | Signal | Phase
 Program = Generator[Step, int | None, None]
+# What a collective's stage runs: one program, or several at once over the same frames and values
+# (a pipelined tree's climb and descent, programs_tree.py), each in slots of its own.
+Programs = Program | tuple[Program, ...]
 
 FORWARD = Forward()
 

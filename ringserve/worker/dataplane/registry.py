@@ -4,9 +4,9 @@ There is the current view's plane, and the retired ones: planes of older views w
 may still finish and whose links are still flushing their last frames. ``Planes.install`` asks the
 view policy (policy.py) what a new view means and carries out its actions, in order; everything
 else here is the bookkeeping around them: the links planes open (a gRPC stream on a leased
-channel, with a shared-memory lane where the host allows), forgetting retired planes once drained,
-and the event that wakes whoever waits for the next view (``start()``, ``wait_for_view``, a peer
-stream whose HELLO named a view not installed yet).
+channel, with a shared-memory lane where the host allows and a TCP payload lane, see tcplane.py),
+forgetting retired planes once drained, and the event that wakes whoever waits for the next view
+(``start()``, ``wait_for_view``, a peer stream whose HELLO named a view not installed yet).
 
 Everything here runs on the worker's event loop.
 """
@@ -22,9 +22,11 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError, RingChangedError
 from ringserve.observe import Counters, Timeline
+from ringserve.selection import Links
 from ringserve.worker.dataplane import policy, shared
 from ringserve.worker.dataplane.channels import ChannelCache
 from ringserve.worker.dataplane.fdpass import RingServer
+from ringserve.worker.dataplane.lanes import Lanes
 from ringserve.worker.dataplane.link import Link, StreamLink
 from ringserve.worker.dataplane.plane import OnPeerFailure, Plane
 from ringserve.worker.dataplane.policy import Place
@@ -72,6 +74,7 @@ class Planes:
         self.pool = ResultPool(config.result_pool_bytes)
         self._rings_served: RingServer | None = None
         self._rings_refused = False
+        self.lanes = Lanes(config, counters, tag=tag)  # the payload port and its lanes (tcplane.py)
 
     @property
     def latest_view(self) -> int:
@@ -151,15 +154,17 @@ class Planes:
         self.current = Plane(
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
             timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
-            hierarchical=cfg.hierarchical,
+            hierarchical=cfg.hierarchical, algorithm=cfg.algorithm,
+            links=Links.of(cfg.link_latency_s, cfg.link_mbps * 1e6 / 8) if cfg.link_mbps > 0 else None,
+            measure_timeout_s=cfg.collective_timeout_s,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 
     def _connect(self, place: Place, rank: int) -> Link:
-        """The stream from this worker to ``rank`` of ``place``'s view, with a lane if it may help."""
+        """The stream from this worker to ``rank`` of ``place``'s view, with lanes where they may help."""
         address = place.addresses[rank]
         return StreamLink(self.channels.lease(address), self.counters, drain_timeout_s=self.config.drain_timeout_s,
-                          lane=self._lane())
+                          lane=self._lane(), tcp=self.lanes.outbound())
 
     def _lane(self) -> OutboundRing | None:
         """A shared-memory ring to offer a peer that may be on this host."""
@@ -227,3 +232,4 @@ class Planes:
         if self._rings_served is not None:
             self._rings_served.close()
             self._rings_served = None
+        await self.lanes.close()

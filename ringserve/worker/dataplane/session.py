@@ -2,7 +2,9 @@
 
 Programs (programs.py) work in ring positions over a ``Ring(members, index)``, and the executor
 (executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
-next member, and receives what the ring's previous member sends. So the same program runs over the
+next member (or to the members at the positions a step names: halving-doubling's partners, a
+tree's parent and children), and receives what the ring's previous member (or the named one)
+sends. So the same program runs over the
 whole view or over a sub-ring of some of its ranks (a process set), unchanged.
 
 To the collectives (collectives.py) a session over ranks ``(0, 2, 3)`` of a view of five looks like
@@ -26,6 +28,7 @@ import numpy as np
 
 from ringserve.errors import InvalidArgumentError
 from ringserve.observe import Counters, Timeline
+from ringserve.selection import Links
 from ringserve.worker.dataplane import keys
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
 from ringserve.worker.dataplane.link import STREAM_METHOD, Link
@@ -33,7 +36,14 @@ from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
 from ringserve.worker.dataplane.programs import Ring
 
-__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "Place", "Received", "Session", "ViewPlane", "check_members"]
+__all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "LinkFigures", "Place", "Received", "Session", "ViewPlane",
+           "check_members"]
+
+
+class LinkFigures(Protocol):
+    """A plane's link figures (``calibration.Measures`` ships it): given, or measured once per ring."""
+
+    async def links(self, session: Session) -> Links: ...
 
 
 class ViewPlane(Protocol):
@@ -44,6 +54,8 @@ class ViewPlane(Protocol):
     counters: Counters
     pool: ResultPool | None
     hierarchical: str
+    algorithm: str  # RINGSERVE_ALGORITHM (selection.py)
+    scale: int  # each payload byte stands for this many when algorithms are chosen (testing/netsim.py)
     checksum: bool
     timeline: Timeline | None
     numbering: keys.Numbering
@@ -52,6 +64,9 @@ class ViewPlane(Protocol):
 
     @property
     def view_id(self) -> int: ...
+
+    @property
+    def measures(self) -> LinkFigures: ...
 
     def session(self, members: tuple[int, ...] | None = None) -> Session: ...
 
@@ -66,7 +81,12 @@ class ViewPlane(Protocol):
 
     def release(self, key: str) -> None: ...
 
-    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received: ...
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received: ...
+
+    def link_to(self, rank: int) -> Link | None: ...
+
+    @property
+    def linked_ranks(self) -> tuple[int, ...]: ...
 
     def send(self, link: Link | None, key: str, inbox: Inbox, *, slot: int, chunk: int,
              payload: np.ndarray | memoryview | bytes, dtype: int, count: int, origin: int = 0,
@@ -130,6 +150,11 @@ class Session:
         return self.plane.hierarchical if not self.spec else "0"
 
     @property
+    def algorithm(self) -> str:
+        """RINGSERVE_ALGORITHM (selection.py): it applies to sub-rings too."""
+        return self.plane.algorithm
+
+    @property
     def checksum(self) -> bool:
         return self.plane.checksum
 
@@ -151,24 +176,51 @@ class Session:
     def release(self, key: str) -> None:
         self.plane.release(key)
 
-    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int) -> Received:
-        """The frame (slot, chunk) of a collective, from the ring's previous member."""
-        return await self.plane.recv(key, inbox, slot, chunk)
+    async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, frm: int = -1) -> Received:
+        """The frame (slot, chunk) of a collective, from the ring's previous member (or from the
+        member at position ``frm``)."""
+        ring = self.ring
+        source = ring.members[frm] if frm >= 0 else ring.members[(ring.index - 1) % ring.size]
+        return await self.plane.recv(key, inbox, slot, chunk, source)
 
-    def has_room(self) -> bool:
-        """Whether the link to the ring's next member takes another DATA frame now (see link.py)."""
-        link = self._next
-        return link is None or link.has_room
+    def _links(self, to: tuple[int, ...]) -> list[Link | None]:
+        """The links to the members at positions ``to`` (opened now on first use)."""
+        members = self.ring.members
+        return [self.plane.link_to(members[p]) for p in to]
 
-    async def room(self) -> None:
-        """Waits until the link may have room; check has_room again."""
-        if self._next is not None:
-            await self._next.room()
+    def has_room(self, to: tuple[int, ...] = ()) -> bool:
+        """Whether the link to the ring's next member (or the links to the members at positions
+        ``to``) take another DATA frame now (see link.py)."""
+        if not to:
+            link = self._next
+            return link is None or link.has_room
+        return all(link is None or link.has_room for link in self._links(to))
 
-    def forward(self, frame: Received) -> None:
-        """Sends a received frame on to the ring's next member as it is: same header, same payload."""
-        if self._next is not None:
-            self._next.forward(frame.header, frame.payload, frame.raw)
+    async def flushed(self) -> None:
+        """Waits until the payloads sent so far, on the links to any of the ring's members, no
+        longer read the collective's buffers (see tcplane.py): a program's buffers are the
+        caller's again after this."""
+        opened = set(self.plane.linked_ranks)
+        for rank in self.ring.members:
+            if rank in opened:
+                link = self.plane.link_to(rank)
+                if link is not None:
+                    await link.flushed()
+
+    async def room(self, to: tuple[int, ...] = ()) -> None:
+        """Waits until the links may have room; check has_room again."""
+        links = [self._next] if not to else self._links(to)
+        for link in links:
+            if link is not None and not link.has_room:
+                await link.room()
+                return
+
+    def forward(self, frame: Received, to: tuple[int, ...] = ()) -> None:
+        """Sends a received frame on to the ring's next member (or to the members at positions
+        ``to``) as it is: same header, same payload."""
+        for link in [self._next] if not to else self._links(to):
+            if link is not None:
+                link.forward(frame.header, frame.payload, frame.raw)
 
     def send(
         self,
@@ -183,7 +235,9 @@ class Session:
         origin: int = 0,
         origin_count: int = 0,
         codec: int = 0,
+        to: tuple[int, ...] = (),
     ) -> None:
-        """Sends one DATA frame to the ring's next member."""
-        self.plane.send(self._next, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
-                        origin=origin, origin_count=origin_count, codec=codec)
+        """Sends one DATA frame to the ring's next member (or to each member at positions ``to``)."""
+        for link in [self._next] if not to else self._links(to):
+            self.plane.send(link, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
+                            origin=origin, origin_count=origin_count, codec=codec)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ringserve import selection
 from ringserve.errors import InvalidArgumentError
 from ringserve.ring import check_op, segment_bounds
 from ringserve.worker.dataplane import executor, programs
@@ -20,7 +21,7 @@ from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Exchange, Raw
-from ringserve.worker.ops import hierarchy
+from ringserve.worker.ops import algorithms, hierarchy
 from ringserve.worker.ops.arguments import (
     as_array,
     chunk_elems,
@@ -46,7 +47,8 @@ async def allreduce(
     residual: np.ndarray | None = None,
     check_finite: bool = False,
 ) -> np.ndarray:
-    """Ring allreduce; the result goes to a new array, or into ``out`` (``out=a`` is in place).
+    """Allreduce (by the ring, or the algorithm algorithms.plan picks); the result goes to a new
+    array, or into ``out`` (``out=a`` is in place).
 
     ``compression`` names a wire codec (see codecs.py) for floating point arrays; ``residual``
     turns on error feedback (see values.Coded). With ``check_finite``, a result that holds NaN or Inf
@@ -65,9 +67,20 @@ async def allreduce(
     flat_residual = None if residual is None else residual.reshape(-1)
 
     rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
+    if rings is not None and not await algorithms.by_host(session, rings, buf.nbytes, chunk_bytes=chunk_bytes):
+        rings = None
+    algorithm = selection.RING
+    if rings is None:
+        wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
+        algorithm = (await algorithms.plan(session, "allreduce", wire_bytes, chunk_bytes=chunk_bytes,
+                                           timeout_s=timeout_s, coded=coder is not None)).algorithm
     if rings is not None:
         key = await hierarchy.allreduce(session, rings, src, buf, op=op, name=name, descriptor=descriptor,
                                         chunk_elems=elems, timeout_s=timeout_s)
+    elif algorithm != selection.RING:
+        key = await algorithms.allreduce(session, algorithm, src, buf, op=op, name=name, descriptor=descriptor,
+                                         chunk_bytes=chunk_bytes, timeout_s=timeout_s, coder=coder,
+                                         residual=flat_residual)
     else:
         values = reduction_values(src, buf, op, world, coder, flat_residual)
         program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
@@ -95,9 +108,17 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     descriptor = Descriptor("reduce_scatter", dtype=array.dtype.name, shape=array.shape, op=op,
                             codec=coder.name if coder is not None else "")
 
-    values = reduction_values(src, buf, op, world, coder, None)
-    program = programs.ring_reduce(ring_of(session), bounds, chunk_elems(buf.dtype, chunk_bytes), gather=False)
-    await executor.run(session, name, descriptor, timeout_s, program, values)
+    elems = chunk_elems(buf.dtype, chunk_bytes)
+    wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
+    plan = await algorithms.plan(session, "reduce_scatter", wire_bytes, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                                 coded=coder is not None)
+    if plan.algorithm != selection.RING:
+        await algorithms.reduce_scatter(session, src, buf, bounds, op=op, name=name, descriptor=descriptor,
+                                        chunk_elems=elems, timeout_s=timeout_s, coder=coder)
+    else:
+        values = reduction_values(src, buf, op, world, coder, None)
+        program = programs.ring_reduce(ring_of(session), bounds, elems, gather=False)
+        await executor.run(session, name, descriptor, timeout_s, program, values)
     a0, b0 = bounds[rank]
     return buf[a0:b0].copy().reshape((-1, *rest))
 
@@ -106,9 +127,15 @@ BARRIER = Descriptor("barrier")
 
 
 async def barrier(session: Session, *, timeout_s: float) -> None:
+    """An allreduce of one int32 (by the ring, or the algorithm a 4-byte allreduce runs)."""
     buf = np.zeros(1, dtype=np.int32)
     bounds = segment_bounds(1, session.place.size)
-
+    algorithm = (await algorithms.plan(session, "allreduce", buf.nbytes, chunk_bytes=buf.nbytes,
+                                       timeout_s=timeout_s)).algorithm
+    if algorithm != selection.RING:
+        await algorithms.allreduce(session, algorithm, buf, buf, op="sum", name=None, descriptor=BARRIER,
+                                   chunk_bytes=buf.nbytes, timeout_s=timeout_s)
+        return
     values = Raw(buf, buf, "sum", session.place.size)
     program = programs.ring_reduce(ring_of(session), bounds, 1, gather=True)
     await executor.run(session, None, BARRIER, timeout_s, program, values)
@@ -137,8 +164,17 @@ async def broadcast_bytes(
         expect[root] = flat.size
     values = Blocks(dtype, blocks, expect=expect)
     total = flat.size if flat is not None else 0
-    program = programs.broadcast_chain(ring_of(session), root, total, chunk_elems(dtype, chunk_bytes))
-    await executor.run(session, name, descriptor, timeout_s, program, values)
+    elems = chunk_elems(dtype, chunk_bytes)
+    # The size when every rank knows it (an array's shape is in its descriptor); else (an object)
+    # a plan by latency alone, which every rank can make.
+    known = flat.nbytes if flat is not None and descriptor.kind != "broadcast_object" else 0
+    plan = await algorithms.plan(session, "broadcast", known, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+    if plan.algorithm != selection.RING:
+        await algorithms.broadcast(session, values, root, total, name=name, descriptor=descriptor, chunk_elems=elems,
+                                   timeout_s=timeout_s)
+    else:
+        program = programs.broadcast_chain(ring_of(session), root, total, elems)
+        await executor.run(session, name, descriptor, timeout_s, program, values)
     out = values.blocks[root]
     assert out is not None
     return out
@@ -174,8 +210,15 @@ async def allgather_blocks(
     blocks: list[np.ndarray | None] = [None] * world
     blocks[rank] = flat
     values = Blocks(flat.dtype, blocks, row=row)
-    program = programs.allgather_blocks(ring_of(session), flat.size, chunk_elems(flat.dtype, chunk_bytes))
-    await executor.run(session, name, descriptor, timeout_s, program, values)
+    elems = chunk_elems(flat.dtype, chunk_bytes)
+    # Each rank knows its own block only: a plan by latency alone, which every rank can make.
+    plan = await algorithms.plan(session, "allgather", 0, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+    if plan.algorithm != selection.RING:
+        await algorithms.allgather_blocks(session, values, flat.size, name=name, descriptor=descriptor,
+                                          chunk_elems=elems, timeout_s=timeout_s)
+    else:
+        program = programs.allgather_blocks(ring_of(session), flat.size, elems)
+        await executor.run(session, name, descriptor, timeout_s, program, values)
     return [b if b is not None else flat[:0] for b in values.blocks]
 
 

@@ -8,7 +8,9 @@ Here instead, in three stages over sub-rings of the view (``plane.session(member
    local position p ends with the host's sum of slice p of L;
 2. an allreduce of slice p among the H workers at local position p, one per host: L rings across
    hosts, each carrying 1/L of the tensor, so every host link is busy and each host sends
-   2(H-1)/H of the tensor across in all (against 2(N-1)/N);
+   2(H-1)/H of the tensor across in all (against 2(N-1)/N). Each of them runs the algorithm that
+   RINGSERVE_ALGORITHM and the cross links call for (algorithms.py): over many hosts, a
+   halving-doubling or a tree instead of a ring of 2(H-1) steps;
 3. an allgather of the slices among the workers of each host.
 
 Each stage is an ordinary collective of its ring (programs.ring_reduce, programs.ring_gather, run
@@ -36,14 +38,16 @@ import contextlib
 
 import numpy as np
 
+from ringserve import selection
 from ringserve.errors import MismatchError, RingserveError
 from ringserve.ring import finish_into, segment_bounds
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import executor, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
+from ringserve.worker.dataplane.partials import PartialRaw
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
-from ringserve.worker.ops import refusal
+from ringserve.worker.ops import algorithms, refusal
 
 MODES = ("auto", "1", "0")
 FAILED_STAGE = "an earlier stage of this hierarchical allreduce failed"
@@ -94,26 +98,34 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     part = buf[a:b]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    # The cross stage runs the algorithm its ring's size and links call for (algorithms.py).
+    chunk_bytes = chunk_elems * buf.dtype.itemsize
+    across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
+                                    timeout_s=timeout_s)).algorithm
 
-    def reduce_locally() -> tuple[programs.Program, Values]:
+    def reduce_locally() -> tuple[programs.Programs, Values]:
         return (programs.ring_reduce(local.ring, bounds, chunk_elems, gather=False),
                 Raw(src, buf, step_op, local.place.size))
 
-    def reduce_across() -> tuple[programs.Program, Values]:
+    def reduce_across() -> tuple[programs.Programs, Values]:
+        if across != selection.RING:
+            elems = max(1, algorithms.chunk_of(cross, across, part.nbytes, chunk_bytes) // buf.dtype.itemsize)
+            return (algorithms.allreduce_program(across, cross.ring, part.size, elems),
+                    PartialRaw(part, part, step_op, cross.place.size, ring=cross.ring))
         return (programs.ring_reduce(cross.ring, segment_bounds(part.size, cross.place.size), chunk_elems, gather=True),
                 Raw(part, part, step_op, cross.place.size))
 
-    def gather_locally() -> tuple[programs.Program, Values]:
+    def gather_locally() -> tuple[programs.Programs, Values]:
         if op == "average":
             finish_into(part, op, world)
         return programs.ring_gather(local.ring, bounds, chunk_elems), Raw(buf, buf, op, local.place.size)
 
     stages = [(local, "local-reduce", reduce_locally), (cross, "cross", reduce_across), (local, "local-gather", gather_locally)]
     for i, (ring, stage, make) in enumerate(stages):
+        where = routes.tagged(descriptor.at_stage(stage), across if stage == "cross" else selection.RING)
         try:
             program, values = make()
-            await executor.run(ring, f"{call}:{stage}", descriptor.at_stage(stage), max(deadline - loop.time(), 1e-3),
-                               program, values)
+            await executor.run(ring, f"{call}:{stage}", where, max(deadline - loop.time(), 1e-3), program, values)
         except MismatchError:
             for later, later_stage, _ in stages[i + 1:]:
                 with contextlib.suppress(RingserveError):

@@ -53,12 +53,12 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
-from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane import executor, keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
-from ringserve.worker.ops import adasum, collectives, refusal
+from ringserve.worker.ops import adasum, algorithms, collectives, refusal
 from ringserve.worker.ops.arguments import chunk_elems, codec_for, reduction_values
 
 log = logging.getLogger("ringserve.worker")
@@ -76,6 +76,7 @@ class Zeros:
     shape: tuple[int, ...]
     op: str
     codec: str | None
+    algorithm: str = "ring"  # the others' (routes.py): this rank runs the same program
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def stand_in(descriptor: Descriptor) -> Stand | None:
         except TypeError:
             dtype = None
         if dtype is not None:
-            return Zeros(dtype, descriptor.shape, descriptor.op, descriptor.codec or None)
+            return Zeros(dtype, descriptor.shape, descriptor.op, descriptor.codec or None, routes.algorithm_of(descriptor))
     what = kind or "a collective"
     return Refuse(f"{what} is not supported while a rank has joined (as in Horovod: only allreduce and barrier are)")
 
@@ -134,6 +135,11 @@ async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_by
         return
     if isinstance(plan, Along):
         buf = np.zeros(1, dtype=np.int32)
+        if routes.algorithm_of(descriptor) != "ring":  # the others' barrier runs another algorithm
+            await algorithms.allreduce(session, routes.algorithm_of(descriptor), buf, buf, op="sum", name=None,
+                                       descriptor=routes.untagged(descriptor), chunk_bytes=buf.nbytes,
+                                       timeout_s=timeout_s, key=key)
+            return
         program = programs.ring_reduce(ring_of(session), segment_bounds(1, world), 1, gather=True)
         await executor.run(session, None, descriptor, timeout_s, program, Raw(buf, buf, "sum", world), key=key)
         return
@@ -142,6 +148,11 @@ async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_by
         await adasum.stand_in(session, key, descriptor, zeros, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         return
     flat = zeros.reshape(-1)
+    if plan.algorithm != "ring":
+        await algorithms.allreduce(session, plan.algorithm, flat, np.empty_like(flat), op=plan.op, name=None,
+                                   descriptor=routes.untagged(descriptor), chunk_bytes=chunk_bytes,
+                                   timeout_s=timeout_s, coder=codec_for(zeros, plan.op, plan.codec, None), key=key)
+        return
     values = reduction_values(flat, np.empty_like(flat), plan.op, world, codec_for(zeros, plan.op, plan.codec, None),
                               None)
     program = programs.ring_reduce(ring_of(session), segment_bounds(flat.size, world),

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 import ringserve as rs
+from ringserve import api
 
 DIM = 8
 
@@ -44,6 +45,8 @@ def main() -> None:
         "cross": [rs.cross_rank(), rs.cross_size()], "host": os.environ.get("RINGSERVE_HOSTNAME"),
         "horovod": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
         "forwarded": os.environ.get("RS_TEST_FORWARDED"), "cwd": os.getcwd(), "w": w.tolist(),
+        "payload_port": os.environ.get("RINGSERVE_PAYLOAD_PORT"),
+        "lane_bytes": api.context().worker.counters.lane_bytes_sent,
     }), flush=True)
     rs.shutdown()
 

@@ -1,0 +1,239 @@
+"""Which algorithm a collective runs: a cost model and a choice, pure (no sockets, no loop).
+
+The model is the alpha-beta model of the literature (Thakur, Rabenseifner and Gropp, 2005): a
+message of ``m`` bytes between two ranks costs ``alpha + m * beta`` seconds, and each frame costs
+a fixed ``frame_s`` of software on top (the executor's, the codec's, the link's). Each rank sends
+on one link at a time, so the bytes a rank sends add up. For an allreduce of ``S`` bytes over
+``n`` ranks (``p`` the largest power of two in n, ``D`` the depth of the trees, R x C the grid):
+
+=====================  ===========================================  ===============================
+algorithm              latency                                      bytes each rank sends
+=====================  ===========================================  ===============================
+ring                   2 (n - 1) alpha (hidden behind large steps)  2 (n - 1) / n S
+halving_doubling       2 log2(p) alpha (+ 2 alpha to fold)          2 (p - 1) / p S (+ 2 S to fold)
+recursive_doubling     log2(p) alpha (+ 2 alpha to fold)            log2(p) S (+ 2 S to fold)
+tree (double binary)   2 D alpha, plus the pipeline's fill          about 2 S, in chunks
+ring2d                 2 (C - 1 + R - 1) alpha                      2 (C - 1) / C S + 2 (R - 1) / (R C) S
+=====================  ===========================================  ===============================
+
+``choose`` predicts each algorithm that can run the call and takes the fastest: recursive doubling
+for small vectors (fewest steps), halving-doubling for power-of-two worlds once the vector is
+larger, the tree for large vectors in worlds that are not powers of two (the fold costs 2 S), the
+ring where latency does not matter. It is a function of the call (op, bytes, codec), the ring's
+size and the link figures only, all equal on every rank of a ring (the figures are agreed per
+view, see worker/ops/calibration.py), so every rank picks the same algorithm without a word.
+Under a codec, recursive doubling is left out: it would encode each group's sum once per member,
+where error feedback (worker/dataplane/partials.py) needs each element encoded once per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ringserve.topology import grid, power_below, tree_depth
+
+RING = "ring"
+HALVING_DOUBLING = "halving_doubling"
+RECURSIVE_DOUBLING = "recursive_doubling"
+TREE = "tree"
+RING2D = "ring2d"
+AUTO = "auto"
+SETTINGS = (AUTO, RING, HALVING_DOUBLING, TREE, RING2D)  # RINGSERVE_ALGORITHM
+
+# Per-frame software cost assumed when none is measured: the order of a frame's way through the
+# executor, the codec and a gRPC stream on loopback (see docs/design/algorithms.md).
+FRAME_S = 50e-6
+MIN_TREE_CHUNK = 16 << 10  # a tree's chunks are no smaller: a frame's header and its software
+HEADER_BYTES = 96  # about a DATA frame's encoded header
+
+
+@dataclass(frozen=True)
+class Links:
+    """The cost of one hop: ``latency_s`` + bytes * ``seconds_per_byte``, + ``frame_s`` a frame."""
+
+    latency_s: float
+    seconds_per_byte: float
+    frame_s: float = FRAME_S
+
+    @classmethod
+    def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S) -> Links:
+        return cls(latency_s, 1.0 / bytes_per_s, frame_s)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a call runs: ``algorithm``, in chunks of at most ``chunk_bytes``, predicted to take
+    ``seconds``."""
+
+    algorithm: str
+    chunk_bytes: int
+    seconds: float
+
+
+def _frames(nbytes: float, chunk: int) -> int:
+    return max(1, math.ceil(nbytes / chunk))
+
+
+def _ring_step(segment: float, links: Links, chunk_bytes: int, least_frames: int = 1) -> float:
+    """One step of a pipelined ring that moves ``segment`` bytes: its bytes, or, when they take
+    less than a hop's latency, the hop (a chunk must arrive before the next step's leaves)."""
+    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    frames = max(_frames(segment, chunk_bytes), least_frames)
+    return max(segment * b + f * frames, a + min(segment, chunk_bytes) * b + f)
+
+
+def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int) -> Plan:
+    """The predicted time of an allreduce of ``nbytes`` over ``n`` ranks under ``algorithm``."""
+    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    s = float(nbytes)
+    if n <= 1:
+        return Plan(algorithm, chunk_bytes, 0.0)
+    p = power_below(n)
+    fold = 0.0 if p == n else 2 * (a + s * b + f * _frames(s, chunk_bytes))
+    if algorithm == RING:
+        t = 2 * (n - 1) * _ring_step(s / n, links, chunk_bytes)
+    elif algorithm == HALVING_DOUBLING:
+        k = p.bit_length() - 1
+        t = 2 * k * a + 2 * (p - 1) / p * s * b + f * 2 * (_frames(s / p, chunk_bytes) * (p - 1)) + fold
+    elif algorithm == RECURSIVE_DOUBLING:
+        k = p.bit_length() - 1
+        t = k * (a + s * b + f * _frames(s, chunk_bytes)) + fold
+    elif algorithm == TREE:
+        return _tree(s, n, links, chunk_bytes)
+    elif algorithm == RING2D:
+        rows, cols = grid(n)
+        if rows < 2:
+            return predict(RING, nbytes, n, links, chunk_bytes)
+        # A row step moves a segment in frames of its tiles: at least one a row.
+        t = 2 * (cols - 1) * _ring_step(s / cols, links, chunk_bytes, rows) + 2 * (rows - 1) * _ring_step(
+            s / n, links, chunk_bytes)
+    else:
+        raise ValueError(f"No cost model for the algorithm {algorithm!r}.")
+    return Plan(algorithm, chunk_bytes, t)
+
+
+def tree_chunk(nbytes: int, n: int, chunk_bytes: int) -> int:
+    """The chunk of a pipelined tree: about 16 x depth chunks per half, so that filling the
+    pipeline (2 x depth chunk hops) costs about a sixteenth of the bandwidth term, within
+    [MIN_TREE_CHUNK, chunk_bytes], a multiple of 1 KiB. A function of the call, the world and the
+    config only (not of the link figures), so that a rank that stands in for a tree allreduce
+    (join.py) chunks it as the others do."""
+    depth = max(tree_depth(n), 1)
+    chunk = (nbytes // 2 // (16 * depth)) >> 10 << 10
+    return int(min(max(chunk, MIN_TREE_CHUNK), chunk_bytes))
+
+
+def _tree(s: float, n: int, links: Links, chunk_bytes: int) -> Plan:
+    """The double binary tree, pipelined: each tree carries S/2 in chunks of ``t`` bytes. The
+    first chunk climbs and comes down 2D hops; after it, a node inside one tree and a leaf of the
+    other sends 4 chunks per chunk of each half (one up in each tree, two down), so the pipeline
+    runs at one chunk per 4 t beta."""
+    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    depth = max(tree_depth(n), 1)
+    chunk = tree_chunk(int(s), n, chunk_bytes)
+    per = min(chunk, max(s / 2, 1.0))
+    count = _frames(s / 2, chunk)
+    t = 2 * depth * (a + per * b + f) + (count - 1) * (4 * per * b + 4 * f)
+    return Plan(TREE, chunk, t)
+
+
+def candidates(op: str, n: int, *, coded: bool) -> tuple[str, ...]:
+    """The algorithms that can run ``op`` (allreduce, reduce_scatter, allgather, broadcast) over n
+    ranks: a reduce-scatter and an allgather by halving-doubling need a power-of-two world."""
+    if n <= 1:
+        return (RING,)
+    pow2 = n & (n - 1) == 0
+    if op == "allreduce":
+        found = [RING, HALVING_DOUBLING, TREE]
+        if not coded:
+            found.append(RECURSIVE_DOUBLING)
+        if grid(n)[0] >= 2:
+            found.append(RING2D)
+        return tuple(found)
+    if op in ("reduce_scatter", "allgather"):
+        return (RING, HALVING_DOUBLING) if pow2 else (RING,)
+    if op == "broadcast":
+        return (RING, TREE)
+    return (RING,)
+
+
+def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int) -> Plan:
+    """Costs of the other collectives: half an allreduce (reduce-scatter, allgather), or a
+    broadcast's chain (n - 1 hops, then a commit lap) against its tree (3 D hops, twice the bytes
+    at inner nodes)."""
+    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    s = float(nbytes)
+    if op == "allreduce":
+        return predict(algorithm, nbytes, n, links, chunk_bytes)
+    if op in ("reduce_scatter", "allgather"):
+        if algorithm == RING:
+            return Plan(RING, chunk_bytes, (n - 1) * (a + f + s / n * b))
+        k = n.bit_length() - 1
+        return Plan(algorithm, chunk_bytes, k * (a + f) + (n - 1) / n * s * b)
+    if op == "broadcast":
+        frames = _frames(s, chunk_bytes)
+        if algorithm == RING:
+            return Plan(RING, chunk_bytes, (2 * n - 1) * (a + f) + s * b + (n - 2) * min(s, chunk_bytes) * b + frames * f)
+        depth = max(tree_depth(n), 1)
+        return Plan(TREE, chunk_bytes, 3 * depth * (a + f) + 2 * s * b + depth * min(s, chunk_bytes) * b + 2 * frames * f)
+    return Plan(RING, chunk_bytes, 0.0)
+
+
+# By host (hierarchy.py) under auto only where predicted at most this fraction of the flat plan's time.
+BY_HOST_MARGIN = 0.85
+
+
+def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> bool:
+    """Whether an allreduce of ``nbytes`` over ``hosts`` hosts of ``local`` ranks each runs by host
+    under ``auto`` (a reduce-scatter within each host, an allreduce of each 1/local slice across
+    hosts, an allgather within each host: worker/ops/hierarchy.py) rather than flat over all ranks.
+
+    A host's uplink is shared by its ranks wherever they cross hosts at once: the ``local``
+    concurrent cross stages, or a flat algorithm's exchanges with partners on other hosts (each gets
+    1/local of its bandwidth); only the flat ring, whose neighbours share a host but for one, crosses
+    once per host. The local stages move bytes at memory speed and are counted as free. By host only
+    where that is clearly faster than the best flat plan (``BY_HOST_MARGIN``): its three stages run
+    one after the other, where the flat plan pipelines everything, and where the two are close (a
+    large tensor over few ranks per host against the flat ring, whose cross-host bytes differ by
+    2 S (1/hosts - 1/n) only) the model's error is larger than the gain. Small tensors win by host:
+    log2(hosts) hops instead of log2(n).
+    """
+    n = local * hosts
+    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+    flat = min(predict(RING, nbytes, n, links, chunk_bytes).seconds,
+               choose(AUTO, "allreduce", nbytes, n, shared, chunk_bytes).seconds)
+    cross = choose(AUTO, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes).seconds
+    return cross < BY_HOST_MARGIN * flat
+
+
+def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chunk_bytes: int, *,
+           coded: bool = False) -> Plan:
+    """The plan for one call: ``setting`` (RINGSERVE_ALGORITHM) when it names an algorithm that can
+    run the call, the ring when it cannot; under ``auto`` the fastest predicted.
+
+    ``halving_doubling`` lets the model pick recursive doubling, its small-message form, where it
+    is faster. ``links`` None (auto before any figures): the ring.
+
+    Raises:
+        ValueError: ``setting`` is not one of SETTINGS.
+    """
+    if setting not in SETTINGS:
+        raise ValueError(f"The algorithm {setting!r} is not one of {', '.join(SETTINGS)}.")
+    able = candidates(op, n, coded=coded)
+    if setting == RING or n <= 1:
+        return _predict_op(op, RING, nbytes, n, links, chunk_bytes) if links is not None else Plan(RING, chunk_bytes, 0.0)
+    if setting == AUTO:
+        if links is None:
+            return Plan(RING, chunk_bytes, 0.0)
+        pool = able
+    elif setting == HALVING_DOUBLING:
+        pool = tuple(a for a in able if a in (HALVING_DOUBLING, RECURSIVE_DOUBLING))
+    else:
+        pool = tuple(a for a in able if a == setting)
+    if not pool:
+        return Plan(RING, chunk_bytes, 0.0)
+    if links is None:  # a named algorithm with no figures: its plain form
+        return Plan(pool[0], chunk_bytes, 0.0)
+    plans = [_predict_op(op, a, nbytes, n, links, chunk_bytes) for a in pool]
+    return min(plans, key=lambda plan: plan.seconds)

@@ -1,0 +1,173 @@
+"""The links' latency and bandwidth, measured once per ring of a view and agreed by its ranks.
+
+``auto`` (selection.py) picks an algorithm from the link figures, and every rank must pick the
+same one, so every rank must hold the same figures. They are measured, once per view and ring (the
+whole view, a process set), by one collective of that ring (``ringserve.links``), which the first
+call that needs them runs on every rank (the others wait for it):
+
+1. **Pings.** Each rank sends an empty frame to its successor, which echoes it back, then
+   ``PROBE_FRAMES`` frames of ``PROBE_BYTES``, echoed the same way; ``ROUNDS`` times. Half the shortest
+   round trip of the empty frame is the latency; the difference between the two shortest round
+   trips, over the probe's size, the time per byte. The shortest of several rounds leaves out a
+   neighbour that started late, and TCP's first windows.
+2. **Agreement.** A max-allreduce of (latency, time per byte) over the ring, by recursive
+   doubling: every rank ends with the slowest link's figures, bit for bit.
+
+It costs about ``ROUNDS`` x 2 round trips plus log2(n) hops, once per view and ring (at 20 ms one
+way and 100 Mbit/s: about 0.4 s), and nothing when the figures are configured
+(RINGSERVE_LINK_LATENCY_S and RINGSERVE_LINK_MBPS). Who starts it, and how the others are pulled
+in: ``Measures``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+
+from ringserve import wire
+from ringserve.selection import Links
+from ringserve.worker.dataplane import executor, keys, programs, routes
+from ringserve.worker.dataplane.descriptor import Descriptor
+from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.partials import PartialRaw
+from ringserve.worker.dataplane.programs import Lead, Program, Recv, Ring, Signal, Take
+from ringserve.worker.dataplane.programs_hd import recursive_doubling
+from ringserve.worker.dataplane.session import Session, ViewPlane
+from ringserve.worker.dataplane.values import Values
+
+NAME = "ringserve.links"
+DESCRIPTOR = Descriptor("links", algo=routes.PROBE)
+ROUNDS = 3
+PROBE_FRAMES = 3
+PROBE_BYTES = 60 << 10  # a frame of it fits whatever chunk_bytes (max_message_bytes is chunk_bytes + 64 KiB)
+AGREE_SLOT = 1 << 20  # the agreement's slots, after the pings'
+
+
+class Clock(Values):
+    """The pings' data: nothing but the times at which this rank sent and heard back."""
+
+    def __init__(self, size: int) -> None:
+        self.dtype = wire.dtype_code(np.dtype(np.uint8))
+        self._zeros = np.zeros(size, dtype=np.uint8)
+        self.times: list[float] = []  # per round: small sent, small echoed, large sent, large echoed
+        self._sending = False
+
+    def first(self, a: int, b: int) -> np.ndarray:
+        if not self._sending:  # the time its first frame left
+            self.times.append(asyncio.get_running_loop().time())
+        self._sending = True
+        return self._zeros[a:b]
+
+    def take(self, a: int, b: int, frame: Received) -> None:
+        self.times.append(asyncio.get_running_loop().time())
+        self._sending = False
+
+    def figures(self, size: int) -> tuple[float, float]:
+        """(latency, seconds per byte) from the shortest round trips."""
+        small = min(self.times[i + 1] - self.times[i] for i in range(0, len(self.times), 4))
+        large = min(self.times[i + 3] - self.times[i + 2] for i in range(0, len(self.times), 4))
+        return small / 2, max(large - small, 0.0) / max(size, 1)
+
+
+def pings(ring: Ring, size: int, rounds: int = ROUNDS) -> Program:
+    """``rounds`` times: an empty frame to the successor and back, then PROBE_FRAMES frames of
+    ``size`` bytes and back; and the same for the predecessor's pings, echoed to it."""
+    n, me = ring.size, ring.index
+    if n == 1:
+        return
+    prev, after = (me - 1) % n, (me + 1) % n
+    for r in range(rounds):
+        base = 4 * r
+        for slot, frames in ((base, 1), (base + 2, PROBE_FRAMES)):
+            length = 0 if frames == 1 else size
+            for c in range(frames):
+                yield Lead(slot, c, 0, length, to=(after,))
+            for c in range(frames):
+                yield Recv(slot, c, frm=prev)
+            yield Signal(slot + 1, to=(prev,))
+            yield Recv(slot + 1, 0, frm=after)
+            yield Take(0, 0)
+
+
+class Measures:
+    """One plane's link figures: given (``links``), or measured once per ring of its view.
+
+    The measure is a collective of its ring. Whichever rank needs the figures first starts it, and
+    its first frame pulls each other rank in (``pull``, from the plane's receive path) whatever
+    that rank is doing: waiting in another collective, in a barrier, joined (join.py). So the
+    measure never depends on which call comes first on each rank, and a rank whose first call
+    differs from the others' (a mismatch) still meets them there, and fails in that call as it
+    would have without the measure. The plane owns the pulled measures' tasks (``close``).
+    """
+
+    def __init__(self, links: Links | None, timeout_s: float) -> None:
+        self.given = links
+        self.timeout_s = timeout_s
+        self._figures: dict[str, asyncio.Future[Links]] = {}  # by ring spec (keys.py)
+        self._tasks: set[asyncio.Task[Links]] = set()
+
+    async def links(self, session: Session) -> Links:
+        """The figures of the session's ring: given, measured already in this view, or measured now."""
+        if self.given is not None:
+            return self.given
+        pending = self._figures.get(session.spec)
+        if pending is None:
+            pending = self._start(session)
+        return await asyncio.shield(pending)
+
+    def pull(self, descriptor: str, key: str, plane: ViewPlane) -> bool:
+        """Whether a frame of ``key`` (with ``descriptor``) belongs to a measure; starts this rank's
+        part in it on ``plane`` if it has not started yet. (The plane is an argument, not a field:
+        the plane holds this, and a cycle would keep both until the garbage collector ran.)"""
+        if descriptor != DESCRIPTOR.text:
+            return False
+        spec = keys.split(key)[2]
+        if spec not in self._figures and self.given is None:
+            members = tuple(int(m) for m in spec.split(".")) if spec else None
+            self._start(plane.session(members))
+        return True
+
+    def close(self) -> None:
+        """Cancels the measures in flight (the plane is closing)."""
+        for task in self._tasks:
+            task.cancel()
+
+    def _start(self, session: Session) -> asyncio.Future[Links]:
+        loop = asyncio.get_running_loop()
+        pending = self._figures[session.spec] = loop.create_future()
+        task = loop.create_task(measure(session, timeout_s=self.timeout_s), name="ringserve-measure-links")
+        self._tasks.add(task)
+
+        def done(task: asyncio.Task[Links]) -> None:
+            self._tasks.discard(task)
+            if task.cancelled():
+                pending.cancel()
+            elif (exc := task.exception()) is not None:
+                pending.set_exception(exc)
+                pending.exception()  # retrieved: each caller raises it, the loop need not log it
+            else:
+                pending.set_result(task.result())
+
+        task.add_done_callback(done)
+        return pending
+
+
+async def measure(session: Session, *, timeout_s: float) -> Links:
+    """Runs the measuring collective of the session's ring on this rank."""
+    ring = session.ring
+    size = PROBE_BYTES
+    clock = Clock(size)
+    agreed = np.zeros(2, dtype=np.float64)
+
+    def stages() -> Iterator[tuple[Program, Values]]:
+        yield pings(ring, size), clock
+        latency, per_byte = clock.figures(size * PROBE_FRAMES) if ring.size > 1 else (0.0, 0.0)
+        mine = np.array([latency, per_byte], dtype=np.float64)
+        yield (programs.shifted(recursive_doubling(ring, 2, 2), AGREE_SLOT),
+               PartialRaw(mine, agreed, "max", ring.size, ring=ring))
+
+    await executor.run_stages(session, NAME, DESCRIPTOR, timeout_s, stages())
+    latency, per_byte = float(agreed[0]), float(agreed[1])
+    return Links(latency, per_byte if per_byte > 0 else 1e-12)

@@ -1,0 +1,298 @@
+"""Faults: a worker's death, a shard's death and restart, retried, stale and bad pushes.
+
+- A killed worker never stops async or ssp training; sync drops it at the next view.
+- A shard that dies and restarts resumes from its last checkpoint, and the updates after it are
+  counted (by the shard, and by every client) and logged; without a checkpoint the workers seed it
+  again from the values they last pulled.
+- A push is applied once per (worker, step); one staler than the bound is refused; a bad one is
+  refused with INVALID_ARGUMENT naming the key, shape or dtype, and the shard is left untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from lsq import START, gradients, task
+from psworlds import PSWorld, client_config, shard_config, start_ps_world
+from worlds import World, coordinator_config, worker_config
+
+from ringserve import Coordinator, Worker
+from ringserve._proto import ps_pb2 as pb
+from ringserve._proto import ps_pb2_grpc as pb_grpc
+from ringserve.errors import InvalidArgumentError, RingserveError
+from ringserve.ps import AsyncClient, Optimizer, Shard
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "ps_train.py"
+SGD = Optimizer(kind="sgd", lr=0.05)
+
+
+async def steps(client: AsyncClient, rank: int, count: int) -> None:
+    x, y = task(rank)
+    for _ in range(count):
+        await client.push(gradients(client.values, x, y)[1])
+        await client.pull()
+
+
+async def info(shard: Shard) -> pb.InfoResponse:
+    async with grpc.aio.insecure_channel(shard.address) as channel:
+        answer = await pb_grpc.ParameterServerStub(channel).Info(pb.InfoRequest(), timeout=5)
+    assert isinstance(answer, pb.InfoResponse)
+    return answer
+
+
+# -- a worker's death ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow),
+                                  pytest.param("ssp", marks=pytest.mark.slow)])
+async def test_a_killed_worker_stops_neither_async_nor_ssp_and_sync_drops_it_at_the_next_view(
+        mode: str, tmp_path: pathlib.Path) -> None:
+    # min_workers 1: the world goes on below the 3 it starts with (min 3 would end it at the death).
+    coord = await Coordinator(coordinator_config(min_workers=1, heartbeat_timeout_s=1.5)).start()
+    progress = tmp_path / "victim.jsonl"
+    env = {**os.environ, "RINGSERVE_COORDINATOR": coord.address, "RINGSERVE_RANK_HINT": "2",
+           "RINGSERVE_USE_UVLOOP": "0", "RINGSERVE_ROUND_TIMEOUT_S": "30", "RINGSERVE_SHARD_WAIT_S": "20"}
+    victim = subprocess.Popen([sys.executable, str(WORKER), "--mode", mode, "--steps", "0", "--staleness", "1",
+                               "--sleep", "0.01", "--out", str(progress)], env=env)
+    workers = [Worker(config=worker_config(coord.address, rank_hint=i)) for i in range(2)]
+    ps = PSWorld(World(coord, workers), [], [])
+    try:
+        for _ in range(2):
+            await ps.start_shard(2)
+        await asyncio.gather(*(w.start() for w in workers))
+        await admit_all(workers, 3)
+        ps.clients = [ps.client_for(r) for r in range(2)]
+        await ps.each(lambda r, c: c.init(START, mode=mode, optimizer=SGD, staleness=1, seed=r == 0))
+        await ps.each(lambda r, c: c.pull())
+        await ps.each(lambda r, c: steps(c, r, 5))
+        async with asyncio.timeout(30):
+            while not progress.exists() or len(progress.read_text().splitlines()) < 3:
+                await asyncio.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        await ps.each(lambda r, c: steps(c, r, 20), timeout_s=60)   # goes on, after the next view at most
+        states = [await info(s) for s in ps.shards]
+        assert all(sorted(s.members) == sorted(w.worker_id for w in workers) for s in states)
+        if mode == "sync":
+            assert all(v >= 25 for v in ps.clients[0].versions)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+        await ps.close()
+
+
+async def admit_all(workers: list[Worker], size: int) -> None:
+    """Admits the workers that joined after the first view, as ringserve.ps.Client's rank 0 does."""
+    async with asyncio.timeout(30):
+        while {w.size for w in workers} != {size}:
+            if workers[0].pending_workers:
+                await workers[0].admit_waiting()
+            await asyncio.sleep(0.02)
+
+
+# -- a shard's death -----------------------------------------------------------------------
+
+
+async def test_a_shard_killed_and_restarted_resumes_from_its_checkpoint_and_counts_the_updates_lost(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="ringserve.ps")
+    ps = await start_ps_world(2, 2, coordinator={"heartbeat_timeout_s": 1.0},
+                              shard={"checkpoint_dir": str(tmp_path), "checkpoint_updates": 4})
+    try:
+        await ps.each(lambda r, c: c.init(START, mode="sync", optimizer=SGD, seed=r == 0))
+        await ps.each(lambda r, c: c.pull())
+        await ps.each(lambda r, c: steps(c, r, 8))
+        victim = next(s for s in ps.shards if s.index == 1)
+        # A checkpoint is due K updates after the last one was taken; on a loaded machine the write
+        # of version 4 can end after version 8, and the next one is then 8 itself (no later update).
+        async with asyncio.timeout(10):
+            while victim.service.checkpoint_version < 8:
+                await asyncio.sleep(0.02)
+        assert victim.service.checkpoint_version == 8
+        await ps.each(lambda r, c: steps(c, r, 2))       # versions 9 and 10: the next checkpoint is due at 12
+        await victim.stop(checkpoint_last=False)         # dies: versions 9 and 10 were never written
+        ps.shards.remove(victim)
+        training = asyncio.ensure_future(ps.each(lambda r, c: steps(c, r, 5), timeout_s=60))
+        await asyncio.sleep(0.3)                         # the workers find it gone
+        restarted = await ps.start_shard(2, shard_index=1, checkpoint_dir=str(tmp_path), checkpoint_updates=4)
+        assert restarted.restored_from.endswith("v000000000008.npz")
+        await training
+        state = await info(restarted)
+        assert (state.restored_version, state.lost_updates, state.version) == (8, 2, 15)
+        assert [c.lost_updates for c in ps.clients] == [2, 2]
+        assert [c.versions for c in ps.clients] == [[15, 15], [15, 15]]
+        assert any("lost" in r.getMessage() for r in caplog.records)
+    finally:
+        await ps.close()
+
+
+async def test_a_shard_restarted_without_a_checkpoint_is_seeded_again_from_a_workers_values() -> None:
+    ps = await start_ps_world(2, 2, coordinator={"heartbeat_timeout_s": 1.0})
+    try:
+        await ps.each(lambda r, c: c.init(START, mode="async", optimizer=SGD, seed=r == 0))
+        await ps.each(lambda r, c: c.pull())
+        await ps.each(lambda r, c: steps(c, r, 6))
+        victim = next(s for s in ps.shards if s.index == 0)
+        await victim.stop(checkpoint_last=False)
+        ps.shards.remove(victim)
+        await ps.start_shard(2, shard_index=0)
+        await ps.each(lambda r, c: steps(c, r, 6), timeout_s=60)
+        assert sum(c.counts["reseeds"] for c in ps.clients) == 1
+        assert all(c.links[0].restarts for c in ps.clients)
+        values = await ps.clients[0].pull()
+        assert np.isfinite(values["w"]).all() and np.abs(values["w"]).sum() > 0
+    finally:
+        await ps.close()
+
+
+# -- retried, stale and bad pushes ---------------------------------------------------------
+
+
+async def raw_push(ps: PSWorld, shard: Shard, header: pb.PushHeader, chunks: list[pb.PieceChunk]) -> pb.PushResponse:
+    async def messages():  # type: ignore[no-untyped-def]
+        yield pb.PushMessage(header=header)
+        for chunk in chunks:
+            yield pb.PushMessage(chunk=chunk)
+
+    async with grpc.aio.insecure_channel(shard.address) as channel:
+        answer = await pb_grpc.ParameterServerStub(channel).Push(messages(), timeout=10)
+    assert isinstance(answer, pb.PushResponse)
+    return answer
+
+
+def piece_chunks(key: str, start: int, values: np.ndarray) -> list[pb.PieceChunk]:
+    data = values.tobytes()
+    return [pb.PieceChunk(key=key, start=start, offset=0, total_bytes=len(data), data=data)]
+
+
+async def test_a_retried_push_is_applied_once() -> None:
+    ps = await start_ps_world(1, 1)
+    try:
+        client = ps.clients[0]
+        await client.init(START, mode="async", optimizer=Optimizer(kind="sgd", lr=1.0))
+        await client.pull()
+        grad = np.ones_like(START["w"])
+        assert await client.push({"w": grad}) == ["applied"]
+        header = pb.PushHeader(worker_id=client.worker_id, step=0, base_version=0,
+                               pieces=[pb.PieceSpec(key="w", shape=[grad.size], dtype="float32", start=0, count=grad.size)])
+        again = await raw_push(ps, ps.shards[0], header, piece_chunks("w", 0, grad))
+        assert (again.outcome, again.version) == (pb.DUPLICATE, 1)
+        values = await client.pull()
+        np.testing.assert_array_equal(values["w"], -1.0)
+    finally:
+        await ps.close()
+
+
+async def test_a_push_staler_than_the_bound_is_refused_and_changes_nothing() -> None:
+    ps = await start_ps_world(2, 1)
+    try:
+        await ps.each(lambda r, c: c.init(START, mode="async", optimizer=Optimizer(kind="sgd", lr=1.0),
+                                          max_lag=2, seed=r == 0))
+        await ps.each(lambda r, c: c.pull())
+        fast, slow = ps.clients
+        for _ in range(3):
+            await fast.push({"w": np.ones_like(START["w"])})
+        assert await slow.push({"w": np.full_like(START["w"], 100.0)}) == ["stale"]   # computed on version 0
+        values = await fast.pull()
+        np.testing.assert_array_equal(values["w"], -3.0)
+        assert slow.counts["pushes_stale"] == 1
+    finally:
+        await ps.close()
+
+
+def _bad_cases() -> dict[str, tuple[str, object]]:
+    w = START["w"]
+    return {
+        "shape": ("shape [13]", {"w": np.ones(w.size + 1, np.float32)}),
+        "dtype": ("dtype float64", {"w": np.ones(w.size, np.float64)}),
+        "nan": ("NaN or Inf", {"w": np.full(w.size, np.nan, np.float32)}),
+        "key": ("'nope'", {"nope": np.ones(3, np.float32)}),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+async def test_a_bad_push_is_refused_naming_what_is_wrong_and_the_shard_is_untouched(case: str) -> None:
+    named, grads = _bad_cases()[case]
+    ps = await start_ps_world(1, 1)
+    try:
+        client = ps.clients[0]
+        await client.init(START, mode="async", optimizer=Optimizer(kind="sgd", lr=1.0))
+        before = {k: v.copy() for k, v in (await client.pull()).items()}
+        with pytest.raises(InvalidArgumentError, match=re.escape(named)):
+            await client.push(grads)  # type: ignore[arg-type]
+        state = await info(ps.shards[0])
+        assert state.version == 0 and state.pushes_applied == 0
+        after = await client.pull()
+        for key in before:
+            np.testing.assert_array_equal(after[key], before[key])
+    finally:
+        await ps.close()
+
+
+async def test_the_shard_itself_refuses_an_unknown_key_a_short_payload_and_a_delta_outside_average_mode() -> None:
+    ps = await start_ps_world(1, 1)
+    try:
+        client = ps.clients[0]
+        await client.init(START, mode="async", optimizer=SGD)
+        await client.pull()
+        shard, w = ps.shards[0], START["w"]
+        spec = pb.PieceSpec(key="w", shape=[w.size], dtype="float32", start=0, count=w.size)
+        cases = [
+            ("holds no piece of the key 'nope'",
+             pb.PushHeader(worker_id="x", pieces=[pb.PieceSpec(key="nope", shape=[3], dtype="float32", count=3)]), []),
+            ("ended before the whole", pb.PushHeader(worker_id="x", pieces=[spec]),
+             [pb.PieceChunk(key="w", start=0, offset=0, total_bytes=w.nbytes, data=b"\0" * 8)]),
+            ("needs average mode", pb.PushHeader(worker_id="x", kind=pb.DELTA, pieces=[spec]), piece_chunks("w", 0, w)),
+        ]
+        for named, header, chunks in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw_push(ps, shard, header, chunks)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert named in (caught.value.details() or "")
+        state = await info(shard)
+        assert (state.version, state.pushes_refused) == (0, 3)
+    finally:
+        await ps.close()
+
+
+async def test_an_init_of_another_job_is_refused_naming_the_difference() -> None:
+    ps = await start_ps_world(1, 1)
+    try:
+        await ps.clients[0].init(START, mode="sync", optimizer=SGD)
+        other = ps.client_for(0)
+        await other.connect()
+        with pytest.raises(RingserveError, match="holds mode 'sync', the Init asks for 'async'"):
+            await other.init(START, mode="async", optimizer=SGD)
+        await other.close()
+    finally:
+        await ps.close()
+
+
+async def test_a_client_without_shards_fails_within_its_wait_naming_what_it_found() -> None:
+    async with Coordinator(coordinator_config()) as coord:
+        client = AsyncClient(client_config(coord.address, shard_wait_s=0.5), worker_id="w")
+        try:
+            with pytest.raises(RingserveError, match="lists 0 of S shards alive"):
+                await client.connect()
+        finally:
+            await client.close()
+
+
+async def test_a_shard_whose_index_is_held_gives_up_within_its_register_timeout() -> None:
+    async with Coordinator(coordinator_config()) as coord:
+        async with Shard(shard_config(coord.address, 1, shard_index=0)):
+            with pytest.raises(RingserveError, match=r"could not take an index within 0\.5 s"):
+                await Shard(shard_config(coord.address, 1, shard_index=0, register_timeout_s=0.5)).start()
