@@ -9,6 +9,7 @@ comment on the line before its fence, or before one blank line (invisible on the
   a fresh process, and must exit 0. ``<!-- run: KEY=VALUE ... -->`` says how:
 
   - ``world=N``: under ``ringserve run -np N`` (a real coordinator and N real workers on loopback);
+  - ``ps=S``: with ``world``, under ``ringserve run --ps S -np N`` (S parameter-server shards too);
   - ``prelude=NAME``: the prelude NAME of tests/docs/preludes.py runs first (the arrays or the model
     a fragment names without making them);
   - ``timeout=S``: seconds it may take (default 90).
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\n]*?)\s*$")
 DIRECTIVE = re.compile(r"^\s*<!--\s*(?P<kind>run|not runnable)\s*:\s*(?P<rest>.*?)\s*-->\s*$")
 PYTHON = {"python", "py", "python3"}
-KEYS = {"world", "prelude", "timeout"}
+KEYS = {"world", "ps", "prelude", "timeout"}
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ def _sources() -> list[Path]:
 
 def variables_read() -> set[str]:
     """Every RINGSERVE_* variable the package reads."""
-    from ringserve.config import CoordinatorConfig, WorkerConfig
+    from ringserve.config import CoordinatorConfig, PSClientConfig, ShardConfig, WorkerConfig
 
     names = {m for p in _sources() for m in VARIABLE.findall(p.read_text())}
-    for cls in (WorkerConfig, CoordinatorConfig):
+    for cls in (WorkerConfig, CoordinatorConfig, ShardConfig, PSClientConfig):
         names |= {f"RINGSERVE_{f.name.upper()}" for f in dataclasses.fields(cls)}
     return names
 

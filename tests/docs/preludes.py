@@ -73,3 +73,14 @@ hvd.init()
 opt = hvd.DiLoCo(model, inner=optimizer, sync_every=2, compression="int8")
 steps = 4
 """
+# The parameter server's numpy fragment: a linear model's values, its data, and its gradients.
+PRELUDES["ps_arrays"] = """
+import numpy as np
+rng = np.random.default_rng(0)
+w, b = np.zeros(8, dtype=np.float32), np.zeros(1, dtype=np.float32)
+data = [(rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=16).astype(np.float32)) for _ in range(3)]
+def gradients(values, batch):
+    x, y = batch
+    err = x @ values["w"] + values["b"] - y
+    return {"w": (x.T @ err / len(y)).astype(np.float32), "b": np.array([err.mean()], dtype=np.float32)}
+"""

@@ -1,7 +1,8 @@
 """Every Python block of the docs runs, or says why it cannot (see tests/docs/codeblocks.py).
 
 Runnable blocks run as scripts of their own, in fresh processes: alone, or under ``ringserve run
--np N`` (a real coordinator and N real workers on loopback) when the block asks for a world. They
+-np N`` (a real coordinator and N real workers on loopback, and ``--ps S`` shards where it asks)
+when the block asks for a world. They
 take minutes on two cores, so they carry the ``docs`` marker: scripts/docs.sh runs them (in CI,
 from .ci/run), and ``scripts/test.sh -m docs tests/docs`` alone. The checks of the directives run
 in the default run.
@@ -31,8 +32,10 @@ def run_block(block: codeblocks.Block, tmp_path: Path) -> subprocess.CompletedPr
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     world = int(block.options.get("world", "0"))
     cmd = [sys.executable, str(script)]
+    shards = int(block.options.get("ps", "0"))
     if world:
-        cmd = [sys.executable, "-m", "ringserve.cli", "run", "-np", str(world), *cmd]
+        cmd = [sys.executable, "-m", "ringserve.cli", "run", *(["--ps", str(shards)] if shards else []),
+               "-np", str(world), *cmd]
     timeout = float(block.options.get("timeout", "90"))
     try:
         return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
