@@ -78,3 +78,12 @@ def test_a_plane_with_its_own_timeout_labels_its_ops_in_its_parents_sequence_and
     finally:
         work._local.scope = None
     assert plane._issue() == ("g", "4")
+
+
+def test_an_op_made_through_torch_distributeds_python_functions_is_told_from_one_made_by_ddps_reducer() -> None:
+    # Its future is returned once it has its outcome, so that then-callbacks run in program order
+    # (work.get_future); DDP's reducer, calling from C++, has no Python caller of c10d's.
+    assert not work.from_python_api()
+    c10d: dict[str, Any] = {"__name__": "torch.distributed.distributed_c10d", "made": work.from_python_api}
+    exec("def all_reduce():\n    return made()\n", c10d)
+    assert c10d["all_reduce"]()

@@ -24,14 +24,22 @@ next number of the group's sequence. Two buckets' callbacks run on two threads i
 their allreduces finish on each rank, so ops numbered in the order those threads start them would
 pair different tensors on different ranks (PowerSGD's hook with DDP's default buckets failed with
 MismatchError); named after their parent, ``<parent>.1``, ``<parent>.2``, they pair alike everywhere.
+
+A callback registered on a future that has already finished runs at once, on the registering
+thread: had the ops a hook starts depended on which came first on each rank, ranks would issue
+them on different threads, in different orders. So a future taken through torch.distributed's
+Python functions (a comm hook's) is handed out once finished (``get_future``), and its callbacks
+always run on the hook's thread, in program order, as NCCL's do.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -98,6 +106,9 @@ class RingserveWork(dist._Work):
         self._error: BaseException | None = None
         # A recv's call on the ring, whose result is the sender's group rank (None: not a recv).
         self.sender_of: concurrent.futures.Future[Any] | None = None
+        # Set once the future too has its outcome (after ``done``: see get_future).
+        self._settled = threading.Event()
+        self._program_order = from_python_api()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the op (at most ``timeout``; a zero or no timeout: the op's own deadline).
@@ -116,6 +127,15 @@ class RingserveWork(dist._Work):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
+        """The op's future. Taken through torch.distributed's Python functions (a DDP comm hook's
+        ``dist.all_reduce(..., async_op=True).get_future()``), it is returned once it has its
+        outcome (at most the op's deadline later), so that ``then`` callbacks run at once on the
+        caller's thread, in program order on every rank, as NCCL's run: ops they start are then
+        issued in the same order everywhere. (Had the op finished before ``then`` on one rank
+        and after it on another, the callbacks' ops would be issued on different threads, in
+        different orders.) DDP's own reducer takes the future from C++ and gets it at once."""
+        if self._program_order:
+            self._settled.wait(self._wait_limit_s)
         return self.future
 
     def _source_rank(self) -> int:
@@ -143,7 +163,22 @@ class RingserveWork(dist._Work):
         self._error = error
         # The event first: a callback of the future that waits on this work must not wait long.
         self.done.set()
-        self._inner.set_result(value if error is None else _Failed(error))
+        try:
+            self._inner.set_result(value if error is None else _Failed(error))
+        finally:
+            self._settled.set()
+
+
+_C10D = "torch.distributed.distributed_c10d"
+
+
+def from_python_api() -> bool:
+    """Whether the op being made was called through torch.distributed's Python functions
+    (``dist.all_reduce``), not from C++ (DDP's reducer): the first caller outside ringserve says."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ringserve."):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__") == _C10D
 
 
 class _Failed:
