@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, free_port, peak_rss_bytes, read_json, rss_bytes, run_ranks, table
+from _results import save
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -233,6 +234,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON (benchmarks/plots.py draws them)")
     args = p.parse_args()
     args.sizes = [parse_size(s) for s in args.sizes]
     if args.role == "ringserve":
@@ -253,6 +255,8 @@ def main() -> None:
     if not args.no_stream or args.tls:
         columns += [c for c in STREAM_COLUMNS if not (args.no_gloo and "gloo" in c[1])]
     print(table(rows, columns + (TLS_COLUMNS if args.tls else [])))
+    if args.json:
+        save(args.json, "allreduce", rows, loop=args.loop)
 
 
 if __name__ == "__main__":

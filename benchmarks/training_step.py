@@ -42,6 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, free_port, read_json, run_ranks, table
+from _results import save
 
 BATCH = 64
 
@@ -197,6 +198,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON (benchmarks/plots.py draws them)")
     args = p.parse_args()
     if args.role != "main":
         return worker(args)
@@ -233,6 +235,8 @@ def main() -> None:
                        ("cpu", "CPU ms/step, all ranks"), ("cpu_gloo", "CPU / DDP over gloo's: median [range]"),
                        ("overlap", "comm during backward"), ("covered", "backward with comm running"),
                        ("exposed", "exposed comm ms")]))
+    if args.json:
+        save(args.json, "training_step", rows, alone_ms=round(alone * 1e3, 2), steps=args.steps, rounds=args.repeat)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ torch thread per worker:
   ``powerSGD_hook`` at matrix approximation rank ``--powersgd-rank`` (4), error feedback and warm
   start on, compressing from the first timed step (``start_powerSGD_iter`` = the warmup steps; its
   default of 1,000 would time plain allreduce), with DDP's buckets (``powersgd``; it stalls over
-  this WAN: see the README) and with one bucket for the whole model (``powersgd-1bucket``);
+  this WAN: see docs/benchmarks/wan.md) and with one bucket for the whole model (``powersgd-1bucket``);
 - ringserve's DistributedOptimizer (``--codecs``): ``none``, ``fp16``, ``int8`` with error feedback,
   with the shared-memory lane off (``RINGSERVE_SHARED_MEMORY=0``). The hosts share one kernel, so
   the lane would otherwise carry every payload around the shaped links. Payloads take the TCP
@@ -65,6 +65,7 @@ import wan_target
 from _common import PYTHON, read_json, table
 from _netcheck import connect_rtt_ms, ring_bulk_mbit
 from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters
+from _results import save
 from training_step import BATCH, _model
 
 CODECS = ("none", "fp16", "int8")
@@ -112,7 +113,7 @@ def _ddp(args: argparse.Namespace, rank: int, model: Any) -> Any:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
     # One bucket for the whole model (DDP's default is a 1 MiB first bucket, then 25 MiB ones): the
-    # PowerSGD run that does not stall (see the README's WAN section).
+    # PowerSGD run that does not stall (see docs/benchmarks/wan.md).
     one_bucket = {"bucket_cap_mb": 1024} if args.option == "powersgd-1bucket" else {}
     ddp = torch.nn.parallel.DistributedDataParallel(model, **one_bucket)
     if args.option == "fp16":
@@ -368,6 +369,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--counters", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON (benchmarks/plots.py draws them)")
     wan_target.add_arguments(p)
     return p.parse_args()
 
@@ -418,6 +420,9 @@ def main() -> None:
                 [("config", "config"), ("step", "step ms"), ("ratio", "vs best DDP, median (range)"),
                  ("mb", "MB sent per host per step"), ("wire", "wire / ring payload"), ("busy", "uplink busy")]))
     print("\n".join(sanity))
+    if args.json:
+        save(args.json, "wan", _rows(configs, rounds, args), sanity=sanity, hosts=args.world, delay_ms=args.delay_ms,
+             rate_mbit=args.rate_mbit, mtu=args.mtu, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -370,6 +370,17 @@ def main(args: argparse.Namespace) -> None:
     print(table(rows(outcomes, target, fp16_time),
                 [("config", "config"), ("time", "s to target"), ("ratio", "vs DDP fp16"), ("steps", "steps"),
                  ("mb", "MB sent per host"), ("loss", "held-out loss"), ("acc", "held-out accuracy")]))
+    _save_json(args, outcomes, target, fp16_time, given)
+
+
+def _save_json(args: argparse.Namespace, outcomes: list[Outcome], target: float, fp16_time: float | None,
+               given: bool) -> None:
+    """wan.py's --json: the table's rows and the run's circumstances (benchmarks/plots.py draws them)."""
+    if getattr(args, "json", ""):
+        from _results import save
+
+        save(args.json, "wan_target", rows(outcomes, target, fp16_time), target_loss=target, target_given=given,
+             target_steps=args.target_steps, hosts=args.world, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

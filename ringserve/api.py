@@ -92,7 +92,8 @@ def init(coordinator: str | None = None, **overrides: Any) -> None:
         **overrides: any WorkerConfig field, over the RINGSERVE_* environment.
 
     Raises:
-        CoordinatorUnreachableError, RendezvousTimeoutError.
+        CoordinatorUnreachableError: the coordinator did not answer within connect_timeout_s.
+        RendezvousTimeoutError: no view that includes this process formed within rendezvous_timeout_s.
     """
     global _default
     if _default is not None:

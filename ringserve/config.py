@@ -269,7 +269,8 @@ class WorkerConfig(SecuritySettings):
         abort_grace_s: after a mismatch, how long ranks wait to learn every rank's arguments.
         drain_timeout_s: on shutdown or a graceful view change, how long collectives in flight
             may take to finish before they are cut off.
-        use_uvloop: run the background event loop on uvloop (measured faster; see README).
+        use_uvloop: run the background event loop on uvloop (no measurable difference from
+            asyncio's loop; see docs/design/decisions/uvloop.md).
         tune_malloc: keep chunk-sized buffers in glibc's heap instead of mmap (see _malloc.py).
         metrics_port: serve Prometheus metrics on bind_host at this port (0: any free port);
             -1 (the default) serves none.

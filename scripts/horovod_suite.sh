@@ -7,7 +7,7 @@
 # usage: scripts/horovod_suite.sh [-k EXPR] [--known] HOROVOD_CHECKOUT [WORLD ...]
 #   WORLD ...   the world sizes to run, one after the other (default: 2 3 4)
 #   -k EXPR     pytest's -k, e.g. -k "not process_set"
-#   --known     also deselect the tests named in the README as failing for reasons outside
+#   --known     also deselect the tests named in docs/guide/torch.md as failing for reasons outside
 #               ringserve (torch 2.13's Muon; fp16 compared exactly with an fp32 product at
 #               worlds that are not a power of two), so that the count shows everything else
 # Environment: PYTHON (default: .venv/bin/python, else python3), LOGS (default:

@@ -41,5 +41,6 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
 fi
 # The spark extra (pyspark) runs the Spark tests; it needs Java 17 or newer on the machine. The keras
 # extra is Keras 3 alone (small); the tensorflow extra is large and installed by scripts/test_tf.sh.
-# The status extra (aiohttp) serves the coordinator's status page.
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[torch,dev,spark,keras,status]"
+# The status extra (aiohttp) serves the coordinator's status page. The docs extra builds the site
+# (scripts/docs.sh) and draws the benchmark charts.
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[torch,dev,spark,keras,status,docs]"

@@ -63,7 +63,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         name: matches the call across ranks (named calls may be issued in any order).
         compression: how the tensor travels (Compression.none, fp16, bf16, int8).
         op: Average (default), Sum, Min or Max.
-        prescale_factor, postscale_factor: multiply before and after the reduction.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after the reduction.
         process_set: reduce over that set's ranks only (an Average divides by its size); only its
             members call it. None or global_process_set: every rank.
     """

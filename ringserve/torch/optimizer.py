@@ -73,7 +73,8 @@ class DistributedOptimizer(Wrapping):
             ``AdasumOptimizer`` (below; ringserve.torch.adasum), Horovod's delta optimizer.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             size / factor after it.
-        num_groups, groups: Horovod's explicit fusion groups (a count, or lists of parameters).
+        num_groups: Horovod's explicit fusion groups, as a count.
+        groups: Horovod's explicit fusion groups, as lists of parameters.
         sparse_as_dense: reduce sparse gradients as dense ones (fused with the rest); by default
             they are gathered as indices and values and stay sparse.
         process_set: average over that registered set's members only (Horovod's). On a rank

@@ -124,11 +124,14 @@ def test_both_services_run_the_one_image_built_from_the_dockerfile(services: dic
     assert (ROOT / services["worker"]["build"]["dockerfile"]).is_file()
 
 
-def test_every_setting_has_a_default_and_is_documented_in_the_readme() -> None:
-    readme = (ROOT / "README.md").read_text()
+COMPOSE_DOC = ROOT / "docs" / "deploy" / "compose.md"
+
+
+def test_every_setting_has_a_default_and_is_documented_in_the_compose_page() -> None:
+    page = COMPOSE_DOC.read_text()
     for name, default in variables(load_raw()):
         assert default, f"${{{name}}} has no default in {COMPOSE_FILE.name}"
-        assert name in readme, f"{name} is not documented in README.md"
+        assert name in page, f"{name} is not documented in {COMPOSE_DOC.relative_to(ROOT)}"
 
 
 def test_settings_come_from_the_shell_environment() -> None:
@@ -239,15 +242,13 @@ def test_the_ps_demo_settings_come_from_the_shell_environment() -> None:
     assert command[command.index("--ps-mode") + 1] == "async"
 
 
-def test_the_readme_gives_the_compose_files_defaults() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Docker and docker compose"):readme.index("## Kubernetes")]
-    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section, flags=re.M))
+def test_the_compose_page_gives_the_compose_files_defaults() -> None:
+    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", COMPOSE_DOC.read_text(), flags=re.M))
     raw = load_raw()
     for name in ("coordinator", "worker"):
         for variable, default in _passthrough_defaults(raw["services"][name]).items():
             assert documented.get(variable) == default, (
-                f"README's compose table gives {variable} as {documented.get(variable)!r}, "
+                f"{COMPOSE_DOC.name}'s table gives {variable} as {documented.get(variable)!r}, "
                 f"{COMPOSE_FILE.name} as {default!r}")
 
 

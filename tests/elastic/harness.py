@@ -242,3 +242,25 @@ def wait_for_world(run: Run, workers: int, timeout_s: float) -> None:
             return
         assert time.time() < deadline, f"the {workers} workers never trained in one view"
         time.sleep(0.05)
+
+
+def save_timeline(name: str, run: Run, records: list[dict]) -> None:
+    """With CHAOS_TIMELINE_DIR set, writes this run's failover timeline there as JSON, for
+    benchmarks/plots.py: every commit (pid, time, view, step) and every fault, times from the start."""
+    directory = os.environ.get("CHAOS_TIMELINE_DIR")
+    if not directory:
+        return
+    import datetime
+
+    out = Path(directory) / (re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "failover", "name": name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cores": os.cpu_count(), "load_average": [round(x, 1) for x in os.getloadavg()]},
+        "faults": [{"time": round(at - run.started, 3), "kind": kind, "pid": pid} for at, kind, pid in run.faults],
+        "commits": [{"time": round(r["time"] - run.started, 3), "pid": r["pid"], "view": r["view"], "step": r["step"]}
+                    for r in records],
+        "recovery_s": [round(t, 3) for t in recovery_times(run, records)],
+    }, indent=1) + "\n")
+

@@ -1,5 +1,5 @@
 """An elastic numpy training loop that uses a process set every step, registered at the start and
-again in a reset callback (the README's rule). Usage: process_set_worker.py LOG STEPS PAUSE_S
+again in a reset callback (docs/guide/process-sets.md). Usage: process_set_worker.py LOG STEPS PAUSE_S
 
 Every commit appends the commit record (commit_log.py); every step checks the set's allreduce
 against the sum of its members' values, and prints ``set view=V ranks=R`` when a view first uses it.

@@ -25,6 +25,7 @@ def report(name: str, run: harness.Run, records: list[dict]) -> None:
     times = sorted(harness.recovery_times(run, records))
     kinds = [k for _, k, _ in run.faults]
     print(f"\n{name}: faults {kinds}, recovery s {[round(t, 2) for t in times]}, {figures}")
+    harness.save_timeline(name, run, records)
 
 
 def kill_randomly(tmp_path: Path, injections: int, seed: int, steps: int) -> None:

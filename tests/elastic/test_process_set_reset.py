@@ -1,6 +1,6 @@
 """Process sets under elastic training: a worker SIGKILLed and restarted, the survivors register
 their sets again in a reset callback and the restarted worker at its start, and the job goes on
-using the set in every new view, with the commit invariants intact (see the README's rule)."""
+using the set in every new view, with the commit invariants intact (docs/guide/process-sets.md)."""
 
 from __future__ import annotations
 

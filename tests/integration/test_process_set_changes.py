@@ -4,7 +4,7 @@ A member that leaves fails the set's collectives in flight with a RecoverableErr
 ended: PeerUnavailableError, or the view changed first: RingChangedError); afterwards the
 set's collectives fail with RingChangedError (recoverable: elastic training resets), and once the
 elastic state is synced in the new view (pinned) with InvalidArgumentError, until the set is
-registered again, which the survivors do in a reset callback (see the README).
+registered again, which the survivors do in a reset callback (see docs/guide/process-sets.md).
 """
 
 from __future__ import annotations

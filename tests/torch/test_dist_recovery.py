@@ -1,4 +1,4 @@
-"""A DDP job over ringserve recovers from a peer's death the two ways the README describes.
+"""A DDP job over ringserve recovers from a peer's death the two ways docs/guide/torch-distributed.md describes.
 
 workers/dist_restart.py checkpoints every 5 steps; rank 1 kills itself at step 12 in its first
 life. Under ``torchrun --max-restarts 1`` the agent restarts every rank; under ``ringserve run

@@ -8,7 +8,7 @@ torch waiting on it. An op ringserve cannot do raises NotImplementedError before
 
 The group runs in the view it was formed in: once a peer dies or leaves, ringserve moves to a new
 view and every op of this group, in flight or later, fails with DistBackendError on every
-survivor (a torch group's members are fixed). Recovery is a new group (see the README).
+survivor (a torch group's members are fixed). Recovery is a new group (see docs/guide/torch-distributed.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the mark, so a world that loses every holder is always told that it did. Found w
 world of two committed 24 steps in 0.7 s, between heartbeats, and was stopped; the next world
 synced from an older commit that the mark still named as the newest, and redid those 24 steps
 with no error. The wait is skipped while the coordinator does not answer (it is restarting:
-training goes on, and the mark trails, as the README says).
+training goes on, and the mark trails, as docs/guide/elastic.md says).
 
 Everything runs on the worker's event loop, except ``hold`` (any thread, via the loop).
 """

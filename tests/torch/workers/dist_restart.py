@@ -1,4 +1,4 @@
-"""One rank of the recovery worlds: DDP training that survives a peer's death, as the README says.
+"""One rank of the recovery worlds: DDP training that survives a peer's death, as docs/guide/torch-distributed.md says.
 
     dist_restart.py OUT_DIR MODE        (MODE: torchrun | ringserve)
 
