@@ -25,7 +25,10 @@ pytestmark = pytest.mark.timeout(150)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("api")
-    run_world(WORKERS / "api.py", N, out, timeout_s=120)
+    # The ring: the wire-bytes check compares a float32 tensor with a bfloat16 one of half its
+    # bytes, which under auto could run another algorithm (the measured links decide), with
+    # other traffic. The algorithms have their own tests (tests/unit/test_algorithms_sim.py).
+    run_world(WORKERS / "api.py", N, out, timeout_s=120, env={"RINGSERVE_ALGORITHM": "ring"})
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
     return sorted(results, key=lambda res: res["topology"]["rank"])
 
