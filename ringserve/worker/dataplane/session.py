@@ -93,6 +93,15 @@ class ViewPlane(Protocol):
              origin_count: int = 0, codec: int = 0) -> None: ...
 
 
+def _owned(payload: np.ndarray | memoryview | bytes) -> np.ndarray | memoryview | bytes:
+    """A copy of ``payload`` that nothing else writes (bytes are immutable already)."""
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, np.ndarray):
+        return payload.copy()
+    return bytes(payload)
+
+
 def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
     """``members`` as a tuple of ints, after checking that it is a ring this rank can run.
 
@@ -237,7 +246,15 @@ class Session:
         codec: int = 0,
         to: tuple[int, ...] = (),
     ) -> None:
-        """Sends one DATA frame to the ring's next member (or to each member at positions ``to``)."""
+        """Sends one DATA frame to the ring's next member (or to each member at positions ``to``).
+
+        A frame to a partner (``to``) goes as a copy: a TCP payload lane sends from the caller's
+        memory after this returns (tcplane.py), and a partner's exchange may write that very
+        region as soon as the partner's frame of it arrives (recursive doubling reduces in place
+        what it has just sent), before the lane's writer has sent it. The ring's frames need no
+        copy: a region sent on is written again only with data that came back round the ring."""
+        if to:
+            payload = _owned(payload)
         for link in [self._next] if not to else self._links(to):
             self.plane.send(link, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
                             origin=origin, origin_count=origin_count, codec=codec)
