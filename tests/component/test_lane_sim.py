@@ -5,6 +5,7 @@ collective and codec must still give every rank the same bytes as without lanes.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ async def every_collective(session: Session, rank: int) -> list[Any]:
     out: list[Any] = []
     for k in range(3):  # the first ones cross as the lanes attach, the later ones on them
         out.append(await collectives.allreduce(session, x * (k + 1), op="sum", name=f"a{k}", **opts))
+    await lanes_attached(session)  # on a loaded machine the first ones can finish before any lane attaches
     for codec in ("fp16", "bf16", "int8"):
         residual = np.zeros_like(x)
         out.append(await collectives.allreduce(session, x, op="average", name=codec, compression=codec,
@@ -38,6 +40,18 @@ async def every_collective(session: Session, rank: int) -> list[Any]:
     out.append(await collectives.allgather_object(session, {"rank": rank}, name="o", chunk_bytes=16, timeout_s=T))
     await collectives.barrier(session, timeout_s=T)
     return [out, session.counters.lane_bytes_sent]
+
+
+async def lanes_attached(session: Session, timeout_s: float = 10.0) -> None:
+    """Waits until every link this rank holds that has a TCP lane has it attached (none: at once)."""
+    plane = session.plane
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        links = [plane.link_to(r) for r in plane.linked_ranks]
+        if all(link is None or link.tcp is None or link.tcp.attached for link in links):
+            return
+        assert asyncio.get_running_loop().time() < deadline, "the simulated TCP lanes did not attach"
+        await asyncio.sleep(0.01)
 
 
 def same(a: Any, b: Any) -> bool:
