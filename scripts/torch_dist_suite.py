@@ -139,6 +139,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compare-only", action="store_true", help="print the tables of the runs already in --out")
     parser.add_argument("--known", type=Path, default=KNOWN)
     args = parser.parse_args(argv)
+    # Absolute: torch's suite changes the working directory of the processes that record outcomes.
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.compare_only:
         for world in args.worlds:
@@ -146,6 +148,10 @@ def main(argv: list[str]) -> int:
                 run_one(mode, world, args.out, args.only)
     known = known_differences(args.known)
     unknown = {world: compare(args.out, world, known) for world in args.worlds}
+    empty = [w for w in args.worlds if not _load(args.out / f"gloo-w{w}.json")]
+    if empty:
+        print(f"\nFAILED: gloo recorded no outcome at worlds {empty}: nothing was compared (see the logs)")
+        return 1
     missing = {w: t for w, t in unknown.items() if t}
     if missing:
         print(f"\nFAILED: passed on gloo but not on ringserve, and not a known difference: {missing}")
