@@ -3,6 +3,8 @@
 A thin adapter: protos in, the ledger's decisions (rules.py) carried out on the store (store.py),
 protos out, and errors mapped to status codes (INVALID_ARGUMENT for bad input, naming it;
 NOT_FOUND for a shard without a job (a new one, or one restarted without a checkpoint);
+UNAVAILABLE while the shard is starting (it serves before the coordinator gives it its index and
+before it has read its checkpoint; clients wait and ask again, as for a shard that is down);
 FAILED_PRECONDITION for an Init of another job; DEADLINE_EXCEEDED for a wait that ran out).
 Everything runs on the shard's event loop; between awaits, a push's check, decision and
 application happen at once, so no other call sees half of one.
@@ -48,6 +50,9 @@ class ShardService(pb_grpc.ParameterServerServicer):
         self.counts = {"pushes_applied": 0, "pushes_duplicate": 0, "pushes_stale": 0, "pushes_refused": 0,
                        "bytes_received": 0, "bytes_sent": 0}
         self.checkpoint_version = 0
+        # Set by the shard from before it serves until it holds its index and its checkpoint: any
+        # answer before then would name the wrong shard, or no job where one is about to be restored.
+        self.starting = False
 
     # -- state changes ---------------------------------------------------------------------
 
@@ -94,6 +99,11 @@ class ShardService(pb_grpc.ParameterServerServicer):
             return None
         return self.store, self.ledger
 
+    async def _open(self, context: grpc.aio.ServicerContext) -> None:
+        if self.starting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"This shard (of {self.shards}) is starting: it does not yet hold its index and state.")
+
     async def _no_job(self, context: grpc.aio.ServicerContext) -> NoReturn:
         await context.abort(grpc.StatusCode.NOT_FOUND,
                             f"Shard {self.index} of {self.shards} holds no job yet: Init it first.")
@@ -120,6 +130,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
     # -- RPCs ------------------------------------------------------------------------------
 
     async def Init(self, request_iterator: AsyncIterator[pb.InitMessage], context: grpc.aio.ServicerContext) -> pb.InitResponse:
+        await self._open(context)
         stream = aiter(request_iterator)
         first = await anext(stream, None)
         if first is None or not first.HasField("header"):
@@ -205,6 +216,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
         return {pid: bytes(b) for pid, b in buffers.items()}
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PullMessage]:
+        await self._open(context)
         held = self.held()
         if held is None:
             await self._no_job(context)
@@ -240,6 +252,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
                                                          total_bytes=total, data=bytes(part)))
 
     async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushResponse:
+        await self._open(context)
         stream = aiter(request_iterator)
         first = await anext(stream, None)
         if first is None or not first.HasField("header"):
@@ -311,6 +324,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
                                incarnation=self.incarnation)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        await self._open(context)
         answer = pb.InfoResponse(shard=max(self.index, 0), shards=self.shards, view_id=self._view[0],
                                  checkpoint_version=self.checkpoint_version, cpu_s=time.process_time())
         for name, count in self.counts.items():

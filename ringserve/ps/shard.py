@@ -100,6 +100,7 @@ class Shard:
         healthy = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(healthy, server)
         self.port = self.security.add_port(server, f"{cfg.bind_host}:{cfg.bind_port}")
+        self.service.starting = True
         await server.start()
         self._server = server
         try:
@@ -108,6 +109,7 @@ class Shard:
             await self._register_first()
             if cfg.checkpoint_dir:
                 self._restore()
+            self.service.starting = False
             for name in ("", SERVICE_NAME):
                 await healthy.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._spawn(self._lease(), "lease")

@@ -296,3 +296,29 @@ async def test_a_shard_whose_index_is_held_gives_up_within_its_register_timeout(
         async with Shard(shard_config(coord.address, 1, shard_index=0)):
             with pytest.raises(RingserveError, match=r"could not take an index within 0\.5 s"):
                 await Shard(shard_config(coord.address, 1, shard_index=0, register_timeout_s=0.5)).start()
+
+
+async def test_a_shard_answers_unavailable_until_it_holds_its_index_so_clients_wait_for_it() -> None:
+    # A restarted shard serves before the coordinator hands it its index (the old lease may still
+    # hold it): until then every RPC is UNAVAILABLE, never an answer as "shard -1" or "no job".
+    async with Coordinator(coordinator_config()) as coord:
+        async with Shard(shard_config(coord.address, 1, shard_index=0)):
+            waiting = Shard(shard_config(coord.address, 1, shard_index=0, register_timeout_s=3))
+            starting = asyncio.create_task(waiting.start())
+            try:
+                async with asyncio.timeout(5):
+                    while not waiting.port:
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await info(waiting)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "is starting" in (caught.value.details() or "")
+                async with grpc.aio.insecure_channel(waiting.address) as channel:
+                    header = pb.InitHeader(job=pb.JobSpec(shard=0, shards=1), worker_id="w")
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await pb_grpc.ParameterServerStub(channel).Init(iter([pb.InitMessage(header=header)]), timeout=5)
+                    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            finally:
+                with pytest.raises(RingserveError, match="could not take an index"):
+                    await starting
