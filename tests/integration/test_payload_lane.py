@@ -124,6 +124,45 @@ async def test_hierarchical_allreduce_runs_its_rings_on_the_lane_and_matches_the
     assert all(w.counters.lane_bytes_sent > 0 for w in lane.workers)
 
 
+def landed(world: World) -> list[int]:
+    return [w.node.planes.lanes.buffers.landings.landed for w in world.workers]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+async def test_large_allgather_chunks_land_straight_in_the_result_and_match_the_stream_bit_for_bit(
+        world_factory, world_size: int) -> None:
+    big = dict(chunk_bytes=256 << 10, algorithm="ring")
+    lane, stream = await asyncio.gather(world_factory(world_size, **{**LANE, **big}),
+                                        world_factory(world_size, **{**STREAM, **big}))
+    await warm_lanes(lane)
+    before = landed(lane)
+    rng = [np.random.default_rng(r) for r in range(world_size)]
+    inputs = [(r.standard_normal(3_000_001).astype(np.float32), r.standard_normal(700_001),
+               r.integers(-99, 99, 1_000_003)) for r in rng]
+
+    async def ops(w: Worker) -> list[np.ndarray]:
+        f32, f64, i64 = (x.copy() for x in inputs[w.rank])
+        out = [await w.allreduce(f32, op="average", name="f32")]
+        await w.allreduce(f64, op="sum", name="f64", out=f64)
+        out.append(f64)
+        into = np.full_like(i64, 7)
+        await w.allreduce(i64, op="max", name="i64", out=into)
+        return [*out, into, await w.allreduce(f32[: 100_000], op="sum", name="small")]
+
+    over_lane, over_stream = await asyncio.gather(lane.each(ops, timeout_s=60), stream.each(ops, timeout_s=60))
+    for rank, (a, b) in enumerate(zip(over_lane, over_stream, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert same(x, y), f"result {i} of rank {rank} differs between the lane and the stream"
+    np.testing.assert_array_equal(over_lane[0][2], np.max([x[2] for x in inputs], axis=0))
+    # Every allgather chunk of the three large ones landed: (N-1) segments of each, in 256 KiB chunks.
+    # Every whole 256 KiB chunk that a rank's allgather received landed (a segment's last, shorter
+    # chunk is copied); the small op's chunks are too small to land.
+    whole = sum((world_size - 1) * ((nbytes // world_size - 16) // (256 << 10))
+                for nbytes in (3_000_001 * 4, 700_001 * 8, 1_000_003 * 8))
+    assert all(b1 - b0 >= whole for b0, b1 in zip(before, landed(lane), strict=True)), (whole, before, landed(lane))
+    assert landed(stream) == [0] * world_size
+
+
 # -- when the lane cannot attach ---------------------------------------------------------------
 
 
@@ -272,12 +311,16 @@ async def relayed_world(world_factory, relays: list[LaneRelay], *, flip_at: int 
     relay = LaneRelay(port, flip_at=flip_at)
     relays.append(relay)
     relay_port = await relay.start()
-    return await world_factory(2, **LANE, **config, each=lambda i: rank_of(i, **(
+    return await world_factory(2, **{**LANE, **config}, each=lambda i: rank_of(i, **(
         {"payload_port": port, "payload_advertise_port": relay_port} if i == 0 else {})))
 
 
-async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_next_view_goes_on(world_factory, relayed) -> None:
-    world = await relayed_world(world_factory, relayed, coordinator={"heartbeat_timeout_s": 2.0})
+# 64 KiB chunks travel through pooled buffers; 1 MiB ones land straight in the result (Landings).
+@pytest.mark.parametrize("chunk_bytes", [64 << 10, 1 << 20])
+async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_next_view_goes_on(
+        world_factory, relayed, chunk_bytes: int) -> None:
+    world = await relayed_world(world_factory, relayed, coordinator={"heartbeat_timeout_s": 2.0},
+                                chunk_bytes=chunk_bytes)
     await warm_lanes(world)
     relay = relayed[0]
     first_view = world.workers[0].view_id

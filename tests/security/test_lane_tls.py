@@ -175,3 +175,17 @@ async def test_a_tls_worker_never_dials_a_plaintext_lane_and_a_plaintext_one_nev
     required = Lanes(WorkerConfig(**pki.settings(), **LANE, payload_lane="tcp"), Counters(), tag=lambda: "test worker")
     with pytest.raises(PayloadLaneError, match=r"plaintext lane at 127\.0\.0\.1:1 and this worker runs with TLS"):
         required.inbound(offer, address="127.0.0.1:5", edge="rank 0 -> rank 1 of view 1")
+
+
+async def test_under_mtls_large_chunks_are_deciphered_straight_into_the_result(pki: Pki, world_factory) -> None:
+    settings = pki.settings(token=TOKEN)
+    world = await world_factory(2, coordinator=settings, **settings, **{**LANE, "chunk_bytes": 512 << 10},
+                                algorithm="ring")
+    await warm_lanes(world)
+    landings = [w.node.planes.lanes.buffers.landings for w in world.workers]
+    before = [x.landed for x in landings]
+    xs = [np.random.default_rng(r).integers(-1000, 1000, 1 << 22).astype(np.float32) for r in range(2)]
+    outs = await world.map("allreduce", xs, op="sum", name="big")
+    assert all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
+    # Each rank's allgather receives the other's 8 MiB segment: 16 chunks of 512 KiB, all landed.
+    assert [x.landed - b for x, b in zip(landings, before, strict=True)] == [16, 16]

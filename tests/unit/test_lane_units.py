@@ -3,7 +3,9 @@ views of payloads, and the receive buffers' reuse."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +13,9 @@ import pytest
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.group import payload_ports
+from ringserve import wire
+from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.laneframes import FrameParser, Landings
 from ringserve.worker.dataplane.lanein import POOLED_MIN, LaneBuffers
 from ringserve.worker.dataplane.lanes import split_host
 from ringserve.worker.dataplane.tcplane import as_bytes
@@ -92,3 +97,84 @@ def test_a_receive_buffer_is_reused_only_once_no_view_of_it_is_left() -> None:
     small = buffers.take(100)  # small payloads take a fresh buffer of their own
     assert small.nbytes == 100 and buffers.made == 2
     del second, third, small
+
+
+# -- payloads read straight into a result (laneframes.Landings) ---------------------------------
+
+
+def data_header(**fields: object) -> wire.FrameHeader:
+    base = {"kind": wire.DATA, "view_id": 3, "sender_rank": 1, "op_key": "g#1", "step": 2, "chunk": 0,
+            "dtype": wire.dtype_code(np.dtype(np.float32)), "count": POOLED_MIN // 4, "lane_bytes": POOLED_MIN}
+    return wire.FrameHeader(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def offered(result: np.ndarray) -> Landings:
+    landings = Landings()
+    landings.offer(3, "g#1", [(2, 0, result[: POOLED_MIN // 4])], wire.dtype_code(result.dtype))
+    return landings
+
+
+@pytest.mark.parametrize("differs", [{"view_id": 4}, {"op_key": "g#2"}, {"step": 3},
+                                     {"chunk": 1}, {"dtype": wire.dtype_code(np.dtype(np.int32))},
+                                     {"count": POOLED_MIN // 4 - 1}, {"lane_bytes": POOLED_MIN - 4}])
+def test_a_frame_lands_only_where_everything_about_it_is_as_offered(differs: dict[str, object]) -> None:
+    result = np.zeros(POOLED_MIN // 4 * 2, dtype=np.float32)
+    landings = offered(result)
+    assert landings.claim(data_header(**differs), stop=lambda: None) is None
+    region = landings.claim(data_header(), stop=lambda: None)
+    assert region is not None and region.ctypes.data == result.ctypes.data and region.nbytes == POOLED_MIN
+    assert not landings.withdraw(3, "g#1")  # claimed and not yet read
+    landings.read(data_header())
+    assert landings.withdraw(3, "g#1") and landings.landed == 1
+    assert landings.claim(data_header(), stop=lambda: None) is None  # a region lands one frame, once
+
+
+def test_a_region_smaller_than_the_pooled_minimum_is_never_offered() -> None:
+    result = np.zeros(POOLED_MIN // 4, dtype=np.float32)
+    landings = Landings()
+    landings.offer(3, "g#1", [(2, 0, result[:-1])], wire.dtype_code(result.dtype))
+    assert landings.claim(data_header(count=POOLED_MIN // 4 - 1, lane_bytes=POOLED_MIN - 4), stop=lambda: None) is None
+
+
+async def test_a_collective_that_ends_mid_read_stops_the_lane_and_waits_for_its_thread() -> None:
+    result = np.zeros(POOLED_MIN // 4, dtype=np.float32)
+    landings = offered(result)
+    stopped: list[float] = []
+    header = data_header()
+
+    def stop() -> None:  # as a lane's close: its thread leaves the socket a moment later
+        stopped.append(time.monotonic())
+        asyncio.get_running_loop().call_later(0.05, landings.read, header, False)
+
+    assert landings.claim(header, stop=stop) is not None
+    started = time.monotonic()
+    assert not landings.withdraw(3, "g#1")
+    await landings.withdrawn(3, "g#1", grace_s=0.2)
+    assert stopped and stopped[0] - started >= 0.19  # the read had its grace first
+    assert landings.withdraw(3, "g#1") and landings.landed == 0
+
+
+def test_the_parser_reads_a_claimed_payload_into_the_result_and_hands_on_a_read_only_view() -> None:
+    result = np.zeros(POOLED_MIN // 4, dtype=np.float32)
+    buffers = LaneBuffers(1 << 20)
+    buffers.landings.offer(3, "g#1", [(2, 0, result)], wire.dtype_code(result.dtype))
+    payload = np.arange(result.size, dtype=np.float32)
+    raw = wire.encode(data_header())
+    stream = memoryview(len(raw).to_bytes(4, "little") + raw + payload.tobytes())
+    at = 0
+
+    def read(view: memoryview, whole: bool) -> int | None:
+        nonlocal at
+        n = min(view.nbytes, len(stream) - at, 1000 if not whole else 1 << 30)
+        if n == 0:
+            return None
+        view[:n] = stream[at : at + n]
+        at += n
+        return n
+
+    got: list[Received] = []
+    FrameParser(read, buffers, 1 << 21, "here", got.append, lambda exc: None, lambda: None, stop=lambda: None).pump()
+    assert len(got) == 1 and np.array_equal(result, payload)
+    assert np.frombuffer(got[0].payload, dtype=np.float32).ctypes.data == result.ctypes.data
+    assert got[0].payload.readonly and result.flags.writeable
+    assert buffers.landings.landed == 1 and buffers.made == 0

@@ -30,6 +30,7 @@ from ringserve.worker.dataplane.programs import (
     Fold,
     Forward,
     Give,
+    Land,
     Lead,
     Own,
     Phase,
@@ -98,6 +99,8 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
             f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:
+        if not session.withdraw(key):  # a lane's thread is still reading a payload into the values
+            await session.withdrawn(key)
         session.release(key)
         elapsed = span.end(ok)
     session.counters.observe(kind, elapsed, algorithm)
@@ -187,6 +190,9 @@ async def execute(session: Session, key: str, inbox: Inbox, program: Program, va
             case Phase(name):
                 if inbox.span is not None:
                     inbox.span.phase(name)
+            case Land(frames):
+                session.land(key, [(slot, chunk, region) for slot, chunk, a, b in frames
+                                   if (region := values.landing(a, b)) is not None], dtype)
             case _:
                 raise ProtocolError(f"The program of collective {key!r} took an unknown step {step!r}.")
 

@@ -123,7 +123,11 @@ class InboundLane:
         def ended() -> None:
             loop.call_soon_threadsafe(self._finish, True)
 
-        FrameParser(read, self._buffers, self._max_bytes, self.where, deliver, broken, ended).pump()
+        def stop() -> None:  # from the loop: a collective ended while a payload was read into its result
+            if self._reader is not None:
+                self._reader.close()
+
+        FrameParser(read, self._buffers, self._max_bytes, self.where, deliver, broken, ended, stop).pump()
 
     async def _connect(self) -> LaneSocket | None:
         """The connection once the sender answered the token; None if the lane did not attach."""

@@ -36,6 +36,7 @@ from ringserve.worker.dataplane import aborts, keys, routes
 from ringserve.worker.dataplane.aborts import Aborts
 from ringserve.worker.dataplane.calibration import Measures
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
+from ringserve.worker.dataplane.laneframes import Landings
 from ringserve.worker.dataplane.link import Link
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
@@ -68,8 +69,11 @@ class Plane:
         links: Links | None = None,
         measure_timeout_s: float = 60.0,
         scale: int = 1,
+        landings: Landings | None = None,
     ) -> None:
         self.place = place
+        # Where the payload lanes' threads may read a payload straight into a result (laneframes.py).
+        self.landings = landings
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
         self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
         # RINGSERVE_ALGORITHM, and the link figures it goes by (worker/ops/algorithms.py): given, or
@@ -221,6 +225,18 @@ class Plane:
         self._active -= 1
         if self._active == 0 and self.retired is not None:
             self._end_links()
+
+    def land(self, key: str, frames: list[tuple[int, int, np.ndarray]], dtype: int) -> None:
+        """Frames (slot, chunk) of ``key`` may be read straight into their regions."""
+        if self.landings is not None and frames:
+            self.landings.offer(self.view_id, key, frames, dtype)
+
+    def withdraw(self, key: str) -> bool:
+        return self.landings is None or self.landings.withdraw(self.view_id, key)
+
+    async def withdrawn(self, key: str) -> None:
+        if self.landings is not None:
+            await self.landings.withdrawn(self.view_id, key, self.abort_grace_s)
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received:
         """The frame (slot, chunk) of a collective, from rank ``source`` (-1: the ring's

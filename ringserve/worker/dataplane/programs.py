@@ -126,6 +126,16 @@ class Take(NamedTuple):
     b: int
 
 
+class Land(NamedTuple):
+    """The frames ``frames`` ((slot, chunk, a, b) each) may be read
+    straight into elements [a, b) of the values (values.py's ``landing``) as they arrive: each
+    is stored there whole and unchanged by a later ``Take``, and nothing reads or writes those
+    elements from this step until its frame has arrived. A hint that spares a payload lane's
+    copy (laneframes.py's ``Landings``): a collective runs the same without it."""
+
+    frames: tuple[tuple[int, int, int, int], ...]
+
+
 class Give(NamedTuple):
     """Send elements [a, b) of block ``origin`` (of ``total`` elements) as frame (slot, chunk)."""
 
@@ -167,7 +177,7 @@ class Phase(NamedTuple):
     name: str
 
 
-Step = Recv | Lead | Fold | Own | Take | Give | Place | Forward | Signal | Phase
+Step = Recv | Lead | Fold | Own | Take | Give | Place | Forward | Signal | Phase | Land
 Program = Generator[Step, int | None, None]
 # What a collective's stage runs: one program, or several at once over the same frames and values
 # (a pipelined tree's climb and descent, programs_tree.py), each in slots of its own.
@@ -194,6 +204,10 @@ def ring_reduce(ring: Ring, bounds: list[Bounds], chunk_elems: int, *, gather: b
             yield Own(NO_SEND, c, a, b, alone=True)
         return
     gather_slot = n - 1
+    if gather:
+        # Safe to land: the final values of a segment come back only after this rank's partial
+        # sum of it has reached its successor, and the allgather is all that writes them.
+        yield Land(_gathered(me, n, bounds, chunk_elems, gather_slot))
     send_seg, _ = reduce_scatter_step(me, n, 0)
     for c, (a, b) in enumerate(chunk_bounds(*bounds[send_seg], chunk_elems)):
         yield Lead(0, c, a, b)
@@ -219,6 +233,15 @@ def ring_reduce(ring: Ring, bounds: list[Bounds], chunk_elems: int, *, gather: b
                 yield FORWARD
 
 
+def _gathered(me: int, n: int, bounds: list[Bounds], chunk_elems: int, base: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The frames a ring allgather receives, as ``Land`` names them: (slot, chunk, a, b)."""
+    frames: list[tuple[int, int, int, int]] = []
+    for step in range(n - 1):
+        _, seg = allgather_step(me, n, step)
+        frames.extend((base + seg, c, a, b) for c, (a, b) in enumerate(chunk_bounds(*bounds[seg], chunk_elems)))
+    return tuple(frames)
+
+
 def ring_gather(ring: Ring, bounds: list[Bounds], chunk_elems: int) -> Program:
     """Ring allgather of segments ``bounds`` of one buffer, position p holding segment p: the
     allgather phase of ``ring_reduce`` on its own (a hierarchical allreduce's last stage, after a
@@ -228,6 +251,7 @@ def ring_gather(ring: Ring, bounds: list[Bounds], chunk_elems: int) -> Program:
     if n == 1:
         return
     yield Phase("allgather")
+    yield Land(_gathered(me, n, bounds, chunk_elems, 0))
     for c, (a, b) in enumerate(chunk_bounds(*bounds[me], chunk_elems)):
         yield Lead(me, c, a, b)
     for step in range(n - 1):
@@ -397,4 +421,6 @@ def shifted(program: Program, offset: int) -> Program:
             return
         if isinstance(step, Recv | Lead | Fold | Give | Signal) or (isinstance(step, Own) and step.slot != NO_SEND):
             step = step._replace(slot=step.slot + offset)
+        elif isinstance(step, Land):
+            step = Land(tuple((slot + offset, chunk, a, b) for slot, chunk, a, b in step.frames))
         reply = yield step

@@ -156,7 +156,7 @@ class Planes:
             timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
             hierarchical=cfg.hierarchical, algorithm=cfg.algorithm,
             links=Links.of(cfg.link_latency_s, cfg.link_mbps * 1e6 / 8) if cfg.link_mbps > 0 else None,
-            measure_timeout_s=cfg.collective_timeout_s,
+            measure_timeout_s=cfg.collective_timeout_s, landings=self.lanes.buffers.landings,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
 

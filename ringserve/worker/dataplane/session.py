@@ -81,6 +81,12 @@ class ViewPlane(Protocol):
 
     def release(self, key: str) -> None: ...
 
+    def land(self, key: str, frames: list[tuple[int, int, np.ndarray]], dtype: int) -> None: ...
+
+    def withdraw(self, key: str) -> bool: ...
+
+    async def withdrawn(self, key: str) -> None: ...
+
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received: ...
 
     def link_to(self, rank: int) -> Link | None: ...
@@ -184,6 +190,19 @@ class Session:
 
     def release(self, key: str) -> None:
         self.plane.release(key)
+
+    def land(self, key: str, frames: list[tuple[int, int, np.ndarray]], dtype: int) -> None:
+        """Frames (slot, chunk) of collective ``key`` may be read straight into their regions
+        (programs.py's ``Land``; laneframes.py's ``Landings``)."""
+        self.plane.land(key, frames, dtype)
+
+    def withdraw(self, key: str) -> bool:
+        """Forgets the regions of ``key`` that no frame was read into; False if a lane's thread is
+        reading one now (``withdrawn`` waits for it)."""
+        return self.plane.withdraw(key)
+
+    async def withdrawn(self, key: str) -> None:
+        await self.plane.withdrawn(key)
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, frm: int = -1) -> Received:
         """The frame (slot, chunk) of a collective, from the ring's previous member (or from the

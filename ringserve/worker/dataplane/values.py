@@ -60,6 +60,11 @@ class Values:
     def block(self, origin: int) -> np.ndarray:
         raise self._wrong("Give")
 
+    def landing(self, a: int, b: int) -> np.ndarray | None:
+        """Elements [a, b) as the memory a frame for them may be read straight into (programs.py's
+        ``Land``), if they are stored as they travel; None if a frame must be decoded first."""
+        return None
+
     def place(self, origin: int, a: int, b: int, total: int, frame: Received) -> None:
         raise self._wrong("Place")
 
@@ -104,8 +109,14 @@ class Raw(Values):
         return part
 
     def take(self, a: int, b: int, frame: Received) -> None:
-        """Stores a finished segment that arrived in the allgather phase."""
-        self.buf[a:b] = payload_of(frame, self.buf.dtype, b - a, self.key)
+        """Stores a finished segment that arrived in the allgather phase (unless it was read
+        straight into its place: ``landing``)."""
+        data, place = payload_of(frame, self.buf.dtype, b - a, self.key), self.buf[a:b]
+        if data.ctypes.data != place.ctypes.data:
+            place[:] = data
+
+    def landing(self, a: int, b: int) -> np.ndarray | None:
+        return self.buf[a:b]
 
 
 class Coded(Raw):
@@ -163,6 +174,9 @@ class Coded(Raw):
 
     def take(self, a: int, b: int, frame: Received) -> None:
         self.buf[a:b] = self._decoded(frame, b - a)
+
+    def landing(self, a: int, b: int) -> np.ndarray | None:
+        return None  # frames travel encoded
 
     def _decoded(self, frame: Received, count: int) -> np.ndarray:
         header, payload = frame.header, frame.payload
