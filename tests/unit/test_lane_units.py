@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
+from ringserve import wire
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.group import payload_ports
-from ringserve import wire
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.laneframes import FrameParser, Landings
 from ringserve.worker.dataplane.lanein import POOLED_MIN, LaneBuffers
