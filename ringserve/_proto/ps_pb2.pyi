@@ -126,20 +126,22 @@ class InitResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "since_version", "min_version", "clock", "view_id", "seen_version")
+    __slots__ = ("worker_id", "since_version", "min_version", "clock", "view_id", "seen_version", "next_step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     SEEN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     since_version: int
     min_version: int
     clock: int
     view_id: int
     seen_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., since_version: _Optional[int] = ..., min_version: _Optional[int] = ..., clock: _Optional[int] = ..., view_id: _Optional[int] = ..., seen_version: _Optional[int] = ...) -> None: ...
+    next_step: int
+    def __init__(self, worker_id: _Optional[str] = ..., since_version: _Optional[int] = ..., min_version: _Optional[int] = ..., clock: _Optional[int] = ..., view_id: _Optional[int] = ..., seen_version: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("version", "pieces", "lost_updates", "clock", "incarnation")

@@ -268,6 +268,7 @@ class AsyncClient:
             request.min_version = link.step
         elif self.mode == "ssp":
             request.clock = link.step + lookahead
+            request.next_step = link.step
         if link.pulled:
             request.since_version = link.version
         header: pb.PullHeader | None = None

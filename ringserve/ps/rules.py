@@ -97,6 +97,16 @@ class Ledger:
         """The next step the shard expects from ``worker`` (ssp); the steps it has pushed."""
         return max(self.last_step.get(worker, -1) + 1, self.entry.get(worker, 0))
 
+    def note_clock(self, worker: str, next_step: int) -> bool:
+        """A worker's own clock, as it tells it (ssp): the step it pushes next. A shard that came
+        back from a checkpoint (or was seeded again) holds older clocks than its workers; each
+        worker's pull raises its own, so that the members' pulls do not wait for the pushes the
+        restart lost. Only ever raises a clock; True if it did."""
+        if self.mode != "ssp" or next_step <= self.clock(worker):
+            return False
+        self.entry[worker] = next_step
+        return True
+
     def min_clock(self) -> int | None:
         """The slowest member's clock; None without members."""
         return min((self.clock(w) for w in self.members), default=None)

@@ -222,6 +222,8 @@ class ShardService(pb_grpc.ParameterServerServicer):
             await self._no_job(context)
         store, ledger = held
         self._seen(ledger, request.seen_version)
+        if request.next_step and ledger.note_clock(request.worker_id, request.next_step):
+            self._notify()  # the slowest member may be faster now: waiting pulls look again
 
         def ready() -> bool:
             return ledger.pull_ready(min_version=request.min_version, clock=request.clock)

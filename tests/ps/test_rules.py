@@ -132,6 +132,27 @@ def test_a_dead_member_stops_holding_back_the_gate_at_the_next_view() -> None:
     assert led.pull_ready(min_version=0, clock=1)
 
 
+def test_a_restored_ssp_shard_takes_each_workers_own_clock_so_the_gate_opens_again() -> None:
+    # The checkpoint holds clocks 3 and 2; the workers had pushed 6 and 5 steps when the shard died,
+    # and pull for steps 6 and 5: without their own clocks each waits for the other's lost pushes.
+    led = ledger("ssp", staleness=1)
+    for step in range(3):
+        push(led, "a", step)
+    for step in range(2):
+        push(led, "b", step)
+    assert not led.pull_ready(min_version=0, clock=6)
+    assert led.note_clock("a", 6) and not led.note_clock("a", 4)  # only ever raised
+    assert not led.pull_ready(min_version=0, clock=6)  # b's clock is still the checkpoint's 2
+    assert led.note_clock("b", 5)
+    assert (led.clock("a"), led.clock("b")) == (6, 5) and led.pull_ready(min_version=0, clock=6)
+    assert push(led, "a", 6) == APPLY and push(led, "b", 5) == APPLY
+
+
+def test_only_ssp_counts_clocks_told_by_workers() -> None:
+    for mode in ("sync", "async", "average"):
+        assert not ledger(mode).note_clock("a", 9)
+
+
 def test_an_older_view_changes_nothing() -> None:
     led = ledger("sync")
     led.install_view(5, AB)
