@@ -99,10 +99,12 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
             f"{session.plane.place.rank} of view {session.view_id}."
         ) from None
     finally:
-        if not session.withdraw(key):  # a lane's thread is still reading a payload into the values
-            await session.withdrawn(key)
-        session.release(key)
-        elapsed = span.end(ok)
+        try:
+            if not session.withdraw(key):  # a lane's thread is still reading a payload into the values
+                await session.withdrawn(key)
+        finally:  # even if that wait is cancelled
+            session.release(key)
+            elapsed = span.end(ok)
     session.counters.observe(kind, elapsed, algorithm)
     return key
 
