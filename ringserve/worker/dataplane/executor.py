@@ -100,8 +100,7 @@ async def run_stages(session: Session, name: str | None, descriptor: Descriptor,
         ) from None
     finally:
         try:
-            if not session.withdraw(key):  # a lane's thread is still reading a payload into the values
-                await session.withdrawn(key)
+            await session.withdraw(key)  # waits only while a lane's thread reads into the values
         finally:  # even if that wait is cancelled
             session.release(key)
             elapsed = span.end(ok)

@@ -53,9 +53,9 @@ class Landings:
     A frame lands only if everything about it is as offered (view, key, slot, chunk, dtype, element
     count, bytes); anything else takes a pooled buffer and meets the usual checks. Its sender is not
     part of that (a frame forwarded round the ring names its author): a program receives each
-    (slot, chunk) of a collective once, from one rank, which the loop checks before it is used. The
-    checksum, the descriptor and the sender are still checked on the loop before the frame is used:
-    a damaged frame fails its collective as before (its region held bytes of a failed collective).
+    (slot, chunk) of a collective once, from one rank. The loop still checks the checksum, the
+    descriptor and the sender before the frame is used: a damaged frame fails its collective as
+    before (its region held bytes of a failed collective).
     When the collective ends, what was not claimed is withdrawn; a payload still being read into its
     region is waited for (``withdrawn``), and its lane is stopped if it does not finish, so no thread
     writes into a result after its collective has returned.

@@ -131,12 +131,17 @@ class Link:
             if self._waiters and waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    def send(self, header: wire.FrameHeader, payload: Payload, whole: bytes = b"") -> None:
+    def send(self, header: wire.FrameHeader, payload: Payload, whole: bytes = b"", *, volatile: bool = False) -> None:
         """Queues a DATA frame, its payload in the lane when the lane has room for it.
 
         ``whole``: the frame already encoded with its payload, if it was (a frame forwarded).
+        ``volatile``: the caller may write the payload's memory once this returns. The TCP lane,
+        which sends from that memory later, then sends a copy; the stream and the shared ring copy
+        the payload here anyway.
         """
         if self.tcp is not None and self.tcp.attached:
+            if volatile and not isinstance(payload, bytes):
+                payload = payload.copy() if isinstance(payload, np.ndarray) else bytes(payload)
             header.lane_bytes = payload.nbytes if isinstance(payload, np.ndarray | memoryview) else len(payload)
             frame = wire.encode(header)
             sent = len(frame) + self.tcp.frame(frame, payload)

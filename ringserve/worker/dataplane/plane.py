@@ -231,11 +231,8 @@ class Plane:
         if self.landings is not None and frames:
             self.landings.offer(self.view_id, key, frames, dtype)
 
-    def withdraw(self, key: str) -> bool:
-        return self.landings is None or self.landings.withdraw(self.view_id, key)
-
-    async def withdrawn(self, key: str) -> None:
-        if self.landings is not None:
+    async def withdraw(self, key: str) -> None:
+        if self.landings is not None and not self.landings.withdraw(self.view_id, key):
             await self.landings.withdrawn(self.view_id, key, self.abort_grace_s)
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received:
@@ -253,8 +250,9 @@ class Plane:
 
     def send(self, link: Link | None, key: str, inbox: Inbox, *, slot: int, chunk: int,
              payload: np.ndarray | memoryview | bytes, dtype: int, count: int, origin: int = 0,
-             origin_count: int = 0, codec: int = 0) -> None:
-        """Sends one DATA frame on ``link``; with ``checksum`` on, its header carries its crc32."""
+             origin_count: int = 0, codec: int = 0, volatile: bool = False) -> None:
+        """Sends one DATA frame on ``link``; with ``checksum`` on, its header carries its crc32.
+        ``volatile``: the caller may write the payload's memory once this returns (link.py)."""
         header = wire.FrameHeader(
             kind=wire.DATA,
             view_id=self.place.view_id,
@@ -272,7 +270,7 @@ class Plane:
         if self.checksum:
             header.crc32 = wire.frame_crc(header, payload)
         if link is not None:
-            link.send(header, payload)
+            link.send(header, payload, volatile=volatile)
 
     # -- the peer server's side ------------------------------------------------------------
 

@@ -83,9 +83,7 @@ class ViewPlane(Protocol):
 
     def land(self, key: str, frames: list[tuple[int, int, np.ndarray]], dtype: int) -> None: ...
 
-    def withdraw(self, key: str) -> bool: ...
-
-    async def withdrawn(self, key: str) -> None: ...
+    async def withdraw(self, key: str) -> None: ...
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, source: int = -1) -> Received: ...
 
@@ -96,16 +94,7 @@ class ViewPlane(Protocol):
 
     def send(self, link: Link | None, key: str, inbox: Inbox, *, slot: int, chunk: int,
              payload: np.ndarray | memoryview | bytes, dtype: int, count: int, origin: int = 0,
-             origin_count: int = 0, codec: int = 0) -> None: ...
-
-
-def _owned(payload: np.ndarray | memoryview | bytes) -> np.ndarray | memoryview | bytes:
-    """A copy of ``payload`` that nothing else writes (bytes are immutable already)."""
-    if isinstance(payload, bytes):
-        return payload
-    if isinstance(payload, np.ndarray):
-        return payload.copy()
-    return bytes(payload)
+             origin_count: int = 0, codec: int = 0, volatile: bool = False) -> None: ...
 
 
 def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
@@ -196,13 +185,10 @@ class Session:
         (programs.py's ``Land``; laneframes.py's ``Landings``)."""
         self.plane.land(key, frames, dtype)
 
-    def withdraw(self, key: str) -> bool:
-        """Forgets the regions of ``key`` that no frame was read into; False if a lane's thread is
-        reading one now (``withdrawn`` waits for it)."""
-        return self.plane.withdraw(key)
-
-    async def withdrawn(self, key: str) -> None:
-        await self.plane.withdrawn(key)
+    async def withdraw(self, key: str) -> None:
+        """Forgets the regions of ``key`` that no frame was read into, once no lane's thread
+        reads into one of them."""
+        await self.plane.withdraw(key)
 
     async def recv(self, key: str, inbox: Inbox, slot: int, chunk: int, frm: int = -1) -> Received:
         """The frame (slot, chunk) of a collective, from the ring's previous member (or from the
@@ -267,13 +253,12 @@ class Session:
     ) -> None:
         """Sends one DATA frame to the ring's next member (or to each member at positions ``to``).
 
-        A frame to a partner (``to``) goes as a copy: a TCP payload lane sends from the caller's
-        memory after this returns (tcplane.py), and a partner's exchange may write that very
-        region as soon as the partner's frame of it arrives (recursive doubling reduces in place
-        what it has just sent), before the lane's writer has sent it. The ring's frames need no
-        copy: a region sent on is written again only with data that came back round the ring."""
-        if to:
-            payload = _owned(payload)
+        A frame to a partner (``to``) is sent as volatile: a TCP payload lane sends from the
+        caller's memory after this returns (tcplane.py), and a partner's exchange may write that
+        very region as soon as the partner's frame of it arrives (recursive doubling reduces in
+        place what it has just sent), so the lane sends a copy of it (link.py). The ring's frames
+        need none: a region sent on is written again only with data that came back round the ring."""
         for link in [self._next] if not to else self._links(to):
             self.plane.send(link, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,
+                            volatile=bool(to),
                             origin=origin, origin_count=origin_count, codec=codec)
