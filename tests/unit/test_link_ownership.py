@@ -81,8 +81,9 @@ async def test_a_collective_with_a_window_of_one_frame_still_completes_and_never
         next_link(p).window = 1
     original = [next_link(p).send for p in planes]
     for r, p in enumerate(planes):
-        def send(header: wire.FrameHeader, payload: object, whole: bytes = b"", r: int = r, p: Plane = p) -> None:
-            original[r](header, payload, whole)  # type: ignore[arg-type]
+        def send(header: wire.FrameHeader, payload: object, whole: bytes = b"", *, volatile: bool = False,
+                 r: int = r, p: Plane = p) -> None:
+            original[r](header, payload, whole, volatile=volatile)  # type: ignore[arg-type]
             peaks[r] = max(peaks[r], next_link(p)._queued)
         next_link(p).send = send  # type: ignore[method-assign]
     x = np.arange(30000, dtype=np.float32)
