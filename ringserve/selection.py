@@ -28,6 +28,7 @@ where error feedback (worker/dataplane/partials.py) needs each element encoded o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -182,8 +183,12 @@ def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: Links, chun
 
 # By host (hierarchy.py) under auto only where predicted at most this fraction of the flat plan's time.
 BY_HOST_MARGIN = 0.85
+# Plans remembered: a plan is a pure function of the call's size, the world and the link figures,
+# and a training loop asks the same few questions on every step (about 15 predictions a call by host).
+PLANS_KEPT = 4096
 
 
+@functools.lru_cache(maxsize=PLANS_KEPT)
 def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> bool:
     """Whether an allreduce of ``nbytes`` over ``hosts`` hosts of ``local`` ranks each runs by host
     under ``auto`` (a reduce-scatter within each host, an allreduce of each 1/local slice across
@@ -205,6 +210,7 @@ def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int)
     return cross < BY_HOST_MARGIN * flat
 
 
+@functools.lru_cache(maxsize=PLANS_KEPT)
 def flat_plan(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> Plan:
     """The best flat allreduce over ``hosts`` hosts of ``local`` ranks each (under ``auto``, where
     by_host says flat): the ring, which crosses each host's uplink once, or the best other plan
@@ -219,6 +225,7 @@ def flat_plan(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: in
     return ring if ring.seconds <= other.seconds else other
 
 
+@functools.lru_cache(maxsize=PLANS_KEPT)
 def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chunk_bytes: int, *,
            coded: bool = False) -> Plan:
     """The plan for one call: ``setting`` (RINGSERVE_ALGORITHM) when it names an algorithm that can

@@ -29,8 +29,10 @@ that chose differently disagree on the descriptor.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ringserve.errors import ProtocolError
 
@@ -133,11 +135,11 @@ class Descriptor:
 
     def refused(self, problem: str) -> Descriptor:
         """This descriptor, refused by a rank for ``problem`` (a mismatch for every other rank)."""
-        return replace(self, problem=problem)
+        return changed(self, "problem", problem)
 
     def at_stage(self, stage: str) -> Descriptor:
         """The descriptor of one stage of this collective."""
-        return replace(self, stage=stage)
+        return changed(self, "stage", stage)
 
     @classmethod
     def parse(cls, text: str) -> Descriptor:
@@ -160,6 +162,16 @@ class Descriptor:
         if parsed.text != text:
             raise ProtocolError(f"{text!r} is not a collective's descriptor as ranks write them ({parsed.text!r}).")
         return parsed
+
+
+@functools.lru_cache(maxsize=1024)
+def changed(descriptor: Descriptor, name: str, value: str) -> Descriptor:
+    """``descriptor`` with its field ``name`` set to ``value``, remembered: every call of a training
+    loop builds the same descriptors, and each stage or algorithm named costs a new one
+    (``dataclasses.replace`` and the text's encoding, about a tenth of a small allreduce's time
+    by host)."""
+    changes: dict[str, Any] = {name: value}
+    return replace(descriptor, **changes)
 
 
 def _item(text: str) -> Descriptor | None:

@@ -16,13 +16,12 @@ ring's links (``probe``) pings both ring neighbours, then agrees by recursive do
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 from ringserve import topology
 from ringserve.errors import ProtocolError
 from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
-from ringserve.worker.dataplane.descriptor import Descriptor
+from ringserve.worker.dataplane.descriptor import Descriptor, changed
 from ringserve.worker.dataplane.programs import Ring
 
 PROBE = "probe"  # the measure of the links (worker/ops/calibration.py): pings both ways, then doubling
@@ -48,12 +47,12 @@ def algorithm_of(descriptor: str | Descriptor) -> str:
 
 def tagged(descriptor: Descriptor, algorithm: str) -> Descriptor:
     """``descriptor`` naming ``algorithm`` (a ring's names none)."""
-    return replace(descriptor, algo="" if algorithm == RING else algorithm)
+    return changed(descriptor, "algo", "" if algorithm == RING else algorithm)
 
 
 def untagged(descriptor: Descriptor) -> Descriptor:
     """``descriptor`` without the algorithm it names."""
-    return replace(descriptor, algo="")
+    return changed(descriptor, "algo", "")
 
 
 def rooted(root: int) -> str:

@@ -20,6 +20,7 @@ this module knows nothing of plane.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
@@ -116,6 +117,24 @@ def check_members(members: tuple[int, ...], rank: int, size: int) -> tuple[int, 
     return ranks
 
 
+@functools.lru_cache(maxsize=256)  # a hierarchical allreduce opens two sub-rings a call, the same ones
+def subring(view: Place, members: tuple[int, ...]) -> tuple[Ring, str, Place]:
+    """The ring of ``members`` in ``view``, its key spec, and this rank's place in it.
+
+    Raises:
+        InvalidArgumentError: as check_members.
+    """
+    ranks = check_members(members, view.rank, view.size)
+    ring = Ring(ranks, ranks.index(view.rank))
+    place = replace(
+        view, rank=ring.index, size=len(ranks),
+        addresses=tuple(view.addresses[m] for m in ranks),
+        worker_ids=tuple(view.worker_ids[m] for m in ranks) if view.worker_ids else (),
+        hosts=tuple(view.hosts[m] for m in ranks) if view.hosts else (),
+    )
+    return ring, keys.spec_of(ranks), place
+
+
 class Session:
     """A ring over the ranks of one view's plane: the whole view (``members`` None) or a sub-ring."""
 
@@ -125,15 +144,7 @@ class Session:
         if members is None:
             self.ring, self.spec, self.place = plane.ring, "", view
         else:
-            ranks = check_members(members, view.rank, view.size)
-            self.ring = Ring(ranks, ranks.index(view.rank))
-            self.spec = keys.spec_of(ranks)
-            self.place = replace(
-                view, rank=self.ring.index, size=len(ranks),
-                addresses=tuple(view.addresses[m] for m in ranks),
-                worker_ids=tuple(view.worker_ids[m] for m in ranks) if view.worker_ids else (),
-                hosts=tuple(view.hosts[m] for m in ranks) if view.hosts else (),
-            )
+            self.ring, self.spec, self.place = subring(view, tuple(members))
         self._next: Link | None = None
 
     @property

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 import numpy as np
 
@@ -58,13 +59,18 @@ def topology(place: Place) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     where the hosts of the view hold different numbers of workers (or are not known)."""
     if len(place.hosts) != place.size:
         return None
+    return _rings(place.hosts, place.rank)
+
+
+@functools.lru_cache(maxsize=64)  # asked on every allreduce, the same answer for the view
+def _rings(hosts: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     by_host: dict[int, list[int]] = {}
-    for rank, host in enumerate(place.hosts):
-        by_host.setdefault(host, []).append(rank)
+    for r, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(r)
     if len({len(ranks) for ranks in by_host.values()}) != 1:
         return None
-    mine = by_host[place.hosts[place.rank]]
-    position = mine.index(place.rank)
+    mine = by_host[hosts[rank]]
+    position = mine.index(rank)
     return tuple(mine), tuple(by_host[h][position] for h in sorted(by_host))
 
 
