@@ -39,6 +39,9 @@ HALVING_DOUBLING = "halving_doubling"
 RECURSIVE_DOUBLING = "recursive_doubling"
 TREE = "tree"
 RING2D = "ring2d"
+# Recursive doubling by host as one program (programs_hd.host_doubling): where auto runs an allreduce
+# by host with recursive doubling across hosts, over hosts of consecutive ranks (worker/ops/hierarchy.py).
+HOST_DOUBLING = "host_doubling"
 AUTO = "auto"
 SETTINGS = (AUTO, RING, HALVING_DOUBLING, TREE, RING2D)  # RINGSERVE_ALGORITHM
 

@@ -10,7 +10,7 @@ import pytest
 from ringserve import selection
 from ringserve.errors import InvalidArgumentError
 from ringserve.selection import Links
-from ringserve.worker.dataplane import routes
+from ringserve.worker.dataplane import keys, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import subring
@@ -56,6 +56,7 @@ def _view(rank: int) -> Place:
 
 def test_a_sub_ring_is_remembered_per_view_and_members_and_still_checked() -> None:
     ring, spec, place = subring(_view(2), (0, 2))
+    assert spec == keys.spec_of((0, 2))
     assert (ring.members, ring.index, place.rank, place.size, place.addresses, place.hosts) == (
         (0, 2), 1, 1, 2, ("a0", "a2"), (0, 1))
     assert subring(_view(2), (0, 2)) is subring(_view(2), (0, 2))

@@ -240,3 +240,94 @@ def allgather_doubling(ring: Ring, total: int, chunk_elems: int) -> Program:
                 yield Place(origin, a, b, size)
                 if later:
                     yield Forward(to=later)
+
+
+def host_doubling(ring: Ring, local: int, total: int, chunk_elems: int) -> Program:
+    """Allreduce of ``total`` elements by host, as one program, for vectors whose time is latency:
+    over a ring whose hosts hold ``local`` consecutive positions each, a host's other positions
+    send their vectors to its first (its leader), the leaders run recursive doubling among
+    themselves (with its fold where the hosts are not a power of two), and each leader sends the
+    result to its host's positions. MPICH's SMP-aware allreduce for short messages.
+
+    Against the three stages of worker/ops/hierarchy.py (a reduce-scatter within each host, one
+    allreduce across hosts per local position, an allgather within each host), the bytes on a
+    host's uplink are the same (one rank sends the whole vector where ``local`` ranks sent a slice
+    each), the hops are the same, and a rank sends and receives half as many frames or fewer, in
+    one collective instead of three: on hosts whose cores every rank shares, that CPU is the time.
+
+    Frames are keyed (k, chunk) for position k of a host (1 <= k < local) to its leader, (0, chunk)
+    for the result (to a host's positions and to a folded leader), (local + s, chunk) for step s of
+    the doubling and (local + steps, chunk) for a leader that folds into another. Operands are
+    reduced in position order (partials.py): a leader takes its host's vectors in order, and both
+    partners of a step compute the same sum, so every rank ends with the same bytes.
+    """
+    n, me = ring.size, ring.index
+    if local < 1 or n % local:
+        raise ValueError(f"A ring of {n} positions has no hosts of {local} consecutive positions each.")
+    chunks = chunk_bounds(0, total, chunk_elems)
+    host, offset = divmod(me, local)
+    leader = host * local
+    if offset:
+        yield Phase("fold")
+        for c, (a, b) in enumerate(chunks):
+            yield Lead(offset, c, a, b, to=(leader,))
+        yield Phase("result")
+        for c, (a, b) in enumerate(chunks):
+            yield Recv(0, c, frm=leader)
+            yield Take(a, b)
+        return
+    hosts = n // local
+    members = tuple(range(leader + 1, leader + local))
+    p = topology.power_below(hosts)
+    steps = p.bit_length() - 1
+    vrank, folded = topology.fold(hosts, host)
+    fold_slot = local + steps
+    if vrank < 0:  # this host's sum goes to another leader, and the result comes back from it
+        yield Phase("fold")
+        for c, (a, b) in enumerate(chunks):
+            yield from _host_sum(members, c, a, b, fold_slot, (folded * local,))
+        yield Phase("result")
+        for c, (a, b) in enumerate(chunks):
+            yield Recv(0, c, frm=folded * local)
+            yield Take(a, b)
+            if members:
+                yield Forward(to=members)
+        return
+    partners = [topology.partner(hosts, vrank, 1 << s) * local for s in range(steps)]
+    result_to = ((folded * local,) if folded >= 0 else ()) + members
+    yield Phase("fold")
+    for c, (a, b) in enumerate(chunks):
+        if not steps:  # one host: its leader finishes the sum
+            if members:
+                yield from _host_sum(members[:-1], c, a, b, NO_SEND, ())
+                yield Recv(len(members), c, frm=members[-1])
+                yield Own(0, c, a, b, to=members)
+            else:
+                yield Own(NO_SEND, c, a, b, alone=True)
+        elif folded >= 0:
+            yield from _host_sum(members, c, a, b, NO_SEND, ())
+            yield Recv(fold_slot, c, frm=folded * local)
+            yield Fold(local, c, a, b, to=(partners[0],))
+        else:
+            yield from _host_sum(members, c, a, b, local, (partners[0],))
+    yield Phase("exchange")
+    for s in range(steps):
+        for c, (a, b) in enumerate(chunks):
+            yield Recv(local + s, c, frm=partners[s])
+            if s + 1 < steps:
+                yield Fold(local + s + 1, c, a, b, to=(partners[s + 1],))
+            else:
+                yield Own(0 if result_to else NO_SEND, c, a, b, to=result_to)
+
+
+def _host_sum(members: tuple[int, ...], c: int, a: int, b: int, slot: int, to: tuple[int, ...]) -> Program:
+    """A leader's sum of chunk ``c`` over its host: each member's frame reduced in position order,
+    the last sent on as (``slot``, c) to ``to`` (NO_SEND: kept here to be reduced again). Without
+    members, this rank's own vector goes (a Lead) unless it is kept."""
+    if not members:
+        if slot != NO_SEND:
+            yield Lead(slot, c, a, b, to=to)
+        return
+    for k, member in enumerate(members, start=1):
+        yield Recv(k, c, frm=member)
+        yield Fold(slot if k == len(members) else NO_SEND, c, a, b, to=to if k == len(members) else ())

@@ -20,12 +20,12 @@ from functools import lru_cache
 
 from ringserve import topology
 from ringserve.errors import ProtocolError
-from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
+from ringserve.selection import HALVING_DOUBLING, HOST_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
 from ringserve.worker.dataplane.descriptor import Descriptor, changed
 from ringserve.worker.dataplane.programs import Ring
 
 PROBE = "probe"  # the measure of the links (worker/ops/calibration.py): pings both ways, then doubling
-ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D, PROBE)  # names from selection.py
+ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D, HOST_DOUBLING, PROBE)  # names from selection.py
 
 TOKEN = " algo="
 _PROBLEM = " invalid: "
@@ -60,6 +60,11 @@ def rooted(root: int) -> str:
     return f"{TREE}/{root}"
 
 
+def by_hosts_of(local: int) -> str:
+    """The algorithm of recursive doubling by host over hosts of ``local`` consecutive positions."""
+    return f"{HOST_DOUBLING}/{local}"
+
+
 def _positions(algorithm: str, n: int, pos: int) -> tuple[frozenset[int], frozenset[int]]:
     """(positions heard from, positions sent to) by ``pos`` of ``n``, besides the ring neighbours.
 
@@ -77,10 +82,23 @@ def _positions(algorithm: str, n: int, pos: int) -> tuple[frozenset[int], frozen
         return peers, peers
     if name == RING2D:
         return topology.grid_peers(n, pos)
+    if name == HOST_DOUBLING and root.isdigit() and int(root) > 0 and n % int(root) == 0:
+        return _host_peers(n, pos, int(root))
     if name == PROBE:
         peers = topology.hd_peers(n, pos) | {(pos - 1) % n, (pos + 1) % n}
         return peers, peers
     return frozenset(), frozenset()
+
+
+def _host_peers(n: int, pos: int, local: int) -> tuple[frozenset[int], frozenset[int]]:
+    """A host's positions talk to its leader (its first); a leader to them and, by recursive
+    doubling, to other leaders (programs_hd.host_doubling)."""
+    host, offset = divmod(pos, local)
+    leader = host * local
+    if offset:
+        return frozenset({leader}), frozenset({leader})
+    peers = frozenset(range(leader + 1, leader + local)) | {h * local for h in topology.hd_peers(n // local, host)}
+    return peers, peers
 
 
 @lru_cache(maxsize=1024)

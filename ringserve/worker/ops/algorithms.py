@@ -71,7 +71,8 @@ def chunk_of(session: Session, algorithm: str, nbytes: int, chunk_bytes: int) ->
 
 
 def allreduce_program(algorithm: str, ring: Ring, total: int, chunk_elems: int) -> Programs:
-    """The program of an allreduce of ``total`` elements under ``algorithm`` (not the ring's).
+    """The program of an allreduce of ``total`` elements under ``algorithm`` (not the ring's; by
+    host, ``host_doubling/<ranks per host>``: routes.by_hosts_of).
 
     Raises:
         ValueError: no program by that name (or a 2D ring over a prime number of ranks).
@@ -85,6 +86,9 @@ def allreduce_program(algorithm: str, ring: Ring, total: int, chunk_elems: int) 
         return programs_tree.tree_allreduce(ring, total, chunk_elems)
     if algorithm == selection.RING2D:
         return programs_grid.ring2d_allreduce(ring, total, chunk_elems)
+    name, _, local = algorithm.partition("/")
+    if name == selection.HOST_DOUBLING and local.isdigit():
+        return programs_hd.host_doubling(ring, int(local), total, chunk_elems)
     raise ValueError(f"No allreduce program is called {algorithm!r}.")
 
 

@@ -74,6 +74,17 @@ def _rings(hosts: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[in
     return tuple(mine), tuple(by_host[h][position] for h in sorted(by_host))
 
 
+def consecutive(place: Place) -> bool:
+    """Whether each host of the view holds consecutive ranks, as many on each (as the launchers
+    number them): what programs_hd.host_doubling runs over."""
+    rings = topology(place)
+    if rings is None:
+        return False
+    local = len(rings[0])
+    return all(place.hosts[r] == place.hosts[r - r % local] for r in range(place.size)) and len(
+        set(place.hosts)) == place.size // local
+
+
 def chosen(mode: str, place: Place) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The rings of a hierarchical allreduce in this view, or None for the flat ring.
 
@@ -98,7 +109,6 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     call = plane.numbering.next(name or "", "hier")  # now, before any wait: the same on every rank
     local, cross = plane.session(rings[0]), plane.session(rings[1])
     world = len(rings[0]) * len(rings[1])
-    step_op = "sum" if op == "average" else op  # the division comes once, at the end
     bounds = segment_bounds(buf.size, local.place.size)
     a, b = bounds[local.place.rank]
     part = buf[a:b]
@@ -108,6 +118,13 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     chunk_bytes = chunk_elems * buf.dtype.itemsize
     across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
                                     timeout_s=timeout_s)).algorithm
+    if across == selection.RECURSIVE_DOUBLING and consecutive(session.place):
+        # Latency, not bytes: the same hops and uplink bytes as one program, in half the frames.
+        return await algorithms.allreduce(session, routes.by_hosts_of(len(rings[0])), src, buf, op=op,
+                                          name=f"{call}:host",
+                                          descriptor=descriptor, chunk_bytes=chunk_bytes,
+                                          timeout_s=max(deadline - loop.time(), 1e-3))
+    step_op = "sum" if op == "average" else op  # the division comes once, at the end
 
     def reduce_locally() -> tuple[programs.Programs, Values]:
         return (programs.ring_reduce(local.ring, bounds, chunk_elems, gather=False),
