@@ -7,6 +7,7 @@ import time, so several workers with different settings can live in one process.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -333,6 +334,14 @@ class WorkerConfig(SecuritySettings):
         payload_connect_timeout_s: how long a receiver may take to connect to a sender's
             payload lane, finish TLS and present its token, before it falls back to the stream
             for that edge (in ``auto``).
+        payload_congestion: the TCP congestion control of the lane's sending side: ``cubic``
+            (the default), any other the kernel offers (``reno``, ``bbr``), or ``system`` for the
+            host's default. A collective sends bursts and then waits for its peers; BBR, the default
+            of some hosts, paces each burst at the bandwidth it has seen, which for bursts that
+            never fill the link is a fraction of it: a 64 KiB frame took about 20 ms more per hop
+            across a 20 ms link (docs/design/algorithms.md). Where the kernel refuses the name (not
+            loaded, or not in net.ipv4.tcp_allowed_congestion_control for an unprivileged
+            process), the lane keeps the host's, and says so once.
         hierarchical: allreduce by host (see worker/ops/hierarchy.py): a reduce-scatter among the
             workers of each host, an allreduce of each slice across hosts, an allgather within
             each host. ``auto``: when the view has more than one host (RINGSERVE_HOSTNAME) and
@@ -404,6 +413,7 @@ class WorkerConfig(SecuritySettings):
     payload_port: int = 0
     payload_advertise_port: int = 0
     payload_connect_timeout_s: float = 1.0
+    payload_congestion: str = "cubic"
     result_pool_bytes: int = 512 * MiB
     hierarchical: str = "auto"
     algorithm: str = "auto"
@@ -458,6 +468,11 @@ class WorkerConfig(SecuritySettings):
             raise InvalidArgumentError(
                 f"WorkerConfig.payload_lane ({self.payload_lane!r}, RINGSERVE_PAYLOAD_LANE) must be one of "
                 f"{', '.join(PAYLOAD_LANES)}."
+            )
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,14}", self.payload_congestion):
+            raise InvalidArgumentError(
+                f"WorkerConfig.payload_congestion ({self.payload_congestion!r}, RINGSERVE_PAYLOAD_CONGESTION) must "
+                "name a TCP congestion control (cubic, reno, bbr, ...) or be system."
             )
         for port in ("bind_port", "advertise_port", "payload_port", "payload_advertise_port"):
             if not 0 <= getattr(self, port) <= 65535:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pathlib
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -272,3 +273,27 @@ async def test_a_port_that_drops_connections_falls_back_within_the_connect_deadl
         elapsed = time.monotonic() - start
     assert 0.45 < elapsed < 1.5
     assert "did not connect and take the token within 0.5 s" in port.fallbacks[0]
+
+
+def _congestion(lane: OutboundLane) -> str:
+    assert lane.conn is not None
+    return lane.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux's")
+async def test_the_lane_sends_with_the_congestion_control_asked_and_keeps_the_hosts_where_refused(
+        port: Port, caplog: pytest.LogCaptureFixture) -> None:
+    port.server.congestion = "reno"  # built into every Linux kernel
+    lane = port.offer()
+    port.dial(lane)
+    await until(lambda: lane.attached)
+    assert _congestion(lane) == "reno"
+    port.server.congestion = "no_such_cc"
+    refused = [port.offer(), port.offer()]
+    for other in refused:
+        port.dial(other)
+    await until(lambda: all(other.attached for other in refused))
+    system = pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    assert [_congestion(other) for other in refused] == [system, system]
+    said = [r.getMessage() for r in caplog.records if "congestion control" in r.getMessage()]
+    assert len(said) == 1 and "no_such_cc refused" in said[0], said

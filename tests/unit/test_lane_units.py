@@ -25,6 +25,7 @@ def test_the_lane_is_on_by_default_with_any_free_port_and_a_one_second_connect_d
     config = WorkerConfig()
     assert (config.payload_lane, config.payload_port, config.payload_advertise_port) == ("auto", 0, 0)
     assert config.payload_connect_timeout_s == 1.0
+    assert config.payload_congestion == "cubic"
 
 
 @pytest.mark.parametrize(("env", "field", "value"), [
@@ -33,6 +34,8 @@ def test_the_lane_is_on_by_default_with_any_free_port_and_a_one_second_connect_d
     ({"RINGSERVE_PAYLOAD_PORT": "50052"}, "payload_port", 50052),
     ({"RINGSERVE_PAYLOAD_ADVERTISE_PORT": "41001"}, "payload_advertise_port", 41001),
     ({"RINGSERVE_PAYLOAD_CONNECT_TIMEOUT_S": "0.25"}, "payload_connect_timeout_s", 0.25),
+    ({"RINGSERVE_PAYLOAD_CONGESTION": "system"}, "payload_congestion", "system"),
+    ({"RINGSERVE_PAYLOAD_CONGESTION": "bbr"}, "payload_congestion", "bbr"),
 ])
 def test_the_lane_settings_come_from_the_environment(env: dict[str, str], field: str, value: object) -> None:
     assert getattr(WorkerConfig.from_env(env), field) == value
@@ -43,6 +46,8 @@ def test_the_lane_settings_come_from_the_environment(env: dict[str, str], field:
     ({"payload_port": 70000}, "payload_port (70000) must be in [0, 65535]"),
     ({"payload_advertise_port": -1}, "payload_advertise_port (-1) must be in [0, 65535]"),
     ({"payload_connect_timeout_s": 0}, "payload_connect_timeout_s (0) must be greater than zero"),
+    ({"payload_congestion": "Cubic; rm"}, "payload_congestion ('Cubic; rm', RINGSERVE_PAYLOAD_CONGESTION) must name"),
+    ({"payload_congestion": ""}, "payload_congestion ('', RINGSERVE_PAYLOAD_CONGESTION) must name"),
 ])
 def test_a_bad_lane_setting_is_refused_naming_the_value(overrides: dict[str, object], named: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:

@@ -89,7 +89,7 @@ class Lanes:
         try:
             self._server = LaneServer(cfg.bind_host, cfg.payload_port, context=server_context(self.security),
                                       hello_timeout_s=cfg.peer_hello_timeout_s, cap=cfg.max_unverified_streams,
-                                      counters=self.counters, tag=self._tag)
+                                      counters=self.counters, tag=self._tag, congestion=cfg.payload_congestion)
         except OSError as exc:
             where = f"{cfg.bind_host}:{cfg.payload_port}"
             if self.mode == "tcp":

@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING
 from ringserve.handshake import pem_file
 from ringserve.observe import Counters
 from ringserve.security import Security
-from ringserve.worker.dataplane.lanesock import MAGIC, TLS_RECORD, TOKEN_BYTES, LaneClosed, LaneSocket, tune
+from ringserve.worker.dataplane.lanesock import (
+    MAGIC,
+    TLS_RECORD,
+    TOKEN_BYTES,
+    LaneClosed,
+    LaneSocket,
+    congestion,
+    tune,
+)
 
 if TYPE_CHECKING:
     from ringserve.worker.dataplane.tcplane import OutboundLane
@@ -78,8 +86,9 @@ class LaneServer:
     """The payload port: accepts receivers and hands each to the lane whose token it presents."""
 
     def __init__(self, host: str, port: int, *, context: ssl.SSLContext | None, hello_timeout_s: float,
-                 cap: int, counters: Counters, tag: Callable[[], str]) -> None:
+                 cap: int, counters: Counters, tag: Callable[[], str], congestion: str = "system") -> None:
         self.context = context
+        self.congestion = congestion  # the TCP congestion control lanes send with (config.py)
         self.hello_timeout_s = hello_timeout_s
         self.cap = cap
         self.counters = counters
@@ -135,6 +144,11 @@ class LaneServer:
             except OSError:  # reset before we got to it
                 sock.close()
                 continue
+            refused = congestion(sock, self.congestion)
+            if refused and "congestion" not in self._said:
+                self._said.add("congestion")
+                log.warning("%s: the payload lane keeps the host's TCP congestion control: %s refused "
+                            "(%s; RINGSERVE_PAYLOAD_CONGESTION)", self._tag(), self.congestion, refused)
             while len(self._pending) >= self.cap:  # make room: the oldest squatter goes (it closes itself)
                 oldest = next(iter(self._pending))
                 oldest.cancel()

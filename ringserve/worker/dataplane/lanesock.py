@@ -54,6 +54,18 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS)
 
 
+def congestion(sock: socket.socket, name: str) -> str:
+    """Sets the TCP congestion control ``name`` on ``sock`` (``system``: leaves the host's);
+    returns "" once set, or why the kernel refused it (the host's then stays)."""
+    if name == "system" or not hasattr(socket, "TCP_CONGESTION"):
+        return ""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
 class LaneSocket:
     """A connected, tuned, non-blocking socket, plain or TLS; used on one event loop.
 
