@@ -36,6 +36,9 @@ def claim(marker: str) -> bool:
 def main() -> None:
     log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else ""
+    if os.environ.get("ELASTIC_HOSTS_OF"):  # hosts of that many workers, by launch index (test_algorithm_kills.py)
+        index = int(os.environ.get("RINGSERVE_RANK_HINT", "0"))
+        os.environ["RINGSERVE_HOSTNAME"] = f"host{index // int(os.environ['ELASTIC_HOSTS_OF'])}"
     rs.init()
 
     class Logged(CommitLog, elastic.ObjectState):
@@ -61,7 +64,8 @@ def main() -> None:
             state.commit()
 
     train(state)
-    print(f"finished at step {state.step}", flush=True)
+    ran = sorted({name for (op, name) in rs.api.context().worker.counters.algorithms if op == "allreduce"})
+    print(f"finished at step {state.step}; allreduce ran {', '.join(ran)}", flush=True)
     rs.shutdown()
 
 
