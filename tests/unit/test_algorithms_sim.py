@@ -86,6 +86,15 @@ async def test_every_op_and_length_reduces_exactly_and_every_rank_ends_with_the_
     plan = [(op, dtype, n, rng.choice((1, 3, 1000)))
             for op in REDUCE_OPS for dtype in (np.int32, np.float32)
             for n in (every if world not in QUICK else rng.sample(every, 2))]
+    await check_against_the_ring(algorithm, world, plan, seed=world, where=f"world={world}")
+
+
+Plan = list[tuple[str, Any, int, int]]  # (op, dtype, length, chunk in elements) of each call
+
+
+async def check_against_the_ring(algorithm: str, world: int, plan: Plan, *, seed: int, where: str) -> None:
+    """Runs each call of ``plan`` under ``algorithm`` and on the ring, on exact inputs: every rank
+    must end with the same bytes, the ring's, and numpy's result."""
     inputs = [data(world, n, dtype, i, op) for i, (op, dtype, n, _) in enumerate(plan)]
 
     async def call(session: Session, rank: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -97,13 +106,13 @@ async def test_every_op_and_length_reduces_exactly_and_every_rank_ends_with_the_
             outs.append((mine, ring))
         return outs
 
-    results = await simulate(world, call, seed=world, timeout_s=120)
+    results = await simulate(world, call, seed=seed, timeout_s=120)
     for i, (op, dtype, n, chunk) in enumerate(plan):
-        where = f"{algorithm} {op} {np.dtype(dtype)} world={world} length={n} chunk={chunk}"
+        at = f"{algorithm} {op} {np.dtype(dtype)} {where} length={n} chunk={chunk}"
         mine = [results[r][i][0] for r in range(world)]
-        assert_same_bytes(mine, where)
-        assert mine[0].tobytes() == results[0][i][1].tobytes(), f"differs from the ring: {where}"
-        np.testing.assert_array_equal(mine[0], numpy_reduce(inputs[i], op), err_msg=where)
+        assert_same_bytes(mine, at)
+        assert mine[0].tobytes() == results[0][i][1].tobytes(), f"differs from the ring: {at}"
+        np.testing.assert_array_equal(mine[0], numpy_reduce(inputs[i], op), err_msg=at)
 
 
 @pytest.mark.parametrize(("algorithm", "world"), [c for c in cases(ALL) if c.values[0] != RECURSIVE_DOUBLING])
@@ -215,7 +224,7 @@ async def test_process_sets_run_each_algorithm_over_their_sub_rings_beside_the_w
         np.testing.assert_array_equal(outs[0], sum(xs[r] for r in ranks))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "host_doubling/2"])
 async def test_a_rank_whose_arguments_differ_fails_every_rank_with_mismatch_error_not_a_hang(algorithm: str) -> None:
     world = 6
 
@@ -257,7 +266,7 @@ async def test_ranks_that_disagree_on_the_algorithm_fail_with_mismatch_error_nam
         assert f"algo={algorithm}" in str(outcome) and "rank 2: allreduce float32 (6,) op=sum;" in str(outcome)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*ALGORITHMS, "host_doubling/3"])  # host doubling: rank 3 leads a host
 async def test_with_checksums_every_algorithm_confirms_and_a_damaged_frame_fails_every_rank(algorithm: str) -> None:
     world = 6
     xs = data(world, 40, np.int64, 1)
@@ -270,20 +279,8 @@ async def test_with_checksums_every_algorithm_confirms_and_a_damaged_frame_fails
     np.testing.assert_array_equal(outs[0], sum(xs))
 
     async def damaged(session: Session, rank: int) -> BaseException | None:
-        plane = session.plane
-        if rank == 3:  # mid-way: the last byte of the third payload this rank sends is flipped on its link
-            send = plane.send
-            flipped: list[str] = []
-            sent = [0]
-
-            def flip(link: Any, key: str, inbox: Any, **frame: Any) -> None:
-                send(link, key, inbox, **frame)
-                sent[0] += 1 if frame["count"] else 0
-                if sent[0] == 3 and frame["count"] and not flipped and link is not None:
-                    raw, is_data = link._frames[-1]
-                    link._frames[-1] = (raw[:-1] + bytes([raw[-1] ^ 0xFF]), is_data)
-                    flipped.append(key)
-            plane.send = flip  # type: ignore[method-assign]
+        if rank == 3:  # mid-way
+            damage(session, 3)
         try:
             await run_algorithm(algorithm, xs[rank], "sum", 4)(session, rank)
         except CorruptFrameError as exc:
@@ -292,6 +289,21 @@ async def test_with_checksums_every_algorithm_confirms_and_a_damaged_frame_fails
 
     outcomes = await simulate(world, damaged, seed=4, checksum=True, aborts=True, abort_grace_s=0.5)
     assert all(isinstance(o, CorruptFrameError) for o in outcomes), outcomes
+
+
+def damage(session: Session, nth: int) -> None:
+    """The last byte of the ``nth`` payload this rank sends is flipped on its link."""
+    plane = session.plane
+    send = plane.send
+    sent = [0]
+
+    def flip(link: Any, key: str, inbox: Any, **frame: Any) -> None:
+        send(link, key, inbox, **frame)
+        sent[0] += 1 if frame["count"] else 0
+        if sent[0] == nth and frame["count"] and link is not None:
+            raw, is_data = link._frames[-1]
+            link._frames[-1] = (raw[:-1] + bytes([raw[-1] ^ 0xFF]), is_data)
+    plane.send = flip  # type: ignore[method-assign]
 
 
 async def test_auto_picks_by_the_measured_links_and_names_the_algorithm_on_every_rank() -> None:
