@@ -151,6 +151,7 @@ def test_a_4_kib_allreduce_under_auto_takes_within_2x_of_2_log2_n_latencies(worl
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two million frames: 9 minutes on a quiet 2-core machine, past the default 120 s
 def test_at_1024_ranks_a_64_mib_allreduce_under_auto_is_within_1_2x_of_the_bandwidth_bound_plus_its_latency() -> None:
     world, nbytes, scale = 1024, 64 * MiB, 1024
     model = netsim.Model(latency_s=ALPHA, bytes_per_s=MBPS * 1e6 / 8, scale=scale)
