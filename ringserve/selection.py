@@ -207,10 +207,18 @@ def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int)
     2 S (1/hosts - 1/n) only) the model's error is larger than the gain. Small tensors win by host:
     log2(hosts) hops instead of log2(n).
     """
-    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
     flat = flat_plan(nbytes, local, hosts, links, chunk_bytes).seconds
-    cross = choose(AUTO, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes).seconds
+    cross = across_hosts(AUTO, nbytes, local, hosts, links, chunk_bytes).seconds
     return cross < BY_HOST_MARGIN * flat
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def across_hosts(setting: str, nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> Plan:
+    """The plan of a by-host allreduce's stage across ``hosts`` hosts, each of whose ``local`` ranks
+    carries 1/local of ``nbytes`` over the uplink they share, by the whole view's link figures (so
+    that every rank, whichever ring across hosts it is in, plans alike: worker/ops/hierarchy.py)."""
+    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+    return choose(setting, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes)
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)

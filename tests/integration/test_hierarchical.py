@@ -121,7 +121,8 @@ async def test_a_mismatch_on_one_host_fails_the_ranks_of_the_other_within_the_ab
 
 
 def hosts_in_order(i: int) -> dict:
-    return {"hostname": f"host{i // 2}"}
+    # Ranks as the launchers number them, by host (without the hint a rank is the order of joining).
+    return {"hostname": f"host{i // 2}", "rank_hint": i}
 
 
 @pytest.mark.parametrize(("hosts", "shape"), [(4, "one program"), (3, "three stages")])

@@ -52,6 +52,17 @@ async def by_host(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...
     return selection.by_host(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
 
 
+async def across_hosts(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, *,
+                       chunk_bytes: int) -> Plan:
+    """The plan of the stage across hosts of an allreduce of ``nbytes`` by host over ``rings``
+    (hierarchy.chosen's), by the whole ring's link figures: alike on every rank of the view, where
+    each ring across hosts measures its own links and may plan otherwise (selection.across_hosts)."""
+    links = await session.plane.measures.links(session)
+    scale = session.plane.scale
+    return selection.across_hosts(session.algorithm, nbytes * scale, len(rings[0]), len(rings[1]), links,
+                                  chunk_bytes * scale)
+
+
 async def flat_plan(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...]], nbytes: int, *,
                     chunk_bytes: int) -> Plan:
     """The plan of an allreduce of ``nbytes`` that runs flat over a view of hosts (``rings``,

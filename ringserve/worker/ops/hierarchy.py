@@ -116,14 +116,16 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     deadline = loop.time() + timeout_s
     # The cross stage runs the algorithm its ring's size and links call for (algorithms.py).
     chunk_bytes = chunk_elems * buf.dtype.itemsize
-    across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
-                                    timeout_s=timeout_s)).algorithm
-    if across == selection.RECURSIVE_DOUBLING and consecutive(session.place):
-        # Latency, not bytes: the same hops and uplink bytes as one program, in half the frames.
+    if consecutive(session.place) and session.algorithm != selection.RING and (await algorithms.across_hosts(
+            session, rings, buf.nbytes, chunk_bytes=chunk_bytes)).algorithm == selection.RECURSIVE_DOUBLING:
+        # Latency, not bytes: the same hops and uplink bytes as one program, in half the frames. Decided
+        # by the whole view's link figures: every rank must take this path or none.
         return await algorithms.allreduce(session, routes.by_hosts_of(len(rings[0])), src, buf, op=op,
                                           name=f"{call}:host",
                                           descriptor=descriptor, chunk_bytes=chunk_bytes,
                                           timeout_s=max(deadline - loop.time(), 1e-3))
+    across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
+                                    timeout_s=timeout_s)).algorithm
     step_op = "sum" if op == "average" else op  # the division comes once, at the end
 
     def reduce_locally() -> tuple[programs.Programs, Values]:
