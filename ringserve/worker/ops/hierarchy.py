@@ -77,12 +77,14 @@ def _rings(hosts: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[in
 def consecutive(place: Place) -> bool:
     """Whether each host of the view holds consecutive ranks, as many on each (as the launchers
     number them): what programs_hd.host_doubling runs over."""
-    rings = topology(place)
-    if rings is None:
-        return False
-    local = len(rings[0])
-    return all(place.hosts[r] == place.hosts[r - r % local] for r in range(place.size)) and len(
-        set(place.hosts)) == place.size // local
+    return topology(place) is not None and _consecutive(place.hosts)
+
+
+@functools.lru_cache(maxsize=64)  # asked on every allreduce by host, the same answer for the view
+def _consecutive(hosts: tuple[int, ...]) -> bool:
+    """Hosts of equal size (topology's check) holding consecutive ranks each."""
+    local = hosts.count(hosts[0])
+    return all(hosts[r] == hosts[r - r % local] for r in range(len(hosts))) and len(set(hosts)) == len(hosts) // local
 
 
 def chosen(mode: str, place: Place) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -107,23 +109,22 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
     call's name (for error messages). ``timeout_s`` bounds the three together."""
     plane = session.plane
     call = plane.numbering.next(name or "", "hier")  # now, before any wait: the same on every rank
-    local, cross = plane.session(rings[0]), plane.session(rings[1])
-    world = len(rings[0]) * len(rings[1])
-    bounds = segment_bounds(buf.size, local.place.size)
-    a, b = bounds[local.place.rank]
-    part = buf[a:b]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    # The cross stage runs the algorithm its ring's size and links call for (algorithms.py).
     chunk_bytes = chunk_elems * buf.dtype.itemsize
     if consecutive(session.place) and session.algorithm != selection.RING and (await algorithms.across_hosts(
             session, rings, buf.nbytes, chunk_bytes=chunk_bytes)).algorithm == selection.RECURSIVE_DOUBLING:
         # Latency, not bytes: the same hops and uplink bytes as one program, in half the frames. Decided
         # by the whole view's link figures: every rank must take this path or none.
         return await algorithms.allreduce(session, routes.by_hosts_of(len(rings[0])), src, buf, op=op,
-                                          name=f"{call}:host",
-                                          descriptor=descriptor, chunk_bytes=chunk_bytes,
+                                          name=f"{call}:host", descriptor=descriptor, chunk_bytes=chunk_bytes,
                                           timeout_s=max(deadline - loop.time(), 1e-3))
+    local, cross = plane.session(rings[0]), plane.session(rings[1])
+    world = len(rings[0]) * len(rings[1])
+    bounds = segment_bounds(buf.size, local.place.size)
+    a, b = bounds[local.place.rank]
+    part = buf[a:b]
+    # The cross stage runs the algorithm its ring's size and links call for (algorithms.py).
     across = (await algorithms.plan(cross, "allreduce", part.nbytes, chunk_bytes=chunk_bytes,
                                     timeout_s=timeout_s)).algorithm
     step_op = "sum" if op == "average" else op  # the division comes once, at the end
