@@ -27,7 +27,7 @@ async def test_a_writer_sends_every_buffer_in_order_even_when_its_socket_turns_n
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
         progress: list[int] = []
         errors: list[BaseException] = []
-        writer = Writer(a, tls=False, loop=loop, on_progress=progress.append, on_error=errors.append)
+        writer = Writer(a, sealer=None, loop=loop, on_progress=progress.append, on_error=errors.append)
         a.setblocking(False)  # what uvloop's add_reader does to the descriptor under the thread
         parts = [memoryview(np.full(1 << 20, i, dtype=np.uint8)) for i in range(16)]
         got = bytearray()
@@ -48,7 +48,7 @@ async def test_a_small_frame_with_nothing_queued_leaves_from_the_loop_at_once() 
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
     with a, b:
-        writer = Writer(a, tls=False, loop=loop, on_progress=lambda _: None, on_error=lambda _: None)
+        writer = Writer(a, sealer=None, loop=loop, on_progress=lambda _: None, on_error=lambda _: None)
         assert writer.put([memoryview(b"head"), memoryview(b"payload")]) == 2
         assert b.recv(64) == b"headpayload"
         writer.close()
@@ -60,7 +60,7 @@ async def test_close_wakes_a_writer_blocked_on_a_peer_that_reads_nothing() -> No
     a, b = socket.socketpair()
     with a, b:
         errors: list[BaseException] = []
-        writer = Writer(a, tls=False, loop=loop, on_progress=lambda _: None, on_error=errors.append)
+        writer = Writer(a, sealer=None, loop=loop, on_progress=lambda _: None, on_error=errors.append)
         writer.put([memoryview(bytes(32 << 20))])  # far more than the socket buffers hold
         await asyncio.sleep(0.2)
         assert not writer.done.done()

@@ -16,7 +16,7 @@ import pytest
 from _secure import TOKEN, Pki, client
 from worlds import free_port, warm_lanes
 
-from ringserve import PayloadLaneError, wire
+from ringserve import PayloadLaneError, PeerUnavailableError, ProtocolError, wire
 from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.observe import Counters
@@ -38,6 +38,7 @@ class Tap:
     def __init__(self, target: int) -> None:
         self.target = target
         self.seen = bytearray()
+        self.flip_at: int | None = None  # the offset in ``seen`` of a byte to damage on its way
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
@@ -62,7 +63,11 @@ class Tap:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(1 << 16):
                 if keep:
-                    self.seen += data
+                    at, self.seen = self.flip_at, self.seen + data
+                    if at is not None and len(self.seen) - len(data) <= at < len(self.seen):
+                        data = bytearray(data)
+                        data[at - (len(self.seen) - len(data))] ^= 0x01
+                        self.flip_at = None
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -91,6 +96,28 @@ async def test_under_mtls_payloads_take_a_tls_lane_that_never_shows_them_in_the_
         assert all(o.tobytes() == marker.tobytes() for o in outs)
     assert world.workers[0].counters.lane_bytes_sent > 0 and len(taps.seen) > world.workers[0].counters.lane_bytes_sent // 2
     assert b"PLAINTEXT-MARKER" not in taps.seen and taps.seen[:1] == b"\x16"  # a TLS record, never the payload
+
+
+async def test_a_bit_flipped_on_a_tls_lanes_wire_fails_the_collective_by_name_and_never_reaches_a_result(
+    pki: Pki, world_factory, tap
+) -> None:
+    settings = pki.settings(token=TOKEN)
+    port = free_port()
+    taps = Tap(port)
+    tap.append(taps)
+    relay = await taps.start()
+    world = await world_factory(2, coordinator=settings, **settings, **LANE, collective_timeout_s=10, each=lambda i: {
+        "rank_hint": i, **({"payload_port": port, "payload_advertise_port": relay} if i == 0 else {})})
+    await warm_lanes(world)
+    xs = [np.full(1 << 18, 1.0 + r, dtype=np.float32) for r in range(2)]
+    assert all(np.array_equal(o, xs[0] + xs[1]) for o in await world.map("allreduce", xs, op="sum", name="clean"))
+    taps.flip_at = len(taps.seen) + (100 << 10)  # inside the next collective's sealed records
+    started = asyncio.get_running_loop().time()
+    outcomes = await world.each_outcome(lambda w: w.allreduce(xs[w.rank], op="sum", name="flipped"), timeout_s=30)
+    assert asyncio.get_running_loop().time() - started < 15
+    # No rank got a result from damaged bytes: the receiver names the record, the sender its lost lane.
+    assert isinstance(outcomes[1], ProtocolError) and "failed its authentication" in str(outcomes[1]), outcomes
+    assert isinstance(outcomes[0], PeerUnavailableError) and f"port {relay}" in str(outcomes[0]), outcomes
 
 
 async def test_a_plaintext_client_on_a_tls_lane_is_refused_with_a_named_reason_and_the_job_goes_on(

@@ -10,7 +10,8 @@ closes the lane on its own: the sender may already be writing to it. If the send
 longer than the deadline, the fallback is logged, and the lane still attaches if the answer comes
 (a sender whose loop was held up); if the sender closes instead, it refused the token.
 
-Attached, the lane is read on a thread of its own (lanethreads.py's ``Reader``) by a
+Under TLS, the sender's answer carries the key of its sealed records, and both ends leave TLS
+(laneseal.py). Attached, the lane is read on a thread of its own (lanethreads.py's ``Reader``) by a
 ``FrameParser`` (laneframes.py): headers through a staging buffer (many small frames in one
 read), a payload straight into a pooled buffer, every complete frame handed to the loop, where
 ``on_frame`` routes it as the stream would, until the sender's end marker (``finished``) or a
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from ringserve.errors import PeerUnavailableError, ProtocolError
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.laneframes import POOLED_MIN, FrameParser, LaneBuffers
+from ringserve.worker.dataplane.laneseal import KEY_BYTES, Opener, read_exactly
 from ringserve.worker.dataplane.lanesock import ATTACHED, MAGIC, LaneClosed, LaneSocket, tune
 from ringserve.worker.dataplane.lanethreads import Reader, read_into
 
@@ -69,6 +71,7 @@ class InboundLane:
         self._on_frame = on_frame
         self._on_broken = on_broken
         self.conn: LaneSocket | None = None
+        self._key: bytes | None = None  # of a TLS lane's sealed records, from the sender's answer
         self._reader: Reader | None = None  # the thread that reads the attached lane (lanethreads.py)
         self.failure = ""  # why the lane did not attach ("" while it may)
         self.required = False  # set by a stream that waits for it (``ready``): it reports the failure
@@ -109,13 +112,18 @@ class InboundLane:
     def _parse(self, conn: LaneSocket, loop: asyncio.AbstractEventLoop, deliver: Callable[[Received], None]) -> None:
         """On the reader's thread: every frame of the lane to ``deliver``, until its end or a break,
         either told to the loop."""
-        sock, waitall = conn.sock, 0 if conn.tls else socket.MSG_WAITALL
+        sock = conn.sock
 
         def closing() -> bool:
             return self._reader is not None and self._reader.closing
 
-        def read(view: memoryview, whole: bool) -> int:
-            return read_into(sock, view, waitall if whole else 0, closing)
+        def read_plain(view: memoryview, whole: bool) -> int:
+            return read_into(sock, view, socket.MSG_WAITALL if whole else 0, closing)
+
+        read = read_plain
+        if self._key is not None:  # a TLS lane: sealed records, each read whole
+            opener = Opener(self._key, read_exactly(lambda view: read_plain(view, True)), self.where)
+            read = lambda view, whole: opener.read(view)  # noqa: E731
 
         def broken(exc: BaseException) -> None:
             loop.call_soon_threadsafe(self._break, exc)
@@ -151,7 +159,7 @@ class InboundLane:
             self._fail(f"the connection failed ({_why(exc)})")
             return None
         # The token is out: from here on the sender may write to the lane at any moment.
-        answer = bytearray(1)
+        answer = bytearray(len(ATTACHED) + (KEY_BYTES if conn.tls else 0))  # under TLS, with the key
         reading = loop.create_task(conn.read_exact(memoryview(answer)))
         late = False
         try:
@@ -168,9 +176,17 @@ class InboundLane:
             return None
         finally:
             reading.cancel()
-        if bytes(answer) != ATTACHED:
-            self._fail(f"it answered the token with {bytes(answer)!r}, not a lane's answer", logged=late)
+        if bytes(answer[:len(ATTACHED)]) != ATTACHED:
+            self._fail(f"it answered the token with {bytes(answer[:len(ATTACHED)])!r}, not a lane's answer",
+                       logged=late)
             return None
+        if conn.tls:
+            try:
+                conn.leave_tls()
+            except ProtocolError as exc:
+                self._fail(str(exc), logged=late)
+                return None
+            self._key = bytes(answer[len(ATTACHED):])
         if late:
             self._attached_late()
         self._ready.set_result(conn)

@@ -3,7 +3,8 @@
 Every lane this worker offers (one per link, see tcplane.py) is a token in this server's table. A
 receiver connects, finishes TLS when the job runs with it, and sends ``MAGIC`` and a token; the
 server hands the connection to the lane with that token, which answers ``ATTACHED`` and from then
-on writes its payloads there. The token is spent on first use.
+on writes its payloads there (under TLS, the answer carries the key of the lane's sealed records,
+and both ends leave TLS: laneseal.py). The token is spent on first use.
 
 Nothing that has not presented a valid token reaches a lane, and the port never affects the job:
 
@@ -26,15 +27,19 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import secrets
 import socket
 import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ringserve.errors import ProtocolError
 from ringserve.handshake import pem_file
 from ringserve.observe import Counters
 from ringserve.security import Security
+from ringserve.worker.dataplane.laneseal import KEY_BYTES
 from ringserve.worker.dataplane.lanesock import (
+    ATTACHED,
     MAGIC,
     TLS_RECORD,
     TOKEN_BYTES,
@@ -63,6 +68,7 @@ def server_context(security: Security) -> ssl.SSLContext | None:
     if security.ca is not None:
         ctx.load_verify_locations(cadata=security.ca.decode())
     ctx.verify_mode = ssl.CERT_REQUIRED if security.require_client_auth else ssl.CERT_NONE
+    ctx.num_tickets = 0  # a lane's session is never resumed, and leaves TLS after its answer (laneseal.py)
     return ctx
 
 
@@ -177,17 +183,24 @@ class LaneServer:
                     return
                 hello = bytearray(len(MAGIC) + TOKEN_BYTES)
                 await conn.read_exact(memoryview(hello))
-            if bytes(hello[: len(MAGIC)]) != MAGIC:
-                self._refused("garbage", "a connection to the payload port sent something other than a lane hello")
-                return
-            lane = self._match(bytes(hello[len(MAGIC):]))
-            handed = lane is not None and lane.attach(conn)
-            if not handed:
-                self._refused("token", "a connection to the payload port presented a token that no lane offers")
+                if bytes(hello[: len(MAGIC)]) != MAGIC:
+                    self._refused("garbage", "a connection to the payload port sent something other than a lane hello")
+                    return
+                lane = self._match(bytes(hello[len(MAGIC):]))
+                if lane is None:
+                    self._refused("token", "a connection to the payload port presented a token that no lane offers")
+                    return
+                self.withdraw(lane)  # spent, even if what follows fails
+                key = None
+                if conn.tls:  # the answer and the key of the lane's sealed records, inside the session
+                    key = secrets.token_bytes(KEY_BYTES)
+                    await conn.send_all(ATTACHED + key)
+                    conn.leave_tls()
+            handed = lane.attach(conn, key=key)
         except TimeoutError:
             self._refused("silent", f"a connection to the payload port presented no token within "
                           f"{self.hello_timeout_s:g} s (peer_hello_timeout_s) and was closed")
-        except (OSError, ssl.SSLError, LaneClosed) as exc:
+        except (OSError, ssl.SSLError, LaneClosed, ProtocolError) as exc:
             self._refused("broken", f"a connection to the payload port failed before its token: {exc}")
         finally:
             if not handed:

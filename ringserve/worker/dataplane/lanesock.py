@@ -11,10 +11,11 @@ Why not asyncio's transports, or ``loop.sock_sendall``:
   (uvloop).
 - **The receiver reads straight into its own buffer**: ``recv_into``, which under TLS decrypts
   into it (lanethreads.py's ``read_into``, on the reader's thread).
-- **TLS without copies of our own.** OpenSSL reads its records from the socket and decrypts
-  into the caller's buffer, and encrypts from the caller's buffer into the socket, with the GIL
-  released for the crypto. (Memory BIOs, the other way Python offers, cost two more copies of
-  every byte, which measured 2.6x the plaintext lane's CPU where the cipher alone is 1.5x.)
+- **TLS for the handshake, sealed records after it.** A TLS lane runs its handshake, token and
+  answer through ``ssl.SSLSocket`` (OpenSSL reads and writes the socket itself: no copies of our
+  own), then leaves TLS (``leave_tls``) and carries records of up to a MiB sealed under a key that
+  the session carried (laneseal.py says why). (Memory BIOs, the other way Python offers, cost two
+  more copies of every byte, which measured 2.6x the plaintext lane's CPU.)
 
 Every socket is tuned the way the gRPC channels are (transport.py): TCP keepalive and a user
 timeout of KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, so a lane whose peer vanished without a FIN
@@ -28,6 +29,7 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from ringserve.errors import ProtocolError
 from ringserve.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
 MAGIC = b"RSLANE1\0"  # what a receiver sends first, before its token: the lane's protocol and version
@@ -78,7 +80,8 @@ class LaneSocket:
 
     def __init__(self, sock: socket.socket, *, tls: bool = False) -> None:
         self.sock = sock
-        self.tls = tls
+        self.tls = tls  # under TLS now (an ssl.SSLSocket)
+        self.sealed = False  # left TLS after its handshake: sealed records from now on (laneseal.py)
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
         self._waiter: asyncio.Future[None] | None = None
@@ -89,6 +92,22 @@ class LaneSocket:
         self.sock = context.wrap_socket(self.sock, server_side=server_side, server_hostname=server_hostname,
                                         do_handshake_on_connect=False, suppress_ragged_eofs=False)
         self.tls = True
+
+    def leave_tls(self) -> None:
+        """Drops the TLS session and keeps its connection, plain again: its next bytes are sealed
+        records (laneseal.py). Nothing that follows the session's last record is lost: OpenSSL reads
+        a record's header and then its body, never further (it reads ahead only when told to).
+
+        Raises:
+            ProtocolError: the session holds bytes that were not read (the peer sent more than its answer).
+        """
+        sock = self.sock
+        assert isinstance(sock, ssl.SSLSocket), "only a connection under TLS leaves it"
+        if sock.pending():
+            raise ProtocolError(f"The payload lane's TLS session ended with {sock.pending()} unread bytes.")
+        self.sock = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.detach())  # same fd, no alert sent
+        self.tls = False
+        self.sealed = True
 
     @property
     def peer(self) -> str:

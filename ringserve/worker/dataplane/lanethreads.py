@@ -4,8 +4,8 @@ inbound lane, beside the worker's event loop.
 Why threads: the lane's cost is the kernel's copies and, under TLS, the cipher; done on the loop
 thread, they queue behind the collectives' Python and reductions, and the other way round. gloo
 does its I/O on a thread of its own and gRPC in its core's threads. A blocking ``sendmsg`` or
-``recv_into`` (and OpenSSL's ``SSL_write``/``SSL_read``) releases the GIL for its whole length, so
-a thread moves the bytes while the loop computes. Measured on a 2-core machine loaded by other
+``recv_into`` (and a TLS lane's sealing and opening, laneseal.py) releases the GIL for its whole
+length, so a thread moves the bytes while the loop computes. Measured on a 2-core machine loaded by other
 work, the lane on the loop thread got a third of the CPU the stream got there, and took 3.5x its
 time under mTLS for the same CPU, because every thread competes for the cores and it had one.
 
@@ -13,9 +13,9 @@ What stays on the loop: attaching (connect, TLS handshake, token, answer: laneso
 everything the plane does with a frame. What crosses between the threads:
 
 - ``Writer``: the loop appends buffers (a frame's header, and a view of its payload) to a queue
-  under a lock and the thread sends them in order; a small frame with nothing queued goes at once
-  from the loop (``MSG_DONTWAIT``, plaintext only), so that a small collective pays no thread
-  switch. The thread tells the loop how many buffers are out (``on_progress``, coalesced: one
+  under a lock and the thread sends them in order (under TLS, sealed first into records of its
+  own); a small frame with nothing queued goes at once from the loop (``MSG_DONTWAIT``, plaintext
+  only), so that a small collective pays no thread switch. The thread tells the loop how many buffers are out (``on_progress``, coalesced: one
   call per batch), which frees their memory (tcplane.py's ``flushed``) and makes room.
 - ``Reader``: the thread parses frames (lanein.py's ``FrameParser``, now with blocking reads and
   ``MSG_WAITALL`` for a payload) and queues them; the loop routes them (``on_frame``, coalesced).
@@ -25,7 +25,8 @@ everything the plane does with a frame. What crosses between the threads:
 The descriptor's mode is not the threads' to rely on: the loop watches the same descriptor
 (lanesock.py's ``watch``), and uvloop's ``add_reader`` makes it non-blocking again. So a thread's
 send or read that finds the kernel not ready (``EAGAIN``, or OpenSSL's want-read/want-write)
-waits for the descriptor with ``poll`` (``wait_ready``) and tries again, in either mode.
+waits for the descriptor with ``poll`` (``wait_ready``) and tries again, in either mode. The
+threads only ever see plain sockets: a TLS lane has left TLS before they start (lanesock.py).
 
 Ending: ``close`` (from the loop) shuts the socket down, which wakes a thread blocked in it; the
 thread then exits, and ``done`` resolves on the loop, which closes the descriptor. The threads are
@@ -39,25 +40,28 @@ import contextlib
 import itertools
 import select
 import socket
-import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
 
 from ringserve.worker.dataplane.inbox import Received
+from ringserve.worker.dataplane.laneseal import OVERHEAD, RECORD, Sealer
 
 BATCH = 64  # buffers one sendmsg hands the kernel (IOV_MAX is 1024)
 SMALL = 64 << 10  # a frame at most this big, with nothing queued, is sent from the loop at once
 MAX_UNROUTED = 64  # frames read and not yet routed by the loop; the reader waits beyond it
+SEALED_OUT = 2 * (RECORD + OVERHEAD) + (64 << 10)  # a sealing writer's buffer: two whole records, and headers
 
 
 class Writer:
-    """Sends a lane's buffers in order, from a thread, with blocking sends."""
+    """Sends a lane's buffers in order, from a thread, with blocking sends; sealed into records
+    first when it has a ``sealer`` (a TLS lane, laneseal.py)."""
 
-    def __init__(self, sock: socket.socket, *, tls: bool, loop: asyncio.AbstractEventLoop,
+    def __init__(self, sock: socket.socket, *, sealer: Sealer | None, loop: asyncio.AbstractEventLoop,
                  on_progress: Callable[[int], None], on_error: Callable[[BaseException], None]) -> None:
         self._sock = sock
-        self._tls = tls
+        self._sealer = sealer
+        self._out = memoryview(bytearray(SEALED_OUT)) if sealer is not None else memoryview(b"")
         self._loop = loop
         self._on_progress = on_progress
         self._on_error = on_error
@@ -77,7 +81,7 @@ class Writer:
         with self._cv:
             if self._closing:
                 return len(parts)
-            if not self._items and not self._tls and sum(p.nbytes for p in parts) <= SMALL:
+            if not self._items and self._sealer is None and sum(p.nbytes for p in parts) <= SMALL:
                 try:
                     sent = self._sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
@@ -123,7 +127,7 @@ class Writer:
                     self._told = self._told or tell
                 if tell:
                     self._loop.call_soon_threadsafe(self._progress)
-        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; ValueError: closed under us
+        except (OSError, ValueError) as exc:  # ValueError: closed under us
             with self._cv:
                 closing = self._closing
             if not closing:
@@ -132,20 +136,39 @@ class Writer:
             self._loop.call_soon_threadsafe(_resolve, self.done)
 
     def _send(self, batch: list[memoryview]) -> int:
-        """Waits until the kernel takes some of ``batch`` (all of its first buffer under TLS), or
-        the lane closes (0)."""
+        """Waits until the kernel takes some of ``batch``, or the lane closes (0); returns the
+        bytes of ``batch`` sent, from its start."""
+        if self._sealer is not None:
+            return self._seal_and_send(batch, self._sealer)
         while not self.closing:
             try:
-                if not self._tls:
-                    return self._sock.sendmsg(batch)
-                # OpenSSL writes record by record, and takes the same buffer again after a
-                # want-write (the moving-buffer mode CPython sets): one buffer at a time, whole.
-                return self._sock.send(batch[0])
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+                return self._sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
                 wait_ready(self._sock, write=True)
-            except ssl.SSLWantReadError:
-                wait_ready(self._sock, write=False)
         return 0
+
+    def _seal_and_send(self, batch: list[memoryview], sealer: Sealer) -> int:
+        """Seals as much of ``batch`` as the buffer holds (a record per buffer, or per MiB of
+        one) and sends all of it: the plaintext bytes sealed, or 0 if the lane closes meanwhile."""
+        out, used, taken = self._out, 0, 0
+        for item in batch:
+            rest = item
+            while rest.nbytes:
+                took, wrote = sealer.seal(rest, out[used:])
+                if not took:
+                    break
+                rest, used, taken = rest[took:], used + wrote, taken + took
+            if rest.nbytes:
+                break
+        sealed = out[:used]
+        while sealed.nbytes:
+            if self.closing:
+                return 0
+            try:
+                sealed = sealed[self._sock.send(sealed):]
+            except (BlockingIOError, InterruptedError):
+                wait_ready(self._sock, write=True)
+        return taken
 
     @property
     def closing(self) -> bool:
@@ -247,12 +270,8 @@ def read_into(sock: socket.socket, view: memoryview, flags: int, closing: Callab
     while not closing():
         try:
             return sock.recv_into(view, 0, flags)
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+        except (BlockingIOError, InterruptedError):
             wait_ready(sock, write=False)
-        except ssl.SSLWantWriteError:
-            wait_ready(sock, write=True)
-        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-            return 0  # the TLS session ended: as the connection's end
     return 0
 
 

@@ -38,9 +38,9 @@ How:
   stream's encoding or the ring's copy. Within a collective, a buffer sent on is written again
   only with data that came back through the ring after the send was received (the causality
   every ring program has), or in a later stage, which comes after a flush too. Under TLS,
-  OpenSSL encrypts from the same views as it sends. The receiver reads a frame's header through
-  a staging buffer and its payload with ``recv_into`` (decrypting under TLS) into a pooled
-  buffer, which the reduction reads from (lanein.py).
+  the writer seals from the same views into records of its own and sends those (laneseal.py). The receiver reads a frame's header through
+  a staging buffer and its payload with ``recv_into`` (under TLS, a sealed record opened straight
+  into it) into a pooled buffer, which the reduction reads from (lanein.py).
 - **Never a new way to fail.** Until the lane attaches, frames travel on the stream, as payloads
   do while the shared ring is unattached; an edge whose lane cannot connect and authenticate
   within ``payload_connect_timeout_s`` keeps the stream (``auto``), logged once per edge and
@@ -66,6 +66,7 @@ from ringserve import wire
 from ringserve._proto import peer_pb2
 from ringserve.errors import PayloadLaneError, PeerUnavailableError
 from ringserve.observe import Counters
+from ringserve.worker.dataplane.laneseal import Sealer
 from ringserve.worker.dataplane.lanesock import ATTACHED, PREFIX, TOKEN_BYTES, LaneClosed, LaneSocket
 from ringserve.worker.dataplane.lanethreads import Writer
 
@@ -117,6 +118,7 @@ class OutboundLane:
         self.counters = counters
         self.window = window
         self.conn: LaneSocket | None = None
+        self.peer = "?"  # the receiver's address, once attached
         self.on_room: Callable[[], None] = _nothing  # queued buffers went to the kernel
         self.on_failure: OnFailure = _ignore
         self._withdraw = withdraw
@@ -148,16 +150,20 @@ class OutboundLane:
         """Whether frames go on the lane now: attached, and neither ended nor closed."""
         return self.conn is not None and not self._closed and not self._ended
 
-    def attach(self, conn: LaneSocket) -> bool:
+    def attach(self, conn: LaneSocket, *, key: bytes | None = None) -> bool:
         """Takes the connection of the receiver that presented this lane's token (laneserver.py);
-        False if the lane takes none any more (closed, or attached already)."""
+        False if the lane takes none any more (closed, or attached already). With ``key`` (a TLS
+        lane, which sent its answer and the key in its session and left TLS), its frames go sealed
+        under that key (laneseal.py); without, it answers here, in plaintext."""
         if self._closed or self.conn is not None:
             return False
         self.conn = conn
+        self.peer = conn.peer  # named in a break's error, when the socket may be gone
         self._withdraw(self)  # a token is good once
-        self._writer = Writer(conn.sock, tls=conn.tls, loop=asyncio.get_running_loop(),
-                              on_progress=self._progress, on_error=self._broken)
-        self._emit(ATTACHED, b"")
+        self._writer = Writer(conn.sock, sealer=Sealer(key) if key is not None else None,
+                              loop=asyncio.get_running_loop(), on_progress=self._progress, on_error=self._broken)
+        if key is None:
+            self._emit(ATTACHED, b"")
         if self._ended:  # the link ended before the receiver came: nothing will follow
             self._emit(_END, b"")
         conn.watch(self._receiver_closed)
@@ -221,9 +227,7 @@ class OutboundLane:
     def _broken(self, exc: BaseException) -> None:
         if self._closed:
             return
-        conn = self.conn
-        peer = conn.peer if conn is not None else "?"
-        self.on_failure(PeerUnavailableError(f"The payload lane to {peer} (port {self.port}) broke: {exc}."),
+        self.on_failure(PeerUnavailableError(f"The payload lane to {self.peer} (port {self.port}) broke: {exc}."),
                         "its payload lane broke")
 
     def close(self) -> None:
