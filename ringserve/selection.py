@@ -186,6 +186,12 @@ def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: Links, chun
 
 # By host (hierarchy.py) under auto only where predicted at most this fraction of the flat plan's time.
 BY_HOST_MARGIN = 0.85
+# Under auto, an allreduce by another algorithm than the ring only where predicted at most this fraction
+# of the ring's time. The model leaves out what favours the ring: one frame a step to one neighbour while taking one
+# from the other, every step pipelined, the simplest program. Measured between 4 hosts on veth (2026-12-03,
+# 5 interleaved rounds each): a 2D ring the model put at 0.84-0.98x the ring took 1.1x its time at 1 MiB
+# and 1.3x at 4 MiB, and halving-doubling 1.1-1.2x at 1 MiB (docs/design/algorithms.md).
+RING_MARGIN = 0.8
 # Plans remembered: a plan is a pure function of the call's size, the world and the link figures,
 # and a training loop asks the same few questions on every step (about 15 predictions a call by host).
 PLANS_KEPT = 4096
@@ -266,4 +272,9 @@ def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chun
     if links is None:  # a named algorithm with no figures: its plain form
         return Plan(pool[0], chunk_bytes, 0.0)
     plans = [_predict_op(op, a, nbytes, n, links, chunk_bytes) for a in pool]
-    return min(plans, key=lambda plan: plan.seconds)
+    best = min(plans, key=lambda plan: plan.seconds)
+    if setting == AUTO and op == "allreduce" and best.algorithm != RING:
+        ring = predict(RING, nbytes, n, links, chunk_bytes)
+        if best.seconds > RING_MARGIN * ring.seconds:
+            return ring
+    return best

@@ -37,13 +37,30 @@ def test_a_large_allreduce_over_a_world_that_is_no_power_of_two_runs_the_tree_no
     assert MiB // 16 <= plan.chunk_bytes <= MiB
 
 
-def test_on_a_fast_lan_with_few_ranks_the_ring_may_win_and_auto_takes_the_fastest() -> None:
-    for n in (2, 3, 8, 24, 64):
-        for size in (4096, MiB, 64 * MiB):
-            plan = selection.choose("auto", "allreduce", size, n, LAN, MiB)
-            each = [selection.predict(a, size, n, LAN, MiB).seconds
-                    for a in selection.candidates("allreduce", n, coded=False)]
-            assert plan.seconds == min(each)
+def test_auto_takes_the_fastest_plan_but_another_than_the_ring_only_where_clearly_faster() -> None:
+    taken = set()
+    for links in (LAN, WAN):
+        for n in (2, 3, 4, 8, 24, 64, 1024):
+            for size in (4096, MiB, 4 * MiB, 64 * MiB):
+                plan = selection.choose("auto", "allreduce", size, n, links, MiB)
+                ring = selection.predict(RING, size, n, links, MiB).seconds
+                fastest = min(selection.predict(a, size, n, links, MiB).seconds
+                              for a in selection.candidates("allreduce", n, coded=False))
+                if fastest <= selection.RING_MARGIN * ring:
+                    assert plan.seconds == fastest
+                else:  # within the model's error of the ring: the ring
+                    assert plan.algorithm == RING and plan.seconds == ring
+                taken.add(plan.algorithm)
+    assert taken >= {RING, RECURSIVE_DOUBLING, HALVING_DOUBLING, TREE}
+
+
+def test_a_2d_ring_the_model_puts_near_the_ring_is_not_taken_over_few_ranks_on_a_lan() -> None:
+    # Measured between 4 hosts on veth: the 2D ring took 1.1x the ring's time at 1 MiB, 1.3x at 4 MiB,
+    # where the model put it at 0.84-0.98x (docs/design/algorithms.md).
+    veth = Links.of(50e-6, 2e9)
+    for size in (MiB, 4 * MiB):
+        assert selection.predict(RING2D, size, 4, veth, 2 * MiB).seconds < selection.predict(RING, size, 4, veth, 2 * MiB).seconds
+        assert selection.choose("auto", "allreduce", size, 4, veth, 2 * MiB).algorithm == RING
 
 
 def test_under_a_codec_recursive_doubling_is_never_chosen() -> None:
@@ -110,7 +127,8 @@ def test_a_flat_allreduce_over_hosts_plans_with_the_uplink_shared_by_the_hosts_r
     # over 16 ranks; but 2 ranks share each host's uplink, and every partner of a 2D ring's
     # column stage is on another host, while the ring crosses each uplink once.
     fast = Links.of(0.02, 1e9 / 8)
-    assert selection.choose("auto", "allreduce", 64 * MiB, 16, fast, 2 * MiB).algorithm == "ring2d"
+    ring2d, ring = (selection.predict(a, 64 * MiB, 16, fast, 2 * MiB).seconds for a in (RING2D, RING))
+    assert ring2d < ring
     assert not selection.by_host(64 * MiB, 2, 8, fast, 2 * MiB)
     assert selection.flat_plan(64 * MiB, 2, 8, fast, 2 * MiB).algorithm == "ring"
     # Small tensors still go by the latency: recursive doubling's log2(16) hops, not the ring's 30.
