@@ -190,7 +190,9 @@ BY_HOST_MARGIN = 0.85
 # of the ring's time. The model leaves out what favours the ring: one frame a step to one neighbour while taking one
 # from the other, every step pipelined, the simplest program. Measured between 4 hosts on veth (2026-12-03,
 # 5 interleaved rounds each): a 2D ring the model put at 0.84-0.98x the ring took 1.1x its time at 1 MiB
-# and 1.3x at 4 MiB, and halving-doubling 1.1-1.2x at 1 MiB (docs/design/algorithms.md).
+# and 1.3x at 4 MiB, and halving-doubling 1.1-1.2x at 1 MiB (docs/design/algorithms.md). Not over 2
+# ranks: there both neighbours are one rank, and recursive doubling's one exchange is measured faster
+# (1 MiB on one host: 1.10 ms against the ring's 1.64).
 RING_MARGIN = 0.8
 # Plans remembered: a plan is a pure function of the call's size, the world and the link figures,
 # and a training loop asks the same few questions on every step (about 15 predictions a call by host).
@@ -273,7 +275,7 @@ def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chun
         return Plan(pool[0], chunk_bytes, 0.0)
     plans = [_predict_op(op, a, nbytes, n, links, chunk_bytes) for a in pool]
     best = min(plans, key=lambda plan: plan.seconds)
-    if setting == AUTO and op == "allreduce" and best.algorithm != RING:
+    if setting == AUTO and op == "allreduce" and n > 2 and best.algorithm != RING:
         ring = predict(RING, nbytes, n, links, chunk_bytes)
         if best.seconds > RING_MARGIN * ring.seconds:
             return ring

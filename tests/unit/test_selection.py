@@ -46,7 +46,7 @@ def test_auto_takes_the_fastest_plan_but_another_than_the_ring_only_where_clearl
                 ring = selection.predict(RING, size, n, links, MiB).seconds
                 fastest = min(selection.predict(a, size, n, links, MiB).seconds
                               for a in selection.candidates("allreduce", n, coded=False))
-                if fastest <= selection.RING_MARGIN * ring:
+                if n == 2 or fastest <= selection.RING_MARGIN * ring:  # 2 ranks: one neighbour, no margin
                     assert plan.seconds == fastest
                 else:  # within the model's error of the ring: the ring
                     assert plan.algorithm == RING and plan.seconds == ring
