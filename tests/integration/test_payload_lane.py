@@ -30,6 +30,7 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.coordinator.statusview import snapshot
 from ringserve.errors import CorruptFrameError
 from ringserve.metrics import WorkerCollector
+from ringserve.worker.dataplane.lanesock import MAGIC
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -365,7 +366,8 @@ async def test_garbage_and_silence_on_the_payload_port_never_affect_the_job(worl
     await warm_lanes(world)
     loop = asyncio.get_running_loop()
     socks = []
-    for payload in (b"\x16\x03\x01garbage", b"GET / HTTP/1.0\r\n\r\n", b"RSLANE1\x00" + bytes(16), b"", b"", b"", b"", b""):
+    for payload in (b"\x16\x03\x01garbage", b"GET / HTTP/1.0\r\n\r\n", MAGIC + bytes(16),
+                    b"RSLANE1\x00" + bytes(16), b"", b"", b"", b""):  # a wrong token; the first version's hello
         sock = socket.socket()
         sock.setblocking(False)
         await loop.sock_connect(sock, ("127.0.0.1", port))

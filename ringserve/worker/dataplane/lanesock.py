@@ -9,8 +9,8 @@ Why not asyncio's transports, or ``loop.sock_sendall``:
   (tcplane.py); the writer gives the kernel a frame's header and payload in one ``sendmsg``. A
   transport would copy the rest (asyncio) or keep it where the lane could not account for it
   (uvloop).
-- **The receiver reads straight into its own buffer**: ``recv_into``, which under TLS decrypts
-  into it (lanethreads.py's ``read_into``, on the reader's thread).
+- **The receiver reads straight into its own buffer**: ``recv_into`` (lanethreads.py's
+  ``read_into``, on the reader's thread); under TLS a sealed record is opened into it.
 - **TLS for the handshake, sealed records after it.** A TLS lane runs its handshake, token and
   answer through ``ssl.SSLSocket`` (OpenSSL reads and writes the socket itself: no copies of our
   own), then leaves TLS (``leave_tls``) and carries records of up to a MiB sealed under a key that
@@ -32,7 +32,9 @@ from collections.abc import Callable
 from ringserve.errors import ProtocolError
 from ringserve.transport import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 
-MAGIC = b"RSLANE1\0"  # what a receiver sends first, before its token: the lane's protocol and version
+MAGIC = b"RSLANE2\0"  # what a receiver sends first, before its token: the lane's protocol and version
+# (2: a TLS lane's answer carries the key of its sealed records; a worker of version 1 is refused, and
+# its edge keeps the stream)
 TOKEN_BYTES = 16
 ATTACHED = b"A"  # the sender's answer to a good token; a bad one is closed without an answer
 TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
@@ -81,7 +83,6 @@ class LaneSocket:
     def __init__(self, sock: socket.socket, *, tls: bool = False) -> None:
         self.sock = sock
         self.tls = tls  # under TLS now (an ssl.SSLSocket)
-        self.sealed = False  # left TLS after its handshake: sealed records from now on (laneseal.py)
         self._loop = asyncio.get_running_loop()
         self._fd = sock.fileno()
         self._waiter: asyncio.Future[None] | None = None
@@ -107,7 +108,6 @@ class LaneSocket:
             raise ProtocolError(f"The payload lane's TLS session ended with {sock.pending()} unread bytes.")
         self.sock = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.detach())  # same fd, no alert sent
         self.tls = False
-        self.sealed = True
 
     @property
     def peer(self) -> str:
