@@ -113,7 +113,7 @@ class Opener:
         self._where = where
         self._length = bytearray(LENGTH)
         self._sealed = memoryview(bytearray(RECORD + TAG))
-        self._plain = memoryview(bytearray(RECORD))
+        self._plain = memoryview(b"")  # a record that a view cannot hold is opened here: made when first needed
         self._left = memoryview(b"")  # opened bytes of the last record not handed on yet
 
     def read(self, view: memoryview) -> int:
@@ -138,6 +138,8 @@ class Opener:
         self._read_exact(sealed)
         aead, nonce = self._keys.next()
         fits = size <= view.nbytes
+        if not fits and not self._plain.nbytes:
+            self._plain = memoryview(bytearray(RECORD))
         try:
             aead.decrypt_into(nonce, sealed, bytes(self._length), view[:size] if fits else self._plain[:size])
         except InvalidTag:
