@@ -175,6 +175,7 @@ class Node:
             await self.control.close()
         if self._server is not None:
             await self._server.stop(SERVER_STOP_GRACE_S)
+            await self.peers.wait_handlers(cfg.rpc_timeout_s)
         self.peers.close()
         # The server holds our stream handler, and so us: drop both, so that gRPC's poller thread
         # can go as soon as the last channel and server are gone, without waiting for the GC.

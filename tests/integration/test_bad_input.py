@@ -76,7 +76,14 @@ async def test_a_mismatch_on_a_multi_chunk_tensor_is_still_caught_within_seconds
         return w.allreduce(np.ones(5000 + w.rank, dtype=np.float32), op="sum", name="big")
 
     outcomes, _ = await outcomes_within(world, call)
-    assert_mismatch_everywhere(outcomes, "(5000,)", "(5001,)", "(5002,)")
+    assert_mismatch_everywhere(outcomes)
+    # All three shapes differ. A rank names all three once the abort's second lap reaches it, but fails
+    # abort_grace_s after it first heard of the abort if that lap is late (a loaded machine): then it
+    # names the pair the abort started with, or more. A pair is what every rank must name.
+    shapes = [f"({5000 + rank},)" for rank in range(world.size)]
+    for rank, outcome in enumerate(outcomes):
+        named = [shape for shape in shapes if shape in str(outcome)]
+        assert len(named) >= 2, f"rank {rank} names fewer than two shapes: {outcome}"
 
 
 @pytest.mark.parametrize("world", [3], indirect=True)

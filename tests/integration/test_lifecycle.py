@@ -109,3 +109,19 @@ async def test_heartbeats_carry_each_workers_counters_to_the_coordinator_status(
                 break
             await asyncio.sleep(0.05)
     assert all(m.counters.bytes_sent > 0 for m in status.members)
+
+
+@pytest.mark.parametrize("lane", ["off", "tcp"])
+async def test_close_returns_once_the_streams_it_served_have_ended(world_factory, lane: str) -> None:
+    # Worker 1 closes while worker 0 keeps its stream into it open: the server's stop cancels that
+    # call, but the task serving it still runs its end (a lane's reader to join) after stop returns.
+    world = await world_factory(2, shared_memory=False, payload_lane=lane)
+    await world.each(lambda w: w.allreduce(np.ones(50_000, dtype=np.float32), op="sum"))
+    leaving = world.workers[1]
+    serving = leaving.node.peers.serving()
+    assert serving, "no task serves the stream from rank 0"
+    # With the coordinator gone, rank 0 hears of no new view and keeps its stream open, so that the
+    # server's stop has to cancel its call.
+    await world.coordinator.stop()
+    await leaving.close()
+    assert [t.get_name() for t in serving if not t.done()] == []

@@ -69,6 +69,7 @@ class PeerServicer:
         # link into us is up.
         self._inbound: dict[tuple[int, int], int] = {}
         self._rings: set[InboundRing] = set()  # shared rings mapped by streams still open
+        self._handlers: set[asyncio.Task] = set()  # the tasks serving streams, until they end
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to add to the peer server."""
@@ -91,6 +92,16 @@ class PeerServicer:
             return place.view_id
         return 0
 
+    def serving(self) -> set[asyncio.Task]:
+        """The tasks serving streams into this worker now."""
+        return set(self._handlers)
+
+    async def wait_handlers(self, timeout_s: float) -> None:
+        """Waits, up to ``timeout_s``, for the tasks serving streams to end. The server's stop
+        cancels the calls still open but can return before their tasks have run their ends."""
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=timeout_s)
+
     def close(self) -> None:
         """Unmaps every shared ring still mapped (the server has stopped: no stream reads them)."""
         for ring in list(self._rings):
@@ -101,6 +112,10 @@ class PeerServicer:
         return peer_pb2.LatestView(view_id=self.planes.latest_view, worker_id=self.planes.state.worker_id)
 
     async def stream(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> peer_pb2.StreamSummary:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         # Streams that have proved nothing are bounded in number and in time (see gate.py).
         admitted = self.gate.enter()
         frames = 0
