@@ -62,8 +62,11 @@ def plan(params: list[torch.nn.Parameter], fusion_bytes: int,
           groups: int | list[list[torch.nn.Parameter]] | None) -> list[list[torch.nn.Parameter]]:
     """Splits parameters into buckets: explicit groups first, then the rest by size.
 
-    The rest is taken in reverse order (backward's order); a bucket closes when the next parameter
-    would take it past ``fusion_bytes`` or has another dtype or device.
+    The rest is taken in reverse order (backward's order); a bucket closes once it holds
+    ``fusion_bytes`` or more, as DDP's buckets do, or when the next parameter has another dtype or
+    device. So a bucket may pass ``fusion_bytes`` by its last parameter, and a bias next to a large
+    weight rides with it rather than costing an allreduce of its own (every allreduce has a fixed
+    cost on the loop; a bucket that closed before a large parameter left such small ones alone).
     """
     plans: list[list[torch.nn.Parameter]] = []
     rest = list(reversed(params))
@@ -85,7 +88,7 @@ def plan(params: list[torch.nn.Parameter], fusion_bytes: int,
     size = 0
     for p in rest:
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > fusion_bytes or p.dtype != current[0].dtype
+        if current and (size >= fusion_bytes or p.dtype != current[0].dtype
                         or p.device != current[0].device):
             plans.append(current)
             current, size = [], 0

@@ -4,7 +4,8 @@ How it works:
 
 - Gradients are packed into fusion buckets of about ``fusion_bytes`` (default 4 MiB, or
   RINGSERVE_FUSION_BYTES), in reverse parameter order, which is roughly the order backward produces
-  them. Each bucket is one named allreduce.
+  them; a bucket closes once it holds ``fusion_bytes`` or more, as DDP's do. Each bucket is one
+  named allreduce.
 - A ``register_post_accumulate_grad_hook`` on every parameter counts its backward passes. When every
   parameter of a bucket has had ``backward_passes_per_step`` of them, the bucket is packed into a
   host buffer and its allreduce starts on the background loop, while backward computes the

@@ -25,10 +25,13 @@ def positions(buckets: list[list[torch.nn.Parameter]], ps: list[torch.nn.Paramet
     return [[ids.index(id(p)) for p in bucket] for bucket in buckets]
 
 
-def test_buckets_take_parameters_in_reverse_order_up_to_the_fusion_size() -> None:
+def test_buckets_take_parameters_in_reverse_order_until_they_hold_the_fusion_size() -> None:
     ps = params(10, 10, 30, 5)  # 40, 40, 120, 20 bytes
     buckets = plan(ps, fusion_bytes=80, groups=None)
-    assert positions(buckets, ps) == [[3], [2], [1, 0]]
+    # The 20 bytes ride with the 120 that take the bucket past 80, not alone (as DDP's buckets).
+    assert positions(buckets, ps) == [[3, 2], [1, 0]]
+    assert positions(plan(ps, fusion_bytes=81, groups=None), ps) == [[3, 2], [1, 0]]
+    assert positions(plan(ps, fusion_bytes=161, groups=None), ps) == [[3, 2, 1], [0]]
 
 
 def test_a_zero_fusion_size_gives_each_parameter_its_own_bucket() -> None:
