@@ -270,3 +270,19 @@ async def test_a_worker_whose_world_never_forms_raises_rendezvous_timeout_error(
         await w.barrier()
     status = await coordinator.service.Status(pb.StatusRequest(), None)  # the worker left on its way out
     assert status.pending_workers == 0
+
+
+@pytest.mark.parametrize("lane", ["off", "tcp"])
+async def test_workers_set_to_different_chunk_sizes_fail_naming_the_setting(world_factory, lane: str) -> None:
+    # Rank 0 cuts 1 MiB chunks, rank 1 256 KiB: each sees frames of sizes its program does not
+    # expect. Over shared memory, and over the payload lane, where rank 1 refuses a frame larger
+    # than its own chunk before reading it.
+    world = await world_factory(2, each=lambda i: {"chunk_bytes": (1 << 20) if i == 0 else (256 << 10)},
+                                payload_lane=lane, shared_memory=lane == "off")
+    outcomes, _ = await outcomes_within(world, lambda w: w.allreduce(np.ones(1 << 21, dtype=np.float32), op="sum"))
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, ringserve.RingserveError), f"rank {rank} got {outcome!r}"
+    named = [o for o in outcomes if isinstance(o, ringserve.ProtocolError) and "RINGSERVE_CHUNK_BYTES" in str(o)]
+    # Over the lane, the rank that refuses a frame closes the lane, and its peer may see that close
+    # (PeerUnavailableError) before it reads a frame of the wrong size itself.
+    assert len(named) == 2 if lane == "off" else len(named) >= 1, outcomes

@@ -24,6 +24,7 @@ from ringserve import wire
 from ringserve.errors import ProtocolError
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanesock import PREFIX, LaneClosed
+from ringserve.worker.dataplane.values import CHUNK_HINT
 
 log = logging.getLogger("ringserve.worker")
 
@@ -271,7 +272,7 @@ class FrameParser:
         nbytes = header.lane_bytes
         if nbytes > self._max_bytes:
             raise ProtocolError(f"A frame on the payload lane from {self._where} names {nbytes} bytes; a payload "
-                                f"holds at most {self._max_bytes} (a chunk and its header).")
+                                f"holds at most {self._max_bytes} (a chunk and its header){CHUNK_HINT}.")
         self._header, self._raw = header, raw
         region = (self._buffers.landings.claim(header, self._stop)
                   if self._stop is not None and nbytes >= LAND_MIN else None)

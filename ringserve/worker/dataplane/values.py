@@ -17,6 +17,10 @@ from ringserve.errors import ProtocolError
 from ringserve.ring import combine_into, finish_into
 from ringserve.worker.dataplane.inbox import Received
 
+# Ranks cut a collective's payloads into chunks of their own chunk_bytes: a peer set otherwise sends
+# frames of other sizes, which these checks are the first to see.
+CHUNK_HINT = " (every worker must set the same RINGSERVE_CHUNK_BYTES)"
+
 
 def payload_of(frame: Received, dtype: np.dtype, count: int, key: str) -> np.ndarray:
     """The frame's elements, after checking that its dtype, count and length are the expected ones."""
@@ -24,7 +28,7 @@ def payload_of(frame: Received, dtype: np.dtype, count: int, key: str) -> np.nda
     if header.dtype != wire.dtype_code(dtype) or header.count != count or payload.nbytes != count * dtype.itemsize:
         raise ProtocolError(
             f"A frame of collective {key!r} carries {header.count} elements of dtype code {header.dtype} "
-            f"in {payload.nbytes} bytes, where {count} elements of {dtype} were expected."
+            f"in {payload.nbytes} bytes, where {count} elements of {dtype} were expected{CHUNK_HINT}."
         )
     return np.frombuffer(payload, dtype=dtype)
 
@@ -185,7 +189,7 @@ class Coded(Raw):
             raise ProtocolError(
                 f"A frame of collective {self.key!r} carries {header.count} elements of dtype code "
                 f"{header.dtype} in codec {header.codec} ({payload.nbytes} bytes), where {count} "
-                f"elements of {self.buf.dtype} in {self.coder.name} were expected."
+                f"elements of {self.buf.dtype} in {self.coder.name} were expected{CHUNK_HINT}."
             )
         return self.coder.decode(payload, count)
 
