@@ -17,6 +17,7 @@ from typing import Any
 from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 from ringserve.selection import SETTINGS as ALGORITHMS
+from ringserve.selection import WIDE_CHUNKS
 
 MiB = 1 << 20
 
@@ -489,9 +490,20 @@ class WorkerConfig(SecuritySettings):
         return min(self.holder_wait_s, self.collective_timeout_s / 2)
 
     @property
+    def frame_bytes(self) -> int:
+        """Largest payload of a frame: a chunk, or a ring's wider chunk between hosts
+        (selection.ring_chunk)."""
+        return WIDE_CHUNKS * self.chunk_bytes
+
+    @property
     def max_message_bytes(self) -> int:
-        """Largest frame accepted on the data plane: a chunk plus room for its header."""
-        return self.chunk_bytes + 64 * 1024
+        """Largest frame accepted on the data plane: frame_bytes plus room for its header."""
+        return self.frame_bytes + 64 * 1024
+
+    @property
+    def stream_window_bytes(self) -> int:
+        """How far ahead a peer stream reads (gRPC's lookahead): four chunks and their headers."""
+        return 4 * (self.chunk_bytes + 64 * 1024)
 
     @property
     def server_rpc_cap(self) -> int:

@@ -54,6 +54,7 @@ class WorkerCollector(Collector):
             chosen.add_metric([*values, op, algorithm], count)
         yield chosen
         yield counter("sent_bytes", "Bytes sent to the ring successor.", c.bytes_sent)
+        yield counter("sent_frames", "DATA frames sent to the ring successor.", c.frames_sent)
         yield counter("shared_sent_bytes", "Of those, payload bytes sent through same-host shared memory.",
                       c.shared_bytes_sent)
         yield counter("lane_sent_bytes", "Of those, payload bytes sent over TCP payload lanes (between hosts).",

@@ -40,6 +40,7 @@ class Counters:
 
     collectives_done: int = 0
     bytes_sent: int = 0  # payloads and headers, over the stream or through shared memory
+    frames_sent: int = 0  # DATA frames sent to the ring successor (bytes_sent / frames_sent: a frame's mean size)
     shared_bytes_sent: int = 0  # the payload bytes of those that went through shared memory
     lane_bytes_sent: int = 0  # the payload bytes of those that went over TCP payload lanes
     lane_fallbacks: int = 0  # edges whose payload lane did not attach: their payloads took the stream

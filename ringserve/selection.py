@@ -50,6 +50,10 @@ SETTINGS = (AUTO, RING, HALVING_DOUBLING, TREE, RING2D)  # RINGSERVE_ALGORITHM
 FRAME_S = 50e-6
 MIN_TREE_CHUNK = 16 << 10  # a tree's chunks are no smaller: a frame's header and its software
 HEADER_BYTES = 96  # about a DATA frame's encoded header
+# A ring whose ranks are all on hosts of their own runs a large block in frames of up to this many
+# chunks (ring_chunk): between hosts a frame costs its sender and receiver a wake-up and a lane's
+# thread hand-off, which 2 MiB frames paid 96 times per 64 MiB allreduce at world 4.
+WIDE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,19 @@ def tree_chunk(nbytes: int, n: int, chunk_bytes: int) -> int:
     depth = max(tree_depth(n), 1)
     chunk = (nbytes // 2 // (16 * depth)) >> 10 << 10
     return int(min(max(chunk, MIN_TREE_CHUNK), chunk_bytes))
+
+
+def ring_chunk(nbytes: int, n: int, chunk_bytes: int, *, apart: bool) -> int:
+    """The chunk a ring allreduce of ``nbytes`` over ``n`` ranks runs in: ``chunk_bytes``, unless
+    every rank is on a host of its own (``apart``); then half a block (two frames per step, so a
+    frame's reduction overlaps the next one's transfer), within [chunk_bytes, WIDE_CHUNKS x
+    chunk_bytes], a multiple of 1 KiB. Between hosts no frame goes through shared memory, whose
+    slots hold one chunk. A function of the call, the view and the config only, so every rank of
+    the ring (and a rank that stands in, join.py) chunks alike."""
+    if not apart or n <= 1:
+        return chunk_bytes
+    half = (nbytes // n // 2) >> 10 << 10
+    return int(min(max(half, chunk_bytes), WIDE_CHUNKS * chunk_bytes))
 
 
 def _tree(s: float, n: int, links: Links, chunk_bytes: int) -> Plan:

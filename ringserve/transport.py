@@ -21,7 +21,7 @@ KEEPALIVE_TIMEOUT_MS = 5_000
 MAX_STREAMS_PER_CONNECTION = 256
 
 
-def _common_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _common_options(max_message_bytes: int, lookahead_bytes: int | None = None) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -29,23 +29,25 @@ def _common_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         # Loopback and LAN links: a large window keeps chunks flowing without stalls.
-        ("grpc.http2.lookahead_bytes", 4 * max_message_bytes),
+        ("grpc.http2.lookahead_bytes", lookahead_bytes or 4 * max_message_bytes),
     ]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [*_common_options(max_message_bytes), ("grpc.http2.max_pings_without_data", 0)]
+def channel_options(max_message_bytes: int, *, lookahead_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Channel options; ``lookahead_bytes``: how far ahead a stream reads (four messages by default)."""
+    return [*_common_options(max_message_bytes, lookahead_bytes), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def server_options(
-    max_message_bytes: int, *, idle_timeout_s: float | None = None, handshake_timeout_s: float | None = None
+    max_message_bytes: int, *, idle_timeout_s: float | None = None, handshake_timeout_s: float | None = None,
+    lookahead_bytes: int | None = None,
 ) -> list[tuple[str, int]]:
     """Server options; ``idle_timeout_s`` closes connections that carry no RPC for that long (an
     open stream keeps its connection busy, however quiet), and ``handshake_timeout_s`` closes
     those that do not finish their TLS handshake and HTTP/2 settings within it (a raw socket
-    that sends nothing)."""
+    that sends nothing); ``lookahead_bytes`` as for channel_options."""
     options = [
-        *_common_options(max_message_bytes),
+        *_common_options(max_message_bytes, lookahead_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),

@@ -108,7 +108,7 @@ class Node:
         self.security = Security.load(cfg)
         server = grpc.aio.server(
             options=server_options(cfg.max_message_bytes, idle_timeout_s=cfg.peer_idle_timeout_s,
-                                   handshake_timeout_s=cfg.peer_hello_timeout_s),
+                                   handshake_timeout_s=cfg.peer_hello_timeout_s, lookahead_bytes=cfg.stream_window_bytes),
             interceptors=self.security.server_interceptors(),
             maximum_concurrent_rpcs=cfg.server_rpc_cap,
         )
@@ -329,4 +329,5 @@ class Node:
 
     def make_channel(self, address: str) -> grpc.aio.Channel:
         """A channel to a peer, with the job's TLS and token."""
-        return self.security.channel(address, channel_options(self.config.max_message_bytes))
+        return self.security.channel(address, channel_options(self.config.max_message_bytes,
+                                                              lookahead_bytes=self.config.stream_window_bytes))

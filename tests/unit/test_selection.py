@@ -133,3 +133,16 @@ def test_a_flat_allreduce_over_hosts_plans_with_the_uplink_shared_by_the_hosts_r
     assert selection.flat_plan(64 * MiB, 2, 8, fast, 2 * MiB).algorithm == "ring"
     # Small tensors still go by the latency: recursive doubling's log2(16) hops, not the ring's 30.
     assert selection.flat_plan(64 << 10, 2, 8, WAN, 2 * MiB).algorithm != "ring"
+
+
+def test_a_ring_of_hosts_runs_half_a_block_a_frame_within_one_to_four_chunks_and_a_ring_on_one_host_its_chunk() -> None:
+    c = 2 * MiB
+    assert selection.ring_chunk(64 * MiB, 4, c, apart=True) == 8 * MiB  # a block of 16 MiB: two frames
+    assert selection.ring_chunk(64 * MiB, 8, c, apart=True) == 4 * MiB
+    assert selection.ring_chunk(64 * MiB, 2, c, apart=True) == 8 * MiB  # at most four chunks
+    assert selection.ring_chunk(4 * MiB, 4, c, apart=True) == c  # never below a chunk
+    assert selection.ring_chunk(10 * MiB + 12345, 2, c, apart=True) == (10 * MiB + 12345) // 4 >> 10 << 10
+    for nbytes in (1, MiB, 64 * MiB, 1 << 40):
+        assert selection.ring_chunk(nbytes, 4, c, apart=False) == c
+        assert selection.ring_chunk(nbytes, 1, c, apart=True) == c
+        assert c <= selection.ring_chunk(nbytes, 3, c, apart=True) <= selection.WIDE_CHUNKS * c

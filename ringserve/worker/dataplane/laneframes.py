@@ -22,6 +22,7 @@ import numpy as np
 
 from ringserve import wire
 from ringserve.errors import ProtocolError
+from ringserve.selection import WIDE_CHUNKS
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanesock import PREFIX, LaneClosed
 from ringserve.worker.dataplane.values import CHUNK_HINT
@@ -272,7 +273,8 @@ class FrameParser:
         nbytes = header.lane_bytes
         if nbytes > self._max_bytes:
             raise ProtocolError(f"A frame on the payload lane from {self._where} names {nbytes} bytes; a payload "
-                                f"holds at most {self._max_bytes} (a chunk and its header){CHUNK_HINT}.")
+                                f"holds at most {self._max_bytes} (the widest frame, {WIDE_CHUNKS} chunks, and its "
+                                f"header){CHUNK_HINT}.")
         self._header, self._raw = header, raw
         region = (self._buffers.landings.claim(header, self._stop)
                   if self._stop is not None and nbytes >= LAND_MIN else None)

@@ -45,7 +45,7 @@ class Lanes:
         self._server: LaneServer | None = None
         self._unbound = ""  # why the payload port could not be bound (auto: no lanes are offered)
         self._logged: set[str] = set()
-        self.buffers = LaneBuffers(config.chunk_bytes)
+        self.buffers = LaneBuffers(config.frame_bytes)
 
     @property
     def security(self) -> Security:

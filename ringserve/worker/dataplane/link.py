@@ -18,7 +18,7 @@ frames with ``_next`` until it returns None, then ends the stream cleanly.
 Backpressure: at most ``window`` DATA frames (``SEND_WINDOW`` by default) wait in a link's queue,
 and one more is being written. The executor asks ``has_room`` before it sends and waits on
 ``room()`` when there is none, so a rank never runs more than ``window`` chunks ahead of its link:
-a link's memory is bounded by ``window + 1`` frames of at most ``chunk_bytes`` and a header each
+a link's memory is bounded by ``window + 1`` frames of at most ``frame_bytes`` (config.py) and a header each
 (with the shared ring attached, a queued frame is its header only; the TCP lane holds at most
 ``window`` buffers that the kernel has not taken, see tcplane.py). ABORT frames and the clean end never
 wait: they are a few hundred bytes at most, once per collective, and are sent from the receive
@@ -139,6 +139,7 @@ class Link:
         which sends from that memory later, then sends a copy; the stream and the shared ring copy
         the payload here anyway.
         """
+        self.counters.frames_sent += 1
         if self.tcp is not None and self.tcp.attached:
             if volatile and not isinstance(payload, bytes):
                 payload = payload.copy() if isinstance(payload, np.ndarray) else bytes(payload)
@@ -169,6 +170,7 @@ class Link:
         beside = header.HasField("shm_slot") or header.lane_bytes
         if (not beside and (self.lane is None or not self.lane.attached)
                 and (self.tcp is None or not self.tcp.attached)):
+            self.counters.frames_sent += 1
             self._push(raw, True)
             return
         copy = wire.FrameHeader()

@@ -160,6 +160,13 @@ class Session:
         return self.plane.pool
 
     @property
+    def apart(self) -> bool:
+        """Whether every rank of the ring is on a host of its own (RINGSERVE_HOSTNAME), as the view
+        says: alike on every rank of it."""
+        hosts = self.place.hosts
+        return len(hosts) == self.place.size > 1 and len(set(hosts)) == len(hosts)
+
+    @property
     def hierarchical(self) -> str:
         """The hierarchical allreduce setting (hierarchy.py); "0" on a sub-ring, which is its own ring."""
         return self.plane.hierarchical if not self.spec else "0"

@@ -29,6 +29,7 @@ from ringserve.worker.ops.arguments import (
     non_finite_error,
     reduction_values,
     result_buffer,
+    ring_chunk_elems,
     scratch,
 )
 from ringserve.worker.ops.refusal import refuse
@@ -84,7 +85,8 @@ async def allreduce(
                                          residual=flat_residual)
     else:
         values = reduction_values(src, buf, op, world, coder, flat_residual)
-        program = programs.ring_reduce(ring_of(session), bounds, elems, gather=True)
+        wide = ring_chunk_elems(session, buf.dtype, buf.size, chunk_bytes)
+        program = programs.ring_reduce(ring_of(session), bounds, wide, gather=True)
         key = await executor.run(session, name, descriptor, timeout_s, program, values)
     if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
         if flat_residual is not None:

@@ -49,6 +49,7 @@ from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
 from ringserve.worker.ops import algorithms, refusal
+from ringserve.worker.ops.arguments import ring_chunk_elems
 
 MODES = ("auto", "1", "0")
 FAILED_STAGE = "an earlier stage of this hierarchical allreduce failed"
@@ -138,7 +139,8 @@ async def allreduce(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
             elems = max(1, algorithms.chunk_of(cross, across, part.nbytes, chunk_bytes) // buf.dtype.itemsize)
             return (algorithms.allreduce_program(across, cross.ring, part.size, elems),
                     PartialRaw(part, part, step_op, cross.place.size, ring=cross.ring))
-        return (programs.ring_reduce(cross.ring, segment_bounds(part.size, cross.place.size), chunk_elems, gather=True),
+        wide = ring_chunk_elems(cross, buf.dtype, part.size, chunk_bytes)
+        return (programs.ring_reduce(cross.ring, segment_bounds(part.size, cross.place.size), wide, gather=True),
                 Raw(part, part, step_op, cross.place.size))
 
     def gather_locally() -> tuple[programs.Programs, Values]:

@@ -59,7 +59,7 @@ from ringserve.worker.dataplane.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
 from ringserve.worker.ops import adasum, algorithms, collectives, refusal
-from ringserve.worker.ops.arguments import chunk_elems, codec_for, reduction_values
+from ringserve.worker.ops.arguments import codec_for, reduction_values, ring_chunk_elems
 
 log = logging.getLogger("ringserve.worker")
 
@@ -156,7 +156,7 @@ async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_by
     values = reduction_values(flat, np.empty_like(flat), plan.op, world, codec_for(zeros, plan.op, plan.codec, None),
                               None)
     program = programs.ring_reduce(ring_of(session), segment_bounds(flat.size, world),
-                                   chunk_elems(flat.dtype, chunk_bytes), gather=True)
+                                   ring_chunk_elems(session, flat.dtype, flat.size, chunk_bytes), gather=True)
     await executor.run(session, None, descriptor, timeout_s, program, values, key=key)
 
 
