@@ -41,7 +41,7 @@ NAME = "ringserve.links"
 DESCRIPTOR = Descriptor("links", algo=routes.PROBE)
 ROUNDS = 3
 PROBE_FRAMES = 3
-PROBE_BYTES = 60 << 10  # a frame of it fits whatever chunk_bytes (max_message_bytes is chunk_bytes + 64 KiB)
+PROBE_BYTES = 60 << 10  # a frame of it fits whatever chunk_bytes (max_message_bytes is four chunks + 64 KiB)
 AGREE_SLOT = 1 << 20  # the agreement's slots, after the pings'
 
 
