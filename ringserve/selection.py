@@ -133,7 +133,7 @@ def tree_chunk(nbytes: int, n: int, chunk_bytes: int) -> int:
 
 
 def ring_chunk(nbytes: int, n: int, chunk_bytes: int, *, apart: bool) -> int:
-    """The chunk a ring allreduce of ``nbytes`` over ``n`` ranks runs in: ``chunk_bytes``, unless
+    """The chunk a ring allreduce (or reduce-scatter) of ``nbytes`` over ``n`` ranks runs in: ``chunk_bytes``, unless
     every rank is on a host of its own (``apart``); then half a block (two frames per step, so a
     frame's reduction overlaps the next one's transfer), within [chunk_bytes, WIDE_CHUNKS x
     chunk_bytes], a multiple of 1 KiB. Between hosts no frame goes through shared memory, whose

@@ -2,7 +2,7 @@
 (selection.ring_chunk): half a block, up to four chunks. Real workers over loopback, each with a
 hostname of its own (RINGSERVE_HOSTNAME) and shared memory off, as between hosts.
 
-What must hold: the wide frames are really sent (fewer DATA frames than the same call on one
+What must hold (allreduce, and reduce-scatter by the ring): the wide frames are really sent (fewer DATA frames than the same call on one
 host), over the payload lane and over the gRPC stream alike (the stream's message cap and the
 lane's payload cap admit them); the results are bit-identical to the narrow frames'; a joined rank
 that stands in chunks as the others do; and the cross-host ring of a hierarchical allreduce widens
@@ -56,6 +56,24 @@ async def test_a_ring_of_hosts_sends_a_large_allreduce_in_four_chunk_frames_with
     assert wide_frames == [2 * (n - 1) * block // (4 * CHUNK)] * n
     if lane == "tcp":
         assert all(w.counters.lane_fallbacks == 0 and w.counters.lane_bytes_sent > block for w in apart.workers)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+async def test_a_ring_of_hosts_runs_a_large_reduce_scatter_in_wide_frames_too(world_factory, n: int) -> None:
+    apart, together = await asyncio.gather(world_factory(n, **APART), world_factory(n, **TOGETHER))
+    xs = [np.random.default_rng(r).standard_normal((COUNT // 256, 256)).astype(np.float32) for r in range(n)]
+
+    async def scattered(world: World) -> tuple[list[np.ndarray], list[int]]:
+        before = frames(world)
+        outs = await world.each(lambda w: w.reduce_scatter(xs[w.rank], op="sum", name="rs"))
+        return outs, [b - a for a, b in zip(before, frames(world), strict=True)]
+
+    (wide, wide_frames), (narrow, narrow_frames) = await asyncio.gather(scattered(apart), scattered(together))
+    for r in range(n):
+        assert wide[r].tobytes() == narrow[r].tobytes(), f"rank {r} differs"
+    block = COUNT * 4 // n  # n - 1 steps of a block each
+    assert narrow_frames == [(n - 1) * block // CHUNK] * n
+    assert wide_frames == [(n - 1) * block // (4 * CHUNK)] * n
 
 
 async def test_a_small_allreduce_between_hosts_keeps_its_chunks(world_factory) -> None:

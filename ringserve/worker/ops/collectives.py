@@ -120,7 +120,8 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
                                         chunk_elems=elems, timeout_s=timeout_s, coder=coder)
     else:
         values = reduction_values(src, buf, op, world, coder, None)
-        program = programs.ring_reduce(ring_of(session), bounds, elems, gather=False)
+        wide = ring_chunk_elems(session, buf.dtype, buf.size, chunk_bytes)
+        program = programs.ring_reduce(ring_of(session), bounds, wide, gather=False)
         await executor.run(session, name, descriptor, timeout_s, program, values)
     a0, b0 = bounds[rank]
     return buf[a0:b0].copy().reshape((-1, *rest))
