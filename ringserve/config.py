@@ -263,7 +263,9 @@ class WorkerConfig(SecuritySettings):
             bound port to another one; 0 (the default) advertises the bound port.
         hostname: groups workers into local ranks; defaults to the machine's name.
         rank_hint: preferred rank in the first view (the launcher's process index), or -1.
-        chunk_bytes: the ring pipelines chunks of at most this size.
+        chunk_bytes: the ring pipelines chunks of at most this size; a ring whose ranks are all
+            on hosts of their own runs a large allreduce or reduce-scatter in frames of up to four
+            (selection.ring_chunk). Every worker must set the same value.
         connect_timeout_s: deadline to reach the coordinator or a peer.
         rendezvous_timeout_s: deadline for the first view that includes this worker.
         collective_timeout_s: deadline for one collective, from submission to result.
@@ -317,7 +319,9 @@ class WorkerConfig(SecuritySettings):
             PID namespaces hide each other's /proc, then pass payloads through shared memory too.
             A tmpfs volume mounted into every worker container (docker-compose.yml). Empty: rings
             are found through /proc only.
-        shared_slots: slots in each sender's ring, each of chunk_bytes; when all are in use,
+        shared_slots: slots in each sender's ring, each of frame_bytes (four chunks: workers on
+            one host whose hostnames differ, containers, run wide frames; pages are only taken as
+            payloads are written, so narrow frames use a chunk of each); when all are in use,
             payloads travel over the stream until one is freed.
         payload_lane: the TCP payload lane between hosts (see worker/dataplane/tcplane.py):
             each worker listens on one payload port, and a DATA frame's payload travels on a

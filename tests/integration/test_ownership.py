@@ -168,8 +168,10 @@ async def test_close_honours_its_drain_deadline_across_every_plane_whose_peer_ha
     async with Coordinator(make_coordinator_config(min_workers=2)) as coord:
         peers = await StuckPeers(coord.address).start()
         # The ring's link to the stuck peer fills (no measure of the links first: it would never end).
+        # On the stuck peer's host, so the ring keeps 64 KiB frames (between hosts this allreduce would
+        # run in frames of four chunks, selection.ring_chunk: too few to fill the link).
         w = Worker(config=make_worker_config(coord.address, drain_timeout_s=2.0, shared_memory=False,
-                                              chunk_bytes=64 << 10, algorithm="ring"))
+                                              chunk_bytes=64 << 10, algorithm="ring", hostname="stuck"))
         try:
             fake = (await asyncio.gather(w.start(), peers.join()))[1]
             tasks = []

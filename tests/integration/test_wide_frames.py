@@ -5,7 +5,8 @@ hostname of its own (RINGSERVE_HOSTNAME) and shared memory off, as between hosts
 What must hold (allreduce, and reduce-scatter by the ring): the wide frames are really sent (fewer DATA frames than the same call on one
 host), over the payload lane and over the gRPC stream alike (the stream's message cap and the
 lane's payload cap admit them); the results are bit-identical to the narrow frames'; a joined rank
-that stands in chunks as the others do; and the cross-host ring of a hierarchical allreduce widens
+that stands in chunks as the others do; containers of one host (hostnames of their own) pass
+their wide frames through shared memory, whose slots hold one; and the cross-host ring of a hierarchical allreduce widens
 while its local rings keep their chunks.
 """
 
@@ -74,6 +75,24 @@ async def test_a_ring_of_hosts_runs_a_large_reduce_scatter_in_wide_frames_too(wo
     block = COUNT * 4 // n  # n - 1 steps of a block each
     assert narrow_frames == [(n - 1) * block // CHUNK] * n
     assert wide_frames == [(n - 1) * block // (4 * CHUNK)] * n
+
+
+async def test_containers_of_one_host_pass_their_wide_frames_through_shared_memory(world_factory) -> None:
+    # docker compose: every container has a hostname of its own, and their rings meet in shared memory
+    world = await world_factory(2, **{**APART, "shared_memory": True})
+    xs = [np.random.default_rng(r).standard_normal(COUNT).astype(np.float32) for r in range(2)]
+    payload = 2 * (COUNT * 4 // 2)  # 2 (n - 1) / n of the tensor: every byte of it in a slot
+    shared: list[int] = []
+    async with asyncio.timeout(20):  # a ring attaches a moment after the view's first HELLO
+        for k in range(1 << 20):
+            before = [w.counters.shared_bytes_sent for w in world.workers]
+            outs, sent = await sent_frames(world, xs, f"c{k}")
+            assert all(o.tobytes() == (xs[0] + xs[1]).tobytes() for o in outs)
+            assert sent == [2 * (COUNT * 4 // 2) // (4 * CHUNK)] * 2
+            shared = [w.counters.shared_bytes_sent - b for w, b in zip(world.workers, before, strict=True)]
+            if shared == [payload] * 2:
+                break
+    assert shared == [payload] * 2
 
 
 async def test_a_small_allreduce_between_hosts_keeps_its_chunks(world_factory) -> None:

@@ -172,7 +172,7 @@ class Planes:
         if not cfg.shared_memory or not shared.supported():
             return None
         try:
-            ring = OutboundRing(cfg.shared_slots, cfg.chunk_bytes)
+            ring = OutboundRing(cfg.shared_slots, cfg.frame_bytes)  # room for a wide frame (selection.ring_chunk)
         except OSError as exc:  # no memfd (a seccomp profile), or out of fds
             log.info("%s: no shared-memory ring (%s); payloads travel over the stream", self._tag(), exc)
             return None
