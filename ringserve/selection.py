@@ -133,11 +133,12 @@ def tree_chunk(nbytes: int, n: int, chunk_bytes: int) -> int:
 
 
 def ring_chunk(nbytes: int, n: int, chunk_bytes: int, *, apart: bool) -> int:
-    """The chunk a ring allreduce (or reduce-scatter) of ``nbytes`` over ``n`` ranks runs in: ``chunk_bytes``, unless
-    every rank is on a host of its own (``apart``); then half a block (two frames per step, so a
-    frame's reduction overlaps the next one's transfer), within [chunk_bytes, WIDE_CHUNKS x
-    chunk_bytes], a multiple of 1 KiB. Between hosts no frame goes through shared memory, whose
-    slots hold one chunk. A function of the call, the view and the config only, so every rank of
+    """The chunk a ring allreduce (or reduce-scatter) of ``nbytes`` over ``n`` ranks runs in:
+    ``chunk_bytes``, unless every rank is on a host of its own (``apart``); then half a block (two
+    frames per step, so a frame's reduction overlaps the next one's transfer), within
+    [chunk_bytes, WIDE_CHUNKS x chunk_bytes], a multiple of 1 KiB. The stream's and the lane's
+    frame caps and a shared-memory slot (containers of one host count as apart) hold the widest
+    (config.frame_bytes). A function of the call, the view and the config only, so every rank of
     the ring (and a rank that stands in, join.py) chunks alike."""
     if not apart or n <= 1:
         return chunk_bytes
