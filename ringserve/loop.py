@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -19,6 +20,14 @@ def new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
             return asyncio.new_event_loop()
         return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+def fine_clock(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """A clock fine enough to time a hop on loopback (tens of microseconds), in the loop's time
+    where it can: asyncio's own loops read ``time.monotonic`` (a test's virtual loop, its virtual
+    time: testing/vclock.py), so their ``time`` is used; uvloop's ``time`` counts whole
+    milliseconds, taken once per iteration of the loop, so ``time.monotonic`` is used instead."""
+    return loop.time if isinstance(loop, asyncio.BaseEventLoop) else time.monotonic
 
 
 class LoopThread:

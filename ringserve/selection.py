@@ -48,6 +48,10 @@ SETTINGS = (AUTO, RING, HALVING_DOUBLING, TREE, RING2D)  # RINGSERVE_ALGORITHM
 # Per-frame software cost assumed when none is measured: the order of a frame's way through the
 # executor, the codec and a gRPC stream on loopback (see docs/design/algorithms.md).
 FRAME_S = 50e-6
+# The least time per byte a measure of the links gives (10 GB/s): no link moves bytes faster than a
+# core copies them, and a probe whose bytes took no time it could see (jitter larger than the
+# transfer) would otherwise make every size latency-bound, and recursive doubling the fastest.
+FASTEST_SECONDS_PER_BYTE = 1e-10
 MIN_TREE_CHUNK = 16 << 10  # a tree's chunks are no smaller: a frame's header and its software
 HEADER_BYTES = 96  # about a DATA frame's encoded header
 # A ring whose ranks are all on hosts of their own runs a large block in frames of up to this many

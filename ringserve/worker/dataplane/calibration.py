@@ -27,7 +27,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from ringserve import wire
-from ringserve.selection import Links
+from ringserve.loop import fine_clock
+from ringserve.selection import FASTEST_SECONDS_PER_BYTE, Links
 from ringserve.worker.dataplane import executor, keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.inbox import Received
@@ -46,22 +47,26 @@ AGREE_SLOT = 1 << 20  # the agreement's slots, after the pings'
 
 
 class Clock(Values):
-    """The pings' data: nothing but the times at which this rank sent and heard back."""
+    """The pings' data: nothing but the times at which this rank sent and heard back, on a clock
+    that resolves a hop on loopback (``fine_clock``: under uvloop, whose clock counts whole
+    milliseconds, an empty frame's round trip read as 0 or 1 ms, and the probe's bytes as no time
+    at all, so that auto took recursive doubling for a training step's 23 MiB buckets)."""
 
     def __init__(self, size: int) -> None:
         self.dtype = wire.dtype_code(np.dtype(np.uint8))
         self._zeros = np.zeros(size, dtype=np.uint8)
+        self._now = fine_clock(asyncio.get_running_loop())
         self.times: list[float] = []  # per round: small sent, small echoed, large sent, large echoed
         self._sending = False
 
     def first(self, a: int, b: int) -> np.ndarray:
         if not self._sending:  # the time its first frame left
-            self.times.append(asyncio.get_running_loop().time())
+            self.times.append(self._now())
         self._sending = True
         return self._zeros[a:b]
 
     def take(self, a: int, b: int, frame: Received) -> None:
-        self.times.append(asyncio.get_running_loop().time())
+        self.times.append(self._now())
         self._sending = False
 
     def figures(self, size: int) -> tuple[float, float]:
@@ -169,5 +174,10 @@ async def measure(session: Session, *, timeout_s: float) -> Links:
                PartialRaw(mine, agreed, "max", ring.size, ring=ring))
 
     await executor.run_stages(session, NAME, DESCRIPTOR, timeout_s, stages())
-    latency, per_byte = float(agreed[0]), float(agreed[1])
-    return Links(latency, per_byte if per_byte > 0 else 1e-12)
+    return links_of(float(agreed[0]), float(agreed[1]))
+
+
+def links_of(latency_s: float, seconds_per_byte: float) -> Links:
+    """The agreed figures as the model takes them: a time per byte no less than the fastest a link
+    can be (selection.FASTEST_SECONDS_PER_BYTE), where the probe's bytes took no time to be seen."""
+    return Links(latency_s, max(seconds_per_byte, FASTEST_SECONDS_PER_BYTE))
