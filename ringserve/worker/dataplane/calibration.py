@@ -9,12 +9,15 @@ call that needs them runs on every rank (the others wait for it):
    ``PROBE_FRAMES`` frames of ``PROBE_BYTES``, echoed the same way; ``ROUNDS`` times. Half the shortest
    round trip of the empty frame is the latency; the difference between the two shortest round
    trips, over the probe's size, the time per byte. The shortest of several rounds leaves out a
-   neighbour that started late, and TCP's first windows.
+   neighbour that started late, TCP's first windows, and a rank that waited for a core: with 3
+   rounds, four ranks on two cores measured 0.5-1.2 ms and 0.37-3.8 ns a byte from one start to
+   the next, and auto took recursive doubling for 4 MiB buckets in some starts (a step 10% longer);
+   with 8, 0.18-0.32 ms and 1.9-5.9 ns, and the ring in every start.
 2. **Agreement.** A max-allreduce of (latency, time per byte) over the ring, by recursive
    doubling: every rank ends with the slowest link's figures, bit for bit.
 
 It costs about ``ROUNDS`` x 2 round trips plus log2(n) hops, once per view and ring (at 20 ms one
-way and 100 Mbit/s: about 0.4 s), and nothing when the figures are configured
+way and 100 Mbit/s: about 0.8 s), and nothing when the figures are configured
 (RINGSERVE_LINK_LATENCY_S and RINGSERVE_LINK_MBPS). Who starts it, and how the others are pulled
 in: ``Measures``.
 """
@@ -40,7 +43,7 @@ from ringserve.worker.dataplane.values import Values
 
 NAME = "ringserve.links"
 DESCRIPTOR = Descriptor("links", algo=routes.PROBE)
-ROUNDS = 3
+ROUNDS = 8
 PROBE_FRAMES = 3
 PROBE_BYTES = 60 << 10  # a frame of it fits whatever chunk_bytes (max_message_bytes is four chunks + 64 KiB)
 AGREE_SLOT = 1 << 20  # the agreement's slots, after the pings'
