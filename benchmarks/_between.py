@@ -85,6 +85,11 @@ def _cpu(out: pathlib.Path, world: int, size: int) -> float:
     return sum(read_json(pathlib.Path(f"{out}.{i}.json"))[str(size)]["cpu"] for i in range(world))
 
 
+def _algorithms(out: pathlib.Path, size: int) -> set[str]:
+    """The algorithms rank 0's timed allreduces of ``size`` ran (auto picks one per view and size)."""
+    return set(read_json(pathlib.Path(f"{out}.0.json"))[str(size)].get("algorithms", {}))
+
+
 def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
@@ -112,6 +117,7 @@ def main(args: argparse.Namespace) -> None:
         for world in args.worlds:
             times: dict[str, list[dict[int, float]]] = {k: [] for k in kinds}
             cpus: dict[str, list[dict[int, float]]] = {k: [] for k in kinds}
+            ran: dict[int, set[str]] = {s: set() for s in sizes}  # by the lane's runs
             with Lan(world) as lan:
                 for r in range(args.rounds):
                     load.append(os.getloadavg()[0])
@@ -124,6 +130,9 @@ def main(args: argparse.Namespace) -> None:
                                        security if kind.startswith("mtls") else {})
                         times[kind].append({s: _slowest(out, world, s) for s in sizes})
                         cpus[kind].append({s: _cpu(out, world, s) for s in sizes})
+                        if kind == "lane":
+                            for s in sizes:
+                                ran[s] |= _algorithms(out, s)
                     print(f"world {world}, round {r + 1}/{args.rounds} done (load {load[-1]:.2f})", flush=True)
             factor = 2 * (world - 1) / world
             for s in sizes:
@@ -135,6 +144,8 @@ def main(args: argparse.Namespace) -> None:
                     row[f"{kind}_cpu"] = f"{statistics.median(c[s] for c in cpus[kind]) * 1e3:.1f}"
                     if "gloo" in times and kind != "gloo":
                         row[f"{kind}_ratio"] = _spread([g[s] / t[s] for g, t in zip(times["gloo"], times[kind], strict=True)])
+                if "lane" in kinds:
+                    row["lane_algorithms"] = ", ".join(sorted(ran[s]))
                 if args.tls:
                     row["mtls_over_lane"] = _spread([m[s] / t[s] for m, t in zip(times["mtls"], times["lane"], strict=True)])
                 if "mtls-stream" in times:
@@ -150,6 +161,8 @@ def main(args: argparse.Namespace) -> None:
         columns.append((f"{kind}_cpu", f"{names[kind]} CPU ms/op, all ranks"))
         if "gloo" in kinds and kind != "gloo":
             columns.append((f"{kind}_ratio", f"{names[kind]} busbw / gloo, median [range]"))
+    if "lane" in kinds:
+        columns.append(("lane_algorithms", "ringserve, lane: algorithms auto ran"))
     if args.tls:
         columns.append(("mtls_over_lane", "mTLS time / plaintext lane, median [range]"))
     if "mtls-stream" in kinds:

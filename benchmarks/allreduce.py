@@ -91,15 +91,17 @@ def worker_ringserve(args: argparse.Namespace) -> None:
     for size in args.sizes:
         before_tensor = rss_bytes()
         a = np.ones(size // 4, dtype=np.float32)
-        sent0, ops0 = counters.bytes_sent, counters.collectives_done
+        sent0, ops0, chosen0 = counters.bytes_sent, counters.collectives_done, dict(counters.algorithms)
         # In place, as gloo's all_reduce is: no result buffer is allocated per op.
         cpu: list[float] = []
         samples = time_ops(lambda a=a: rs.allreduce(a, op="sum", name="bench", out=a), rs.barrier, size, cpu)
         ops = counters.collectives_done - ops0
         barriers = 3
         sent = (counters.bytes_sent - sent0) / max(1, ops - barriers)
+        chosen = {algorithm: n - chosen0.get((op, algorithm), 0) for (op, algorithm), n in counters.algorithms.items()
+                  if op == "allreduce" and n > chosen0.get((op, algorithm), 0)}
         results[size] = {"t": statistics.median(samples), "sent": sent, "cpu": statistics.median(cpu),
-                         "peak_over_tensor": (peak_rss_bytes() - before_tensor) / size}
+                         "peak_over_tensor": (peak_rss_bytes() - before_tensor) / size, "algorithms": chosen}
         del a
     pathlib.Path(args.out).write_text(json.dumps(results))
     rs.shutdown()
