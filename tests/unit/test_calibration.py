@@ -72,10 +72,10 @@ def test_a_probe_whose_bytes_took_no_visible_time_gives_the_fastest_link_not_a_f
     links = links_of(0.0005, 0.0)
     assert links == Links(0.0005, FASTEST_SECONDS_PER_BYTE)
     assert links_of(0.0005, 3e-9).seconds_per_byte == 3e-9
-    # A training step's large bucket over 4 ranks at that latency: the ring, as the bytes say. With
-    # bytes for free (the old floor, 1e-12 s a byte) the model put the latency-bound plans first
-    # (a 2D ring, recursive doubling, which moves log2(4) whole vectors a rank against the ring's
-    # 1.5), and the step took a quarter longer.
+    # The benchmark model's whole gradient (DDP's first bucket) over 4 ranks at that latency: the
+    # ring, as the bytes say. With bytes for free (the old floor, 1e-12 s a byte) the model put the
+    # latency-bound plans first (a 2D ring; recursive doubling, which moves log2(4) whole vectors a
+    # rank against the ring's 1.5). The floor is a backstop: the clock above is the fix.
     bucket = 23 * MiB
     assert selection.choose("auto", "allreduce", bucket, 4, links, 2 * MiB).algorithm == selection.RING
     free = Links(0.0005, 1e-12)

@@ -53,7 +53,7 @@ class Clock(Values):
     """The pings' data: nothing but the times at which this rank sent and heard back, on a clock
     that resolves a hop on loopback (``fine_clock``: under uvloop, whose clock counts whole
     milliseconds, an empty frame's round trip read as 0 or 1 ms, and the probe's bytes as no time
-    at all, so that auto took recursive doubling for a training step's 23 MiB buckets)."""
+    at all, so that auto took recursive doubling for DDP's 16 and 6 MiB buckets of a training step)."""
 
     def __init__(self, size: int) -> None:
         self.dtype = wire.dtype_code(np.dtype(np.uint8))
