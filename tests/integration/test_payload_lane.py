@@ -349,8 +349,9 @@ async def test_a_lane_killed_mid_collective_fails_it_as_a_broken_stream_and_the_
 
 
 async def test_a_damaged_lane_payload_is_caught_by_the_checksum_and_aborts_the_collective_on_every_rank(world_factory, relayed) -> None:
-    world = await relayed_world(world_factory, relayed, flip_at=1 << 20, checksum=True)
-    await warm_lanes(world)
+    world = await relayed_world(world_factory, relayed, checksum=True)
+    await warm_lanes(world)  # the links' measure and the warm-up: whatever they sent, none of it is damaged
+    relayed[0].flip_at = relayed[0].passed + (1 << 20)  # inside the next collective's payloads
     xs = [np.full(1 << 20, r + 1.0, dtype=np.float32) for r in range(2)]
     outcomes = await world.each_outcome(lambda w: w.allreduce(xs[w.rank], op="sum", name="damaged"), timeout_s=30)
     assert relayed[0].flipped == 1
