@@ -155,7 +155,7 @@ needs_namespaces = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare
 
 @needs_namespaces
 def test_workers_in_separate_pid_namespaces_share_memory_through_the_shared_dir(tmp_path) -> None:
-    results = _run_isolated(3, {"RINGSERVE_SHARED_DIR": str(tmp_path)})
+    results = _run_isolated(3, {"RINGSERVE_SHARED_DIR": str(tmp_path), "RINGSERVE_ALGORITHM": "ring"})
     assert all(r["exact"] for r in results)
     assert all(r["pid"] == 1 for r in results)  # each is PID 1 of its own namespace: /proc cannot tell them apart
     for r in results:  # 2(N-1)/N of the tensor, every payload byte through shared memory
