@@ -49,7 +49,7 @@ class Bucket:
         # Gradients, ``gap`` zeros, then one presence flag per parameter. The gap keeps the flags
         # out of every block of a block-scaled codec that holds gradients (see ringserve.codecs).
         self.flags_at = offset + gap
-        self.buffer = torch.zeros(self.flags_at + len(params), dtype=params[0].dtype, pin_memory=pinned)
+        self.buffer = torch.zeros(self.flags_at + len(params), dtype=params[0].dtype, device="cpu", pin_memory=pinned)
         self.residual: Any = None  # error feedback: what this rank's encodings lost last time
         self.ready = 0
         self.future: Any = None

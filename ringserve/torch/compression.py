@@ -126,7 +126,7 @@ def torch_init_q(seed: int, shapes: list[tuple[int, int]] | Any) -> list[np.ndar
     """Standard normal Qs as torch's powerSGD_hook draws them for one bucket, in order."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [torch.randn(*shape, dtype=torch.float32).numpy() for shape in shapes]
+        return [torch.randn(*shape, dtype=torch.float32, device="cpu").numpy() for shape in shapes]
 
 
 def powersgd(rank: int | None = None, *, matrix_approximation_rank: int | None = None,

@@ -176,8 +176,8 @@ class DiLoCo(Wrapping):
         self._optimizer.load_state_dict(state)
         if outer is not None:
             outer = dict(outer)
-            outer["global"] = [torch.as_tensor(g).numpy() for g in outer["global"]]
-            outer["momentum"] = [None if m is None else torch.as_tensor(m).numpy() for m in outer["momentum"]]
+            outer["global"] = [torch.as_tensor(g, device="cpu").numpy() for g in outer["global"]]
+            outer["momentum"] = [None if m is None else torch.as_tensor(m, device="cpu").numpy() for m in outer["momentum"]]
             self._core.load_state_dict(outer)
 
 

@@ -68,7 +68,7 @@ def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int, name: st
     is_root = api.rank() == root_rank
     for k, group in enumerate(_groups(items)):
         offsets, total = _aligned_offsets(group)
-        flat = torch.zeros(total, dtype=torch.uint8)
+        flat = torch.zeros(total, dtype=torch.uint8, device="cpu")
         if is_root:
             for t, start in zip(group, offsets, strict=True):
                 flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
@@ -185,9 +185,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not is_root:
         slots: list[_Slot] = []
         _slots(skeleton, slots)
-        tensors = [torch.empty(0)] * len(slots)
+        tensors = [torch.empty(0, device="cpu")] * len(slots)
         for slot in slots:
-            tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype)
+            tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
     broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state", ps)
     if not is_root:
         optimizer.load_state_dict(_fill(skeleton, tensors))

@@ -320,7 +320,7 @@ class DistributedOptimizer(Wrapping):
                 buf[a:b].copy_(grad.reshape(-1))
             # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
             buf[bucket.numel:bucket.flags_at].zero_()
-            buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype))
+            buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
                 buf.mul_(prescale)
         if self._powersgd is not None and _powersgd.applies(bucket):

@@ -41,7 +41,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [0, *range(2, x.dim())]
         count = x.numel() // max(channels, 1)
         local = torch.cat([
-            torch.tensor([float(count)], dtype=torch.float64),
+            torch.tensor([float(count)], dtype=torch.float64, device="cpu"),
             x.sum(dims, dtype=torch.float64).cpu(),
             x.double().square().sum(dims).cpu(),
         ])

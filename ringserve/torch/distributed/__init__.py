@@ -33,7 +33,7 @@ __all__ = ["BACKEND_NAME", "Options", "ProcessGroupRingserve", "RingserveWork", 
 
 def register() -> None:
     """Registers the "ringserve" backend and the ringserve:// rendezvous with torch (again: a no-op)."""
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
     with contextlib.suppress(RuntimeError):  # "already registered": an earlier import did it
         register_rendezvous_handler(SCHEME, ringserve_rendezvous)
 

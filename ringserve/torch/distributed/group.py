@@ -254,7 +254,7 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         """A recv from group rank ``src`` (None: from any); the work's ``_source_rank()`` is the
         sender's group rank once it is done (what ``dist.recv`` returns, as a global rank)."""
         tensor = ops.single(tensors, "recv")
-        buffer = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8).numpy()
+        buffer = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, device="cpu").numpy()
         part = self.plane.recv(buffer, src, tag)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:

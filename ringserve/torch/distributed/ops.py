@@ -125,7 +125,7 @@ def fill(tensor: torch.Tensor, data: np.ndarray) -> None:
 def from_bytes(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor of ``dtype`` and ``shape`` over a copy of ``data``, its bytes."""
     if data.nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     return torch.from_numpy(np.ascontiguousarray(data)).view(dtype).reshape(shape)
 
 
@@ -186,7 +186,7 @@ def allreduce_coalesced(plane: Plane, tensors: Sequence[torch.Tensor], op: str, 
         raise InvalidArgumentError(
             f"all_reduce_coalesced needs tensors of one dtype, not {sorted({str(t.dtype) for t in tensors})}."
         )
-    flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors]) if tensors else torch.zeros(0)
+    flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors]) if tensors else torch.zeros(0, device="cpu")
     started = allreduce(plane, flat, op, compression=compression, residuals=None)
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
