@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worlds import WORKERS, run_world
+from _worlds import DEVICES, WORKERS, device_env, run_world
 
 sys.path.insert(0, str(WORKERS))
 import api as worker
@@ -22,15 +22,28 @@ N = 3
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def _run(tmp_path_factory: pytest.TempPathFactory, device: str, env: dict[str, str]) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("api")
     # The ring: the wire-bytes check compares a float32 tensor with a bfloat16 one of half its
     # bytes, which under auto could run another algorithm (the measured links decide), with
     # other traffic. The algorithms have their own tests (tests/unit/test_algorithms_sim.py).
-    run_world(WORKERS / "api.py", N, out, timeout_s=120, env={"RINGSERVE_ALGORITHM": "ring"})
+    run_world(WORKERS / "api.py", N, out, timeout_s=120,
+              env={"RINGSERVE_ALGORITHM": "ring", **device_env(device), **env})
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
+    for res in results:
+        res["asked_device"] = device
     return sorted(results, key=lambda res: res["topology"]["rank"])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def ranks(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return _run(tmp_path_factory, request.param, {})
+
+
+@pytest.fixture(scope="module")
+def ranks_over_tcp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The same world with the shared-memory lane off: its payloads on the TCP lane, as between hosts."""
+    return _run(tmp_path_factory, "cpu", {"RINGSERVE_SHARED_MEMORY": "0", "RINGSERVE_PAYLOAD_LANE": "tcp"})
 
 
 def stacked(dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -227,7 +240,31 @@ def test_optimizer_synchronize_protocol(ranks: list[dict[str, Any]]) -> None:
         assert "more than backward_passes_per_step (1)" in r["too_many_passes"]
 
 
+def test_every_result_is_on_the_device_of_the_inputs(ranks: list[dict[str, Any]]) -> None:
+    # The optimizers' states hold torch's own host tensors beside the device ones (Adam's step counts).
+    for r in ranks:
+        device = r["asked_device"]
+        wrong = {key: seen for key, seen in r["devices"].items()
+                 if seen and key not in ("optimizer_state", "optimizer_fresh") and seen != [device]}
+        assert not wrong, f"rank {r['topology']['rank']}: results not on {device}: {wrong}"
+        assert len([key for key, seen in r["devices"].items() if seen == [device]]) >= 30
+
+
 def test_shutdown_leaves_no_task_or_thread_and_init_works_again(ranks: list[dict[str, Any]]) -> None:
+    _shut_down_clean(ranks)
+
+
+def test_shutdown_over_tcp_lanes_leaves_no_thread_without_a_garbage_collection(
+        ranks_over_tcp: list[dict[str, Any]]) -> None:
+    # A lane's reader and the lane held each other, and the lane held the stream's route: the
+    # plane, its links and their gRPC channels, whose poller thread then outlived hvd.shutdown()
+    # until Python's next garbage collection.
+    _shut_down_clean(ranks_over_tcp)
+    same_on_every_rank(ranks_over_tcp, "sum")
+    assert torch.equal(ranks_over_tcp[0]["sum"], stacked().sum(0))
+
+
+def _shut_down_clean(ranks: list[dict[str, Any]]) -> None:
     x = stacked()
     for r in ranks:
         assert r["threads_before_init"] == ["MainThread"]

@@ -108,6 +108,11 @@ class InboundLane:
                 reader.close()
                 await asyncio.wait([reader.done])
             conn.close()
+            # The reader and this lane hold each other, and this lane holds the stream's route (its
+            # plane, the plane's links, their gRPC channels): let go of the route once the lane is
+            # over, so that a closed worker's channels go with their last reference, not at the
+            # next garbage collection (until then gRPC's poller thread outlives hvd.shutdown()).
+            self._on_frame = self._on_broken = _drop
 
     def _parse(self, conn: LaneSocket, loop: asyncio.AbstractEventLoop, deliver: Callable[[Received], None]) -> None:
         """On the reader's thread: every frame of the lane to ``deliver``, until its end or a break,
