@@ -15,11 +15,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ringserve import Coordinator, CoordinatorConfig
 from ringserve.loop import LoopThread
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).resolve().parents[2]
+
+# The devices the worlds that take one run their tensors on: the GPU too where torch sees one (a
+# worker reads RINGSERVE_TEST_DEVICE). On a machine without one, the tests run on the CPU alone.
+DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def device_env(device: str) -> dict[str, str]:
+    """The environment that puts a world's tensors on ``device``."""
+    return {"RINGSERVE_TEST_DEVICE": device}
 
 # Short deadlines: a broken world fails the test in seconds, not in the default minutes.
 WORKER_ENV = {

@@ -9,18 +9,20 @@ from typing import Any
 
 import pytest
 import torch
-from _worlds import WORKERS, run_world
+from _worlds import DEVICES, WORKERS, device_env, run_world
 
 N = 3
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out: Path = tmp_path_factory.mktemp("diloco")
-    run_world(WORKERS / "diloco.py", N, out, timeout_s=150)
-    return sorted((torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)), key=lambda r: r["rank"])
+@pytest.fixture(scope="module", params=DEVICES)
+def ranks(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    out: Path = tmp_path_factory.mktemp(f"diloco_{request.param}")
+    run_world(WORKERS / "diloco.py", N, out, timeout_s=150, env=device_env(request.param))
+    ranks = sorted((torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)), key=lambda r: r["rank"])
+    assert {r["device"].split(":")[0] for r in ranks} == {request.param}
+    return ranks
 
 
 @pytest.mark.parametrize("inner", ["adamw", "sgd"])

@@ -4,6 +4,7 @@ One world per backend and size runs every scenario in turn (workers/dist_ddp.py)
 a BatchNorm, whose buffers DDP broadcasts), the fp16, bf16 and PowerSGD comm hooks, no_sync
 gradient accumulation, ZeroRedundancyOptimizer, find_unused_parameters and static_graph. ringserve
 alone adds int8 compression with error feedback, chosen by pg_options on a new_group of every rank.
+Where torch sees a GPU, both backends train again on it (DDP with device_ids), and compare there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _dist_worlds import DIST_WORKERS, run_dist
+from _worlds import DEVICES, device_env
 
 sys.path.insert(0, str(DIST_WORKERS))
 import dist_ddp
@@ -31,15 +33,21 @@ TOLERANCE = {
 Results = Callable[[str, int], list[dict[str, Any]]]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Results]:
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    device = request.param
 
     def get(backend: str, n: int) -> list[dict[str, Any]]:
         if (backend, n) not in runs:
-            out = tmp_path_factory.mktemp(f"ddp_{backend}{n}")
-            run_dist(DIST_WORKERS / "dist_ddp.py", n, out, [backend, *SCENARIOS], timeout_s=300)
-            runs[backend, n] = sorted((torch.load(out / f"rank{r}.pt") for r in range(n)), key=lambda x: x["rank"])
+            out = tmp_path_factory.mktemp(f"ddp_{backend}{n}_{device}")
+            run_dist(DIST_WORKERS / "dist_ddp.py", n, out, [backend, *SCENARIOS], timeout_s=300,
+                     env=device_env(device))
+            ranks = sorted((torch.load(out / f"rank{r}.pt") for r in range(n)), key=lambda x: x["rank"])
+            for r in ranks:
+                for scenario, seen in r["devices"].items():
+                    assert {d.split(":")[0] for d in seen} == {device}, f"{backend} {scenario}: {seen}"
+            runs[backend, n] = ranks
         return runs[backend, n]
 
     yield get

@@ -1,7 +1,7 @@
 """N ranks with DistributedOptimizer train to the parameters of one process on the whole batch.
 
 One world per size runs every scenario (each rank on 1/N of every batch); the reference runs here,
-in this process, on the whole batch.
+in this process, on the whole batch. Where torch sees a GPU, the worlds train again on it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worlds import WORKERS, run_world
+from _worlds import DEVICES, WORKERS, device_env, run_world
 
 sys.path.insert(0, str(WORKERS))
 import equivalence
@@ -25,16 +25,20 @@ TOLERANCE = {"fp16": dict(rtol=1e-2, atol=1e-3), "bf16": dict(rtol=2e-2, atol=5e
 EXACT = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
+@pytest.fixture(scope="module", params=DEVICES)
+def trained(tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[Callable[[int], list[dict[str, Any]]]]:
     """Runs every scenario once per world size, on first use; returns each rank's saved results."""
     runs: dict[int, list[dict[str, Any]]] = {}
+    device = request.param
 
     def get(n: int) -> list[dict[str, Any]]:
         if n not in runs:
-            out = tmp_path_factory.mktemp(f"equivalence{n}")
-            run_world(WORKERS / "equivalence.py", n, out, SCENARIOS, timeout_s=150)
+            out = tmp_path_factory.mktemp(f"equivalence{n}_{device}")
+            run_world(WORKERS / "equivalence.py", n, out, SCENARIOS, timeout_s=150, env=device_env(device))
             runs[n] = sorted((torch.load(out / f"rank{r}.pt") for r in range(n)), key=lambda x: x["rank"])
+            for r in runs[n]:
+                assert r["devices"] == {s: [device] for s in SCENARIOS}, (device, r["devices"])
         return runs[n]
 
     yield get

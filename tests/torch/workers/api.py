@@ -2,18 +2,23 @@
 
 Run as a worker: ``python api.py OUT_DIR`` (saves ``OUT_DIR/rank{r}.pt``). The inputs are functions
 of the rank defined here, so the test recomputes what every rank sent. Imported by the test for
-those functions.
+those functions. With RINGSERVE_TEST_DEVICE=cuda every tensor it makes is on the GPU (torch's
+default device; the seeded modules and batches are made on the CPU, as the test makes them, then
+moved), and the results are saved on the host with the devices they had.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
 from typing import Any
 
 import torch
+
+DEVICE = torch.device(os.environ.get("RINGSERVE_TEST_DEVICE", "cpu"))
 
 
 def base(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -36,17 +41,40 @@ def gathered_rows(rank: int) -> torch.Tensor:
 def bn_batch(rank: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank r's input (3 + r rows: the ranks' batches differ in size) and its output weights."""
     g = torch.Generator().manual_seed(50 + rank)
-    x = torch.randn((3 + rank, *shape), generator=g) * 2 + 1
-    return x, torch.randn((3 + rank, *shape), generator=g)
+    x = torch.randn((3 + rank, *shape), generator=g, device="cpu") * 2 + 1
+    return x, torch.randn((3 + rank, *shape), generator=g, device="cpu")
 
 
 def bn_module(kind: type[torch.nn.Module], channels: int) -> torch.nn.Module:
     torch.manual_seed(7)
-    module = kind(channels)
+    with torch.device("cpu"):
+        module = kind(channels)
     with torch.no_grad():
         module.weight.uniform_(0.5, 1.5)
         module.bias.uniform_(-0.5, 0.5)
     return module
+
+
+def devices(x: Any) -> list[str]:
+    """The device types of the tensors in ``x`` (through dicts, lists and tuples)."""
+    if isinstance(x, torch.Tensor):
+        return [x.device.type]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, list | tuple):
+        return sorted({d for y in x for d in devices(y)})
+    return []
+
+
+def on_host(x: Any) -> Any:
+    """``x`` with every tensor in it on the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: on_host(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(on_host(y) for y in x)
+    return x
 
 
 class Small(torch.nn.Module):
@@ -159,7 +187,7 @@ def sync_batch_norm(hvd: Any, r: int, res: dict[str, Any]) -> None:
         module = bn_module(kind, shape[0])
         sync = hvd.SyncBatchNorm(shape[0])
         sync.load_state_dict(module.state_dict())
-        x, w = bn_batch(r, shape)
+        x, w = (t.to(DEVICE) for t in bn_batch(r, shape))
         x.requires_grad_()
         for _ in range(2):  # twice, so running statistics compound
             x.grad = None
@@ -251,6 +279,8 @@ def main(out_dir: str) -> None:
     import ringserve.torch as hvd
 
     torch.set_num_threads(1)
+    if DEVICE.type != "cpu":
+        torch.set_default_device(DEVICE)
     res: dict[str, Any] = {"threads_before_init": sorted(t.name for t in threading.enumerate())}
     hvd.init()
     r = hvd.rank()
@@ -259,7 +289,8 @@ def main(out_dir: str) -> None:
     sync_batch_norm(hvd, r, res)
     optimizer_usage(hvd, r, res)
     lifecycle(hvd, r, res)
-    torch.save(res, f"{out_dir}/rank{r}.pt")
+    res["devices"] = {key: devices(value) for key, value in res.items()}
+    torch.save(on_host(res), f"{out_dir}/rank{r}.pt")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,16 @@ what another rank passed. ``differs(a, b)`` compares two results: exactly for in
 tensors (and anything that is not a tensor), within ``TOLERANCE`` for floating point ones, since
 ringserve's ring adds in another order than gloo does (and adds bfloat16 in float32, rounding
 once). ``Recorder.differ`` runs one call on both kinds of group and records what it found.
+
+``RINGSERVE_TEST_DEVICE=cuda`` runs ringserve's side of every call on the GPU: its tensors are made
+there (torch's default device, within the call), gloo's twin runs on the CPU, and the results are
+compared on the host, after a check that every tensor ringserve's call returned is still on the GPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +43,38 @@ def value(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) 
     if dtype == torch.uint8:
         return ((base + 3 * rank + salt) % 7).to(dtype)
     return ((base + 3 * rank + salt) % 9 - 4).to(dtype)
+
+
+# Where ringserve's side of each call makes its tensors (gloo's side: the CPU).
+DEVICE = torch.device(os.environ.get("RINGSERVE_TEST_DEVICE", "cpu"))
+
+
+def on_host(x: Any, where: str = "result") -> tuple[Any, str]:
+    """``x`` with every tensor in it moved to the CPU, and where one was not on ``DEVICE`` ("" if none)."""
+    if isinstance(x, torch.Tensor):
+        wrong = "" if x.device.type == DEVICE.type else f"{where} is on {x.device}, not {DEVICE}"
+        return x.cpu(), wrong
+    if isinstance(x, list | tuple):
+        pairs = [on_host(y, f"{where}[{i}]") for i, y in enumerate(x)]
+        return type(x)(y for y, _ in pairs), next((w for _, w in pairs if w), "")
+    return x, ""
+
+
+class LeftDevice(Exception):
+    """A tensor that ringserve's call returned is not on ``DEVICE``: a failure, never a refusal."""
+
+
+def on_device(call: Callable[[Any], Any], group: Any) -> Any:
+    """``call(group)`` with its tensors made on ``DEVICE``; the result on the host.
+
+    Raises:
+        LeftDevice: a tensor of the result is not on ``DEVICE``.
+    """
+    with DEVICE:
+        got, wrong = on_host(call(group))
+    if wrong:
+        raise LeftDevice(wrong)
+    return got
 
 
 def _short(x: Any) -> str:
@@ -118,13 +155,15 @@ class Recorder:
         does not: a failure.
         """
         outcomes = []
-        for group in (pair.ring, pair.gloo):
+        for run, group in ((on_device, pair.ring), (lambda c, g: c(g), pair.gloo)):
             try:
-                outcomes.append((True, call(group)))
+                outcomes.append((True, run(call, group)))
             except Exception as exc:
                 outcomes.append((False, exc))
         (ring_ok, ring), (gloo_ok, gloo) = outcomes
-        if ring_ok and gloo_ok:
+        if isinstance(ring, LeftDevice):
+            self.check(name, False, str(ring))
+        elif ring_ok and gloo_ok:
             why = differs(ring, gloo)
             self.check(f"{name} equals gloo's", not why, why)
         elif gloo_ok:
@@ -145,7 +184,7 @@ class Recorder:
         and checks what it gives against ``expect()``. (gloo's refusals of these are not all
         raised at the call, alike on every rank: some leave a peer waiting in gloo.)"""
         try:
-            why = differs(call(pair.ring), expect())
+            why = differs(on_device(call, pair.ring), expect())
         except Exception as exc:
             why = f"ringserve raised {type(exc).__name__}: {exc}"
         self.check(f"{name} (ringserve only) gives what it should", not why, why)
@@ -154,7 +193,10 @@ class Recorder:
         """Runs ``call(group)`` on the ringserve group only, which must refuse it at the call, as
         gloo refuses it for the dtypes it has (an op the dtype has not)."""
         try:
-            call(pair.ring)
+            on_device(call, pair.ring)
+        except LeftDevice as exc:
+            self.check(f"{name} (ringserve only) is refused", False, str(exc))
+            return
         except (ValueError, RuntimeError) as exc:
             self.refusals.append(f"{self.prefix}{name}: ringserve {type(exc).__name__}")
             self.check(f"{name} (ringserve only) is refused", True)

@@ -10,11 +10,15 @@
 - ``trace.*``: DiLoCo configurations (int8 with error feedback, fragments with a delay and a blend,
   fp16), with the sha256 of the global copy and of the local parameters after every inner step.
 - ``numpy``: ringserve.DiLoCo on numpy arrays, with the sha256 of its global copy after every step.
+
+With RINGSERVE_TEST_DEVICE=cuda the models train on the GPU (made on the CPU, then moved); what is
+saved is on the host.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,17 +37,18 @@ TRACES: dict[str, dict[str, Any]] = {
     "module_fragments": dict(sync_every=6, fragments="layers", fragment_sync_delay=1),  # torchft's model fragments
 }
 TRACE_STEPS = 14
+DEVICE = torch.device(os.environ.get("RINGSERVE_TEST_DEVICE", "cpu"))
 
 
 def net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 4))
+                               torch.nn.Linear(16, 4)).to(DEVICE)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return torch.randn(8, 12, generator=g).to(DEVICE), torch.randint(0, 4, (8,), generator=g).to(DEVICE)
 
 
 def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
@@ -54,13 +59,13 @@ def inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def sha(tensors: list[torch.Tensor] | list[np.ndarray]) -> str:
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update((t.detach().contiguous().numpy() if isinstance(t, torch.Tensor) else t).tobytes())
+        digest.update((t.detach().cpu().contiguous().numpy() if isinstance(t, torch.Tensor) else t).tobytes())
     return digest.hexdigest()
 
 
@@ -124,7 +129,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     hvd.init()
-    results: dict[str, Any] = {"rank": hvd.rank(), "h1_adamw": h1("adamw"), "h1_sgd": h1("sgd"),
+    results: dict[str, Any] = {"rank": hvd.rank(), "device": str(next(net().parameters()).device), "h1_adamw": h1("adamw"), "h1_sgd": h1("sgd"),
                                "numpy": numpy_trace()}
     for label, knobs in TRACES.items():
         results[f"trace.{label}"] = trace(label, knobs)

@@ -5,6 +5,8 @@
 The same seeds and the same data on every backend: rank r's batch of step s is drawn from a
 generator seeded with (s, r). Each scenario's final parameters (and ZeRO's consolidated optimizer
 state on rank 0) go to OUT_DIR/rank{r}.pt, for the test to compare gloo's with ringserve's.
+With RINGSERVE_TEST_DEVICE=cuda the model and the batches are on the GPU (DDP with device_ids);
+the results are saved on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import ringserve.torch.distributed as rsd
 
 STEPS = 6
 BATCH = 8
+DEVICE = torch.device(os.environ.get("RINGSERVE_TEST_DEVICE", "cpu"))
+SEEN: dict[str, list[str]] = {}  # per scenario: the devices of the trained parameters and gradients
 
 
 class Net(torch.nn.Module):
@@ -52,17 +56,19 @@ def bf16_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randn(BATCH, 12, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+    return torch.randn(BATCH, 12, generator=g).to(DEVICE), torch.randint(0, 4, (BATCH,), generator=g).to(DEVICE)
 
 
 def train(scenario: str, rank: int, size: int, backend: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    net = Net(switch=scenario == "unused")
+    net = Net(switch=scenario == "unused").to(DEVICE)
     group = None
     if scenario == "int8" and backend == "ringserve":
         # ringserve's own compression, chosen per group with pg_options (a group of every rank).
         group = dist.new_group(list(range(size)), pg_options=rsd.Options(compression="int8"))
     kwargs: dict[str, Any] = {"process_group": group}
+    if DEVICE.type == "cuda":
+        kwargs["device_ids"] = [torch.cuda.current_device()]
     if scenario == "unused":
         kwargs["find_unused_parameters"] = True
     if scenario == "static":
@@ -94,12 +100,13 @@ def train(scenario: str, rank: int, size: int, backend: str) -> dict[str, Any]:
             use_other = scenario == "unused" and (rank + step) % 3 == 0
             loss_fn(model(x, use_other), y).backward()
         optimizer.step()
-    result: dict[str, Any] = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    result: dict[str, Any] = {k: v.detach().cpu() for k, v in net.state_dict().items()}
+    SEEN[scenario] = sorted({str(t.device) for p in net.parameters() for t in (p, p.grad) if t is not None})
     if scenario == "zero":
         optimizer.consolidate_state_dict(to=0)
         if rank == 0:
             state = optimizer.state_dict()["state"]
-            result["zero.exp_avg_sq"] = torch.stack([s["exp_avg_sq"].sum() for s in state.values()])
+            result["zero.exp_avg_sq"] = torch.stack([s["exp_avg_sq"].sum() for s in state.values()]).cpu()
     if group is not None:
         dist.destroy_process_group(group)
     return result
@@ -112,7 +119,7 @@ def main() -> None:
     dist.init_process_group(backend, rank=rank, world_size=size)
     results = {s: train(s, rank, size, backend) for s in scenarios}
     torch.save({"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                "results": results}, out / f"rank{rank}.pt")
+                "results": results, "devices": SEEN}, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 

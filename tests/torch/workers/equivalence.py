@@ -7,10 +7,14 @@ Imported by the test for ``reference()``.
 Data layout: each step uses a global batch of ``size * micro * PER_RANK`` rows. Micro-batch ``m`` of
 rank ``r`` is rows ``[(m * size + r) * PER_RANK, ...)``, so micro-batch ``m`` of one process on the
 whole batch (size 1) is exactly the concatenation of every rank's micro-batch ``m``.
+
+With RINGSERVE_TEST_DEVICE=cuda the ranks train on the GPU (the model is made on the CPU, as the
+reference makes it, then moved); the results are saved on the host, with the devices trained on.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +24,8 @@ import torch
 STEPS = 5
 PER_RANK = 6
 IN, HIDDEN, OUT = 12, 16, 3
+DEVICE = torch.device(os.environ.get("RINGSERVE_TEST_DEVICE", "cpu"))
+SEEN: dict[str, list[str]] = {}  # per scenario of train(): devices(model) after its last step
 
 
 class Net(torch.nn.Module):
@@ -92,12 +98,12 @@ def train(name: str, rank: int, size: int) -> dict[str, torch.Tensor]:
     import ringserve.torch as hvd
 
     make, kwargs, micro = _scenarios()[name]
-    model = _model()
+    model = _model().to(DEVICE)
     opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(), **kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if name == "momentum" else None
     loss_fn = torch.nn.CrossEntropyLoss()
     for step in range(STEPS):
-        x, y = global_batch(step, size, micro)
+        x, y = (t.to(DEVICE) for t in global_batch(step, size, micro))
         opt.zero_grad()
         for m in range(micro):
             part = rows(m, rank, size, PER_RANK)
@@ -109,11 +115,17 @@ def train(name: str, rank: int, size: int) -> dict[str, torch.Tensor]:
         opt.step()
         if sched is not None:
             sched.step()
+    SEEN[name] = devices(model)
     return _result(model, opt.skipped_steps)
 
 
 def _result(model: torch.nn.Module, skipped: int) -> dict[str, torch.Tensor]:
-    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, "skipped_steps": torch.tensor(skipped)}
+    return {**{k: v.detach().cpu() for k, v in model.state_dict().items()}, "skipped_steps": torch.tensor(skipped)}
+
+
+def devices(model: torch.nn.Module) -> list[str]:
+    """The device types of the model's parameters and of the gradients they hold."""
+    return sorted({t.device.type for p in model.parameters() for t in (p, p.grad) if t is not None})
 
 
 def reference(name: str, size: int) -> dict[str, torch.Tensor]:
@@ -155,7 +167,8 @@ def main(out_dir: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     hvd.init()
     results = {name: train(name, hvd.rank(), hvd.size()) for name in names}
-    torch.save({"rank": hvd.rank(), "size": hvd.size(), "results": results}, f"{out_dir}/rank{hvd.rank()}.pt")
+    torch.save({"rank": hvd.rank(), "size": hvd.size(), "results": results, "devices": SEEN},
+               f"{out_dir}/rank{hvd.rank()}.pt")
     hvd.shutdown()
 
 
