@@ -398,14 +398,14 @@ async def test_status_and_metrics_show_the_lane_bytes_and_the_fallbacks(world_fa
     metrics = {m.name: m.samples[0].value for m in WorkerCollector(w1.counters, lambda: (1, w1.view_id)).collect()
                if m.name.startswith("ringserve_lane")}
     assert metrics["ringserve_lane_fallbacks"] == 1 and metrics["ringserve_lane_sent_bytes"] == w1.counters.lane_bytes_sent > 0
-    async with asyncio.timeout(10):  # the counters reach the coordinator with the heartbeats
+    async with asyncio.timeout(10):  # the counters reach the coordinator with the heartbeats, each rank's with its own
         while True:
             status = await world.coordinator.service.Status(cpb.StatusRequest(), None)
             by_rank = {m.member.rank: m.counters for m in status.members}
-            if by_rank[1].lane_fallbacks == 1 and by_rank[1].lane_bytes_sent > 0:
+            page = snapshot(status, [])  # the status page's JSON: each edge names its lane
+            if by_rank[1].lane_fallbacks == 1 and by_rank[1].lane_bytes_sent > 0 and len(page["edges"]) == 2:
                 break
             await asyncio.sleep(0.05)
-    page = snapshot(status, [])  # the status page's JSON: each edge names its lane
     assert {(e["from"], e["to"]): e["lane"] for e in page["edges"]} == {(1, 0): "tcp lane", (0, 1): "stream"}
     assert [(m["rank"], m["lane_fallbacks"]) for m in page["members"]] == [(0, 0), (1, 1)]
     assert await asyncio.to_thread(cli.main, ["status", "--coordinator", world.coordinator.address]) == 0
