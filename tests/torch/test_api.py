@@ -240,12 +240,22 @@ def test_optimizer_synchronize_protocol(ranks: list[dict[str, Any]]) -> None:
         assert "more than backward_passes_per_step (1)" in r["too_many_passes"]
 
 
+def test_state_and_collectives_of_cpu_tensors_under_another_default_device(ranks: list[dict[str, Any]]) -> None:
+    # broadcast_parameters and broadcast_optimizer_state made their host buffers on torch's default
+    # device (found on a GPU: "can't convert cuda:0 device type tensor to numpy").
+    got = same_on_every_rank(ranks, "default_device_elsewhere")
+    assert torch.equal(got["broadcast"], torch.full((3,), 1.0))
+    assert got["lr"] == pytest.approx(0.2)
+    assert torch.equal(got["summed"], torch.full((3,), float(sum(range(N)))))
+
+
 def test_every_result_is_on_the_device_of_the_inputs(ranks: list[dict[str, Any]]) -> None:
     # The optimizers' states hold torch's own host tensors beside the device ones (Adam's step counts).
     for r in ranks:
         device = r["asked_device"]
         wrong = {key: seen for key, seen in r["devices"].items()
-                 if seen and key not in ("optimizer_state", "optimizer_fresh") and seen != [device]}
+                 if seen and key not in ("optimizer_state", "optimizer_fresh", "default_device_elsewhere")
+                 and seen != [device]}
         assert not wrong, f"rank {r['topology']['rank']}: results not on {device}: {wrong}"
         assert len([key for key, seen in r["devices"].items() if seen == [device]]) >= 30
 

@@ -239,6 +239,21 @@ def optimizer_usage(hvd: Any, r: int, res: dict[str, Any]) -> None:
     res["param_groups_shared"] = opt.param_groups is opt._optimizer.param_groups
 
 
+def default_device_elsewhere(hvd: Any, r: int, res: dict[str, Any]) -> None:
+    """CPU tensors while torch's default device is another (here "meta", which holds no data; on a
+    GPU, "cuda" in many scripts): ringserve's own host buffers must not follow the default."""
+    torch.manual_seed(5)
+    with torch.device("cpu"):
+        model = torch.nn.Linear(3, 2)
+        inner = torch.optim.Adam(model.parameters(), lr=0.1 * (r + 1))
+    with torch.device("meta"):
+        params = {"w": torch.full((3,), float(r), device="cpu")}
+        hvd.broadcast_parameters(params, root_rank=1)
+        hvd.broadcast_optimizer_state(inner, root_rank=1)
+        summed = hvd.allreduce(torch.ones(3, device="cpu") * r, op=hvd.Sum)
+    res["default_device_elsewhere"] = dict(broadcast=params["w"], lr=inner.param_groups[0]["lr"], summed=summed)
+
+
 def hvd_errors() -> Any:
     import ringserve.errors
 
@@ -288,6 +303,7 @@ def main(out_dir: str) -> None:
     state(hvd, r, res)
     sync_batch_norm(hvd, r, res)
     optimizer_usage(hvd, r, res)
+    default_device_elsewhere(hvd, r, res)
     lifecycle(hvd, r, res)
     res["devices"] = {key: devices(value) for key, value in res.items()}
     torch.save(on_host(res), f"{out_dir}/rank{r}.pt")
