@@ -17,8 +17,8 @@ import numpy as np
 from ringserve import powersgd
 from ringserve.config import WorkerConfig
 from ringserve.constants import THREAD_WAIT_SLACK_S
-from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
-from ringserve.loop import LoopThread
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError, RingChangedError
+from ringserve.loop import LoopThread, uncancelled
 from ringserve.worker.ops.process_sets import ProcessSet, WholeWorld
 from ringserve.worker.runtime import Worker
 
@@ -43,8 +43,19 @@ class Context:
         return self
 
     def submit(self, call: Callable[[Worker], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
-        """Starts a call on the loop and returns its future (for async handles)."""
-        return self._thread.submit(call(self.worker))
+        """Starts a call on the loop and returns its future (for async handles).
+
+        The future raises a cancellation only when it was cancelled: one that ringserve's own
+        machinery caused raises RingChangedError instead (see ``loop.uncancelled``).
+        """
+        worker = self.worker
+        view = worker.latest_view
+
+        def stray() -> RingChangedError:
+            return RingChangedError(view, worker.latest_view, "the call was cancelled inside ringserve, not by its "
+                                    "caller; the world is taken to have changed")
+
+        return self._thread.submit(uncancelled(call(worker), stray))
 
     def wait(self, future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
         """The result of a submitted call, waiting at most a collective's deadline plus a slack.
@@ -65,13 +76,7 @@ class Context:
         Raises:
             CollectiveTimeoutError: the call did not finish in time; it is cancelled.
         """
-        wait = self.config.collective_timeout_s + THREAD_WAIT_SLACK_S if timeout_s is None else timeout_s
-        future = self.submit(call)
-        try:
-            return future.result(wait)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise CollectiveTimeoutError(f"A call on the ringserve worker did not finish within {wait:g} s.") from None
+        return self.wait(self.submit(call), timeout_s)
 
     def close(self) -> None:
         cfg = self.config

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("ringserve")
 
 
 def new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
@@ -28,6 +31,28 @@ def fine_clock(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
     time: testing/vclock.py), so their ``time`` is used; uvloop's ``time`` counts whole
     milliseconds, taken once per iteration of the loop, so ``time.monotonic`` is used instead."""
     return loop.time if isinstance(loop, asyncio.BaseEventLoop) else time.monotonic
+
+
+async def uncancelled(coro: Coroutine[Any, Any, T], stray: Callable[[], BaseException]) -> T:
+    """Awaits ``coro``; a cancellation that nobody asked of this task becomes ``stray()``.
+
+    A task's ``cancelling()`` counts the ``cancel()`` calls made on it (Python 3.11): a caller
+    that cancels (``future.cancel()`` on the thread's future, ``asyncio.timeout``, the loop's end)
+    makes it positive, and its cancellation goes through as it is. A CancelledError that reaches
+    a task nobody cancelled came out of something it awaited (a future or a gRPC call that
+    ringserve's own machinery cancelled): that is ringserve's fault, never the caller's, and it
+    reaches the caller as the typed error ``stray()`` returns, with the cancellation chained and
+    its traceback logged, so that its source can be found.
+    """
+    try:
+        return await coro
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling() > 0:
+            raise
+        error = stray()
+        log.warning("a call was cancelled by ringserve, not by its caller; it fails with %r", error, exc_info=exc)
+        raise error from exc
 
 
 class LoopThread:

@@ -1,7 +1,8 @@
 """The links' latency and bandwidth, measured once per ring of a view and agreed by its ranks.
 
-``auto`` (selection.py) picks an algorithm from the link figures, and every rank must pick the
-same one, so every rank must hold the same figures. They are measured, once per view and ring (the
+``auto`` (selection.py) picks an algorithm from the class of the link figures (selection.planned:
+one host, a LAN or a WAN), and every rank must pick the same one, so every rank must hold the same
+figures. They are measured, once per view and ring (the
 whole view, a process set), by one collective of that ring (``ringserve.links``), which the first
 call that needs them runs on every rank (the others wait for it):
 
@@ -15,6 +16,10 @@ call that needs them runs on every rank (the others wait for it):
    with 8, 0.18-0.32 ms and 1.9-5.9 ns, and the ring in every start.
 2. **Agreement.** A max-allreduce of (latency, time per byte) over the ring, by recursive
    doubling: every rank ends with the slowest link's figures, bit for bit.
+
+The figures come back as ``selection.Measured``, which the plan takes by its class only: the
+shortest of eight rounds still swings tenfold from one start to the next on a loaded machine, and
+a plan that followed it summed in another order in another run.
 
 It costs about ``ROUNDS`` x 2 round trips plus log2(n) hops, once per view and ring (at 20 ms one
 way and 100 Mbit/s: about 0.8 s), and nothing when the figures are configured
@@ -30,8 +35,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from ringserve import wire
+from ringserve.errors import RingChangedError
 from ringserve.loop import fine_clock
-from ringserve.selection import FASTEST_SECONDS_PER_BYTE, Links
+from ringserve.selection import FASTEST_SECONDS_PER_BYTE, Links, Measured
 from ringserve.worker.dataplane import executor, keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.inbox import Received
@@ -117,7 +123,8 @@ class Measures:
         self._tasks: set[asyncio.Task[Links]] = set()
 
     async def links(self, session: Session) -> Links:
-        """The figures of the session's ring: given, measured already in this view, or measured now."""
+        """The figures of the session's ring: given, measured already in this view, or measured now
+        (then ``Measured``, which auto plans by its class: selection.planned)."""
         if self.given is not None:
             return self.given
         pending = self._figures.get(session.spec)
@@ -137,8 +144,13 @@ class Measures:
             self._start(plane.session(members))
         return True
 
-    def close(self) -> None:
-        """Cancels the measures in flight (the plane is closing)."""
+    def close(self, exc: BaseException) -> None:
+        """Fails the measures in flight with ``exc`` (the plane is closing with it), then cancels
+        their tasks. Every collective awaiting the figures gets ``exc``: a cancellation of the
+        measure's task must never reach a collective that nobody cancelled (issue 40: a bare
+        CancelledError out of the first allgather of a view that ended under its measure)."""
+        for pending in self._figures.values():
+            _fail(pending, exc)
         for task in self._tasks:
             task.cancel()
 
@@ -150,16 +162,24 @@ class Measures:
 
         def done(task: asyncio.Task[Links]) -> None:
             self._tasks.discard(task)
-            if task.cancelled():
-                pending.cancel()
+            if pending.done():  # failed by close()
+                return
+            if task.cancelled():  # the loop is ending: the plane was not closed first
+                _fail(pending, RingChangedError(session.view_id, session.view_id,
+                                                "the worker stopped while it measured the links"))
             elif (exc := task.exception()) is not None:
-                pending.set_exception(exc)
-                pending.exception()  # retrieved: each caller raises it, the loop need not log it
+                _fail(pending, exc)
             else:
                 pending.set_result(task.result())
 
         task.add_done_callback(done)
         return pending
+
+
+def _fail(pending: asyncio.Future[Links], exc: BaseException) -> None:
+    if not pending.done():
+        pending.set_exception(exc)
+        pending.exception()  # retrieved: each caller raises it, the loop need not log it
 
 
 async def measure(session: Session, *, timeout_s: float) -> Links:
@@ -177,7 +197,8 @@ async def measure(session: Session, *, timeout_s: float) -> Links:
                PartialRaw(mine, agreed, "max", ring.size, ring=ring))
 
     await executor.run_stages(session, NAME, DESCRIPTOR, timeout_s, stages())
-    return links_of(float(agreed[0]), float(agreed[1]))
+    links = links_of(float(agreed[0]), float(agreed[1]))
+    return Measured(links.latency_s, links.seconds_per_byte)
 
 
 def links_of(latency_s: float, seconds_per_byte: float) -> Links:

@@ -395,7 +395,7 @@ class Plane:
             inbox.fail(exc)
         self._arrived()
         self._ended = True
-        self.measures.close()
+        self.measures.close(exc)
         for link in self._links.values():
             link.close()
 
