@@ -21,7 +21,10 @@ for small vectors (fewest steps), halving-doubling for power-of-two worlds once 
 larger, the tree for large vectors in worlds that are not powers of two (the fold costs 2 S), the
 ring where latency does not matter. It is a function of the call (op, bytes, codec), the ring's
 size and the link figures only, all equal on every rank of a ring (the figures are agreed per
-view, see worker/ops/calibration.py), so every rank picks the same algorithm without a word.
+view, see worker/dataplane/calibration.py), so every rank picks the same algorithm without a word.
+Figures measured at start-up enter by their class only (``planned``: the host layout first, then
+LAN or WAN by a threshold no run-to-run noise crosses), so the same job on the same machines plans
+alike, and sums in the same order, from one run to the next.
 Under a codec, recursive doubling is left out: it would encode each group's sum once per member,
 where error feedback (worker/dataplane/partials.py) needs each element encoded once per rank.
 """
@@ -71,6 +74,60 @@ class Links:
     @classmethod
     def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S) -> Links:
         return cls(latency_s, 1.0 / bytes_per_s, frame_s)
+
+
+@dataclass(frozen=True)
+class Measured(Links):
+    """Link figures measured at start-up (worker/dataplane/calibration.py), where plain ``Links``
+    are given (RINGSERVE_LINK_LATENCY_S and RINGSERVE_LINK_MBPS): ``auto`` plans by their class
+    (``planned``), never by their value."""
+
+
+# The classes of a ring's links, and the figures auto plans each by. LAN: 50 us and 10 Gbit/s (the
+# LAN of docs/design/algorithms.md's tables); WAN: 20 ms and 100 Mbit/s (the simulator's and the WAN
+# benchmark's). One host plans as a LAN: on it a hop's cost is the software's, as between hosts.
+HOST = "host"
+LAN = "lan"
+WAN = "wan"
+LAN_LINKS = Links.of(50e-6, 10e9 / 8)
+WAN_LINKS = Links.of(0.020, 100e6 / 8)
+CLASS_LINKS = {HOST: LAN_LINKS, LAN: LAN_LINKS, WAN: WAN_LINKS}
+# Links across hosts measured at least this one way are a WAN's (a round trip of 16 ms): see planned.
+WAN_LATENCY_S = 8e-3
+
+
+def link_class(links: Links, hosts: tuple[int, ...], n: int) -> str:
+    """The class of a ring of ``n`` ranks on ``hosts`` (each rank's host, as the view says; empty:
+    not known) whose links measured ``links``: HOST where every rank is on one host, whatever was
+    measured; else WAN from WAN_LATENCY_S one way, LAN below it."""
+    if len(hosts) == n and len(set(hosts)) == 1:
+        return HOST
+    return WAN if links.latency_s >= WAN_LATENCY_S else LAN
+
+
+def planned(links: Links, *, hosts: tuple[int, ...], n: int) -> Links:
+    """The figures ``auto`` (and ``halving_doubling``'s choice of its two forms) plans a ring of
+    ``n`` ranks on ``hosts`` by: given figures as they are (a static fact, the user's word);
+    measured ones (``Measured``) as their class's (``link_class``, CLASS_LINKS).
+
+    Static facts first, so that two runs of one job on the same machines plan alike, and sum in
+    the same order (NCCL and gloo, too, choose from static facts). A measured figure moves with the
+    machine's load: over eight rounds, one machine's loopback measured 0.18 ms to 3 ms one way and
+    1.9 to 11 ns a byte from one start to the next, and within that range the model's best
+    plan changes at many points (over worlds 2 to 16 and sizes 4 KiB to 64 MiB, up to four
+    algorithms for one call), so that no bucket inside it is safe: a boundary there is crossed by
+    noise, and the sums differ in their last bits (four tests had to run the ring by name).
+
+    So measured figures pick between two classes only, at one threshold far from that noise: a
+    ring across hosts is a WAN from 8 ms one way, over twice the most a loaded loopback measured,
+    where a WAN between regions is 10 ms or more (and a measure, the shortest of eight round trips,
+    never reads less than the wire's delay: load only adds). A ring on one host never reads as a
+    WAN. Bandwidth is left out: three 60 KiB frames measure it within a factor of ten at best, and
+    a link's class already sets it. Where a job knows its links better, it gives the figures.
+    """
+    if not isinstance(links, Measured):
+        return links
+    return CLASS_LINKS[link_class(links, hosts, n)]
 
 
 @dataclass(frozen=True)

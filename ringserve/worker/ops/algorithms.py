@@ -5,8 +5,9 @@ the cost model say otherwise), and runs anything but the ring here. The plan is 
 the setting, the call (op, bytes on the wire, codec), the ring's size and its link figures
 (dataplane/calibration.py, agreed once per view and ring), so every rank of the ring makes the same plan
 without a word, and its descriptor names the algorithm (routes.py): ranks that disagree fail
-with MismatchError. Process sets run under it as the whole view does: a sub-ring measures its own
-links and plans by its own size.
+with MismatchError. Measured figures enter by their class only (``figures``: selection.planned),
+so that two runs of one job plan alike. Process sets run under it as the whole view does: a
+sub-ring measures its own links and plans by its own size and hosts.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ import numpy as np
 from ringserve import selection, topology
 from ringserve.codecs import Codec
 from ringserve.ring import segment_bounds
-from ringserve.selection import Plan
+from ringserve.selection import Links, Plan
 from ringserve.worker.dataplane import executor, programs_grid, programs_hd, programs_tree, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.partials import PartialCoded, PartialRaw
 from ringserve.worker.dataplane.programs import Programs, Ring
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
+
+
+async def figures(session: Session) -> Links:
+    """The link figures the session's ring plans by: given ones as they are, measured ones (measured
+    first if nobody has in this view) as their class's, by the ring's hosts (selection.planned).
+    Alike on every rank of the ring: the measured figures are agreed, the hosts are the view's."""
+    links = await session.plane.measures.links(session)
+    return selection.planned(links, hosts=session.place.hosts, n=session.place.size)
 
 
 async def plan(session: Session, op: str, nbytes: int, *, chunk_bytes: int, timeout_s: float,
@@ -34,7 +43,7 @@ async def plan(session: Session, op: str, nbytes: int, *, chunk_bytes: int, time
     setting, n = session.algorithm, session.place.size
     if setting == selection.RING or n <= 1:
         return Plan(selection.RING, chunk_bytes, 0.0)
-    links = await session.plane.measures.links(session)
+    links = await figures(session)
     scale = session.plane.scale
     return selection.choose(setting, op, nbytes * scale, n, links, chunk_bytes * scale, coded=coded)
 
@@ -47,7 +56,7 @@ async def by_host(session: Session, rings: tuple[tuple[int, ...], tuple[int, ...
     on every rank."""
     if session.algorithm != selection.AUTO or session.hierarchical != "auto":
         return True
-    links = await session.plane.measures.links(session)
+    links = await figures(session)
     scale = session.plane.scale
     return selection.by_host(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
 
@@ -57,7 +66,7 @@ async def across_hosts(session: Session, rings: tuple[tuple[int, ...], tuple[int
     """The plan of the stage across hosts of an allreduce of ``nbytes`` by host over ``rings``
     (hierarchy.chosen's), by the whole ring's link figures: alike on every rank of the view, where
     each ring across hosts measures its own links and may plan otherwise (selection.across_hosts)."""
-    links = await session.plane.measures.links(session)
+    links = await figures(session)
     scale = session.plane.scale
     return selection.across_hosts(session.algorithm, nbytes * scale, len(rings[0]), len(rings[1]), links,
                                   chunk_bytes * scale)
@@ -67,7 +76,7 @@ async def flat_plan(session: Session, rings: tuple[tuple[int, ...], tuple[int, .
                     chunk_bytes: int) -> Plan:
     """The plan of an allreduce of ``nbytes`` that runs flat over a view of hosts (``rings``,
     hierarchy.chosen's) because by_host said so: selection.flat_plan, alike on every rank."""
-    links = await session.plane.measures.links(session)
+    links = await figures(session)
     scale = session.plane.scale
     return selection.flat_plan(nbytes * scale, len(rings[0]), len(rings[1]), links, chunk_bytes * scale)
 

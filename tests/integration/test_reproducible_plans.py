@@ -1,0 +1,157 @@
+"""Two runs of one job under ``auto`` sum in the same order, bit for bit, though the links measure
+tenfold apart (selection.planned: the plan follows the host layout and the links' coarse class,
+never the measured value).
+
+Each run is a world of its own, one after the other: a coordinator and three workers on hosts of
+their own (by name: every payload between them travels over the gRPC stream, as between hosts),
+which measure their links at the first collective. In the second run every worker's peer server
+sits behind a relay that holds each byte ``DELAY_S`` before passing it on, as a loaded machine's
+ping swings tenfold; below the WAN's class (selection.WAN_LATENCY_S), so both runs plan a LAN.
+Before the plan took the class, the second run's figures planned a tree where the first planned
+the ring at 256 KiB (and, near 3 ms, at 1.2 MB: the flake of 43b31c7), and the sums differed in
+their last bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from worlds import free_port, start_world
+
+from ringserve import selection
+from ringserve.selection import Links
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 3
+DELAY_S = 0.003  # one way, at each relay: ten times a loopback ping or more, well below the WAN's class
+SIZES = (64 << 10, 256 << 10, 1_200_000, 4 << 20)  # bytes of float32
+APART = dict(shared_memory=False, payload_lane="off")  # as between hosts, every byte on the stream
+
+
+class SlowRelay:
+    """A TCP relay on loopback that passes every byte on ``delay_s`` after it arrived, both ways and
+    in order: a link with ``delay_s`` more latency than loopback's and the same bandwidth. A worker
+    binds ``target_port`` and advertises the relay's, so every peer dials it through the relay."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except (OSError, TimeoutError):
+            writer.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._carry(reader, writer, up_reader, up_writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._pipe(reader, up_writer))
+                group.create_task(self._pipe(up_reader, writer))
+        finally:
+            writer.close()
+            up_writer.close()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def hold() -> None:
+            data = b"-"
+            while data:
+                try:
+                    data = await reader.read(1 << 16)
+                except OSError:
+                    data = b""
+                held.put_nowait((loop.time() + self.delay_s, data))
+
+        async def release() -> None:
+            while True:
+                due, data = await held.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                try:
+                    if not data:
+                        writer.close()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+                except OSError:
+                    return
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(hold())
+            group.create_task(release())
+
+
+def inputs(rank: int) -> dict[int, np.ndarray]:
+    """Rank ``rank``'s float32 vectors, one per size: random, so that another order of the sum
+    changes its last bits; the same in every run."""
+    rng = np.random.default_rng(1000 + rank)
+    return {size: rng.standard_normal(size // 4).astype(np.float32) for size in SIZES}
+
+
+async def run_job(*, delay_s: float) -> tuple[dict[int, bytes], dict[Any, int], Links]:
+    """One run of the job: (rank 0's sum of each size, the algorithms rank 0 ran, the measured figures)."""
+    relays: list[SlowRelay] = []
+    each: list[dict[str, Any]] = []
+    try:
+        for i in range(N):
+            config: dict[str, Any] = {"rank_hint": i, "hostname": f"host-{i}"}
+            if delay_s > 0:
+                port = free_port()
+                relay = SlowRelay(port, delay_s)
+                relays.append(relay)
+                config.update(bind_port=port, advertise_port=await relay.start())
+            each.append(config)
+        world = await start_world(N, **APART, each=lambda i: each[i])
+        try:
+            assert [w.rank for w in world.workers] == list(range(N))
+            assert all(w.node.config.algorithm == selection.AUTO for w in world.workers)
+            data = [inputs(r) for r in range(N)]
+            sums: dict[int, bytes] = {}
+            for size in SIZES:
+                outs = await world.map("allreduce", [d[size] for d in data], op="sum", name=f"x{size}")
+                assert all(out.tobytes() == outs[0].tobytes() for out in outs)  # every rank alike, as ever
+                sums[size] = outs[0].tobytes()
+            plane = world.workers[0].node.planes.current
+            assert plane is not None
+            measured = await plane.measures.links(plane.session())
+            return sums, dict(world.workers[0].counters.algorithms), measured
+        finally:
+            await world.close()
+    finally:
+        for relay in relays:
+            await relay.close()
+
+
+async def test_two_runs_under_auto_give_the_same_bits_though_their_links_measure_tenfold_apart() -> None:
+    quick_sums, quick_algorithms, quick = await run_job(delay_s=0.0)
+    slow_sums, slow_algorithms, slow = await run_job(delay_s=DELAY_S)
+    assert slow.latency_s >= DELAY_S  # the relays took effect: each hop of the pings waited for them
+    assert slow.latency_s < selection.WAN_LATENCY_S and quick.latency_s < selection.WAN_LATENCY_S
+    assert quick_algorithms == slow_algorithms, (quick, slow)
+    for size in SIZES:
+        assert quick_sums[size] == slow_sums[size], f"{size} bytes: the sums differ ({quick} and {slow} measured)"
