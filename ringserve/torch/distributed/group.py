@@ -9,6 +9,8 @@ torch waiting on it. An op ringserve cannot do raises NotImplementedError before
 The group runs in the view it was formed in: once a peer dies or leaves, ringserve moves to a new
 view and every op of this group, in flight or later, fails with DistBackendError on every
 survivor (a torch group's members are fixed). Recovery is a new group (see docs/guide/torch-distributed.md).
+Likewise once an op of the group times out on any rank: every later op of the group fails on
+every rank of it, as gloo's do (breaker.py); the other groups go on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ringserve.constants import WORK_WAIT_SLACK_S
 from ringserve.torch.distributed import ops, sparse
+from ringserve.torch.distributed.breaker import name_op
 from ringserve.torch.distributed.plane import Plane
 from ringserve.torch.distributed.rendezvous import World, join_world
 from ringserve.torch.distributed.settings import Settings
@@ -40,13 +43,19 @@ def _opt(opts: Any, kind: type) -> Any:
 
 
 def _op(what: str) -> Callable[[Callable[..., RingserveWork]], Callable[..., RingserveWork]]:
-    """An op of the group: refused at once, before it starts, once the group's view is gone."""
+    """An op of the group: refused at once, before it starts, once the group's view is gone or a
+    timeout broke the group; named ``what`` while it starts its calls (a timeout of one of them
+    breaks the group, see breaker.py)."""
 
     def wrap(method: Callable[..., RingserveWork]) -> Callable[..., RingserveWork]:
         @functools.wraps(method)
         def op(self: ProcessGroupRingserve, *args: Any, **kwargs: Any) -> RingserveWork:
             self._check(what)
-            return method(self, *args, **kwargs)
+            outer = name_op(what)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                name_op(outer)
 
         return op
 
@@ -116,13 +125,17 @@ class ProcessGroupRingserve(dist.ProcessGroup):
         return (self.plane.timeout_s if seconds is None else seconds) + WORK_WAIT_SLACK_S
 
     def _check(self, what: str) -> None:
-        """Fails an op at once, before it starts, once the group's view is gone: every later op
-        raises DistBackendError as the first failed one did, and none waits for peers that left."""
+        """Fails an op at once, before it starts, once the group's view is gone or a timeout broke
+        the group: every later op raises DistBackendError as the first failed one did, and none
+        waits for peers that left or gave up."""
         if self._closed:
             raise dist.DistBackendError(f"ringserve: {what} on a process group that was shut down.")
         moved = self.plane.moved_on()
         if moved is not None:
             raise backend_error(moved, what)
+        broken = self.plane.breaker.error()
+        if broken is not None:
+            raise backend_error(broken, what)
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -372,9 +385,9 @@ def create(opts: Any, pg_options: Any = None) -> ProcessGroupRingserve | dist.Pr
     ranks = list(opts.global_ranks_in_group)
     default = dist.distributed_c10d._world.default_pg
     if ranks and isinstance(default, ProcessGroupRingserve):
-        plane = default.plane.subset(ranks, tag=f"torch.group.{opts.group_id}")
         timeout_s = _group_timeout(opts, settings, default.plane.context.config.collective_timeout_s)
-        return ProcessGroupRingserve(plane.with_timeout(timeout_s), settings)
+        return ProcessGroupRingserve(default.plane.subset(ranks, tag=f"torch.group.{opts.group_id}", timeout_s=timeout_s),
+                                     settings)
     if ranks and sorted(ranks) != list(range(max(opts.group_size, len(ranks)))):
         raise NotImplementedError(
             f"A ringserve group of ranks {ranks} under a default group of another backend is not supported: its "

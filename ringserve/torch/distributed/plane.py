@@ -20,7 +20,9 @@ the worker's event loop.
 
 **Deadlines.** Every call of a plane runs under the plane's ``timeout_s``: the timeout given to
 ``init_process_group`` or ``new_group`` (``with_timeout`` makes a plane that names its ops alike
-under another, for an op given its own timeout).
+under another, for an op given its own timeout). The first of the group's ops to time out breaks
+the group, on every rank of it (``breaker``, shared by those planes: see breaker.py); a call
+checks it on the loop before it opens its collective.
 
 Ops of one plane are matched across ranks by their order of issue, as torch requires of every
 group: each plane names its ops ``<tag>`` so that ringserve numbers them ``<tag>#1``, ``<tag>#2``,
@@ -42,7 +44,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ringserve.api import Context
-from ringserve.errors import InvalidArgumentError, RingChangedError
+from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, RingChangedError
+from ringserve.torch.distributed.breaker import Breaker, op_name
 from ringserve.torch.distributed.work import completing
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
@@ -85,6 +88,9 @@ class Plane:
         # Labels of the ops started outside callbacks; shared with the planes with_timeout makes,
         # whose ops are numbered in the same sequence. (next() of a count is atomic under the GIL.)
         self._issued = itertools.count(1)
+        # Whether a timeout broke the group: shared with those planes too.
+        self.breaker = Breaker(name=f"{tag or 'torch'}.timeout", rank=self.rank, timeout_s=self.timeout_s,
+                               members=tuple(range(self.size)) if members is None else members)
 
     def _issue(self) -> tuple[str | None, str]:
         """The name an op starts under and its label (see the module's docstring)."""
@@ -130,13 +136,29 @@ class Plane:
 
     def _start(self, call: Call[T], ring: tuple[int, ...] | None) -> Future[T]:
         """Starts ``call(session, options)`` on the loop, on the session over the view ranks
-        ``ring`` (None: the whole view), taken there before the call's first await."""
-        timeout_s = self.timeout_s
+        ``ring`` (None: the whole view), taken there before the call's first await. It fails
+        instead once a timeout broke the group; a timeout of the call breaks it, if the call is
+        one of the group's torch ops (breaker.py)."""
+        timeout_s, breaker, what = self.timeout_s, self.breaker, op_name()
 
         async def run(worker: Worker) -> T:
             # The worker's session over a member tuple (the sub-ring its process sets use too).
             session = worker.collectives.session(ring)
-            return await call(session, {"chunk_bytes": worker.config.chunk_bytes, "timeout_s": timeout_s})
+            chunk_bytes = worker.config.chunk_bytes
+            broken = breaker.error()
+            if broken is None:
+                sender = breaker.pending(session.plane)
+                if sender is not None:
+                    await breaker.read(session.plane, sender, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+                    broken = breaker.error()
+            if broken is not None:
+                raise broken
+            try:
+                return await call(session, {"chunk_bytes": chunk_bytes, "timeout_s": timeout_s})
+            except CollectiveTimeoutError as exc:
+                if what is not None:
+                    await breaker.trip(session.plane, what, exc, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+                raise
 
         return self.context.submit(run)
 
@@ -232,9 +254,10 @@ class Plane:
 
         return self._on(anyone)
 
-    def subset(self, ranks: Sequence[int], tag: str) -> Plane:
+    def subset(self, ranks: Sequence[int], tag: str, timeout_s: float | None = None) -> Plane:
         """The plane of a new group of ``ranks`` (this plane's ranks, in group-rank order; torch
-        sorts them unless told not to), ops numbered under ``tag``.
+        sorts them unless told not to), ops numbered under ``tag``, under ``timeout_s`` (None:
+        this plane's).
 
         Raises:
             InvalidArgumentError: ranks repeat or fall outside this plane's, or leave this rank out.
@@ -244,7 +267,7 @@ class Plane:
             raise InvalidArgumentError(f"A group of ranks {list(ranks)} must list distinct ranks, this one's among them.")
         whole = members == tuple(range(self.context.worker.size))
         return Plane(self.context, tag=tag, view_id=self.view_id, members=None if whole else members,
-                     timeout_s=self.timeout_s)
+                     timeout_s=self.timeout_s if timeout_s is None else timeout_s)
 
 
 async def _discard(call: Any) -> None:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
+from ringserve.torch.distributed.breaker import GroupTimedOutError
 
 # Completion threads per process group at most: each callback blocked in a nested wait holds one.
 MAX_THREADS = 32
@@ -77,6 +78,8 @@ def backend_error(exc: BaseException, what: str) -> BaseException:
         return exc
     if isinstance(exc, concurrent.futures.CancelledError):
         error = dist.DistBackendError(f"ringserve: {what} was cancelled (the process group was shut down).")
+    elif isinstance(exc, GroupTimedOutError):
+        error = dist.DistBackendError(f"ringserve: {what} on a process group that a timeout broke: {exc}")
     elif isinstance(exc, CollectiveTimeoutError):
         # Worded as gloo's timeouts are ("Timed out waiting 1000ms for ..."), which torch's tests match.
         error = dist.DistBackendError(
