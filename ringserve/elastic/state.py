@@ -229,7 +229,7 @@ class State:
                 worker.leaving, leavers = False, []
         if rank == 0:
             try:
-                ctx.call(lambda w: w.admit_waiting(leavers, view_id=view))
+                _admit(leavers, view, retry=not leavers)
             except CoordinatorUnreachableError as exc:
                 if not leavers:
                     raise
@@ -306,6 +306,34 @@ class ObjectState(State):
     def load_snapshot(self, snapshot: object) -> None:
         assert isinstance(snapshot, dict)
         self._saved = snapshot
+
+
+ADMIT_RETRY_S = 0.5  # between rank 0's requests to admit, while the coordinator does not answer
+
+
+def _admit(leavers: list[str], view: int, *, retry: bool) -> None:
+    """Rank 0 asks the coordinator to admit the waiting workers (and let ``leavers`` go) at the
+    commit of ``view``. Every other rank has already decided that the world changes here and
+    waits for the view this request makes: with ``retry``, a coordinator that does not answer
+    (it is restarting) is asked again until elastic_timeout_s has passed, the bound the others
+    wait within, rather than leaving them to wait out that bound for a view nobody asked for.
+
+    Raises:
+        CoordinatorUnreachableError: the coordinator did not answer (within elastic_timeout_s
+            with ``retry``).
+    """
+    ctx = api.context()
+    deadline = time.monotonic() + ctx.config.elastic_timeout_s
+    while True:
+        try:
+            ctx.call(lambda w: w.admit_waiting(leavers, view_id=view))
+            return
+        except CoordinatorUnreachableError as exc:
+            if not retry or time.monotonic() + ADMIT_RETRY_S >= deadline:
+                raise
+            log.warning("%s: the coordinator did not take the request to admit the waiting workers (%s); "
+                        "asking again", ctx.worker.tag, exc)
+            time.sleep(ADMIT_RETRY_S)
 
 
 def _leave_now(state: State, view: int) -> None:

@@ -2,12 +2,18 @@
 namespace (``ip route add blackhole``), so its packets to some hosts vanish and nothing says so.
 
 Topology: the coordinator's namespace holds a bridge; three workers share a second namespace (one
-address each), and the victim has a third. Both scenarios of issue 11, part 1:
+address each), and the victim has a third. Each scenario runs twice: with the workers on one host
+(one hostname, shared memory between them), and as four hosts (a hostname each, shared memory
+off), where the TCP payload lane carries every payload and the cut breaks the lanes mid-collective
+(issue 40: there the survivors died of a bare CancelledError and training never resumed). The
+scenarios of issues 11 and 40:
 
 - the victim loses its routes to its peers but keeps the coordinator: the others go on without it
   within a bound, and it rejoins at a commit once the routes are back;
 - the mirror: it loses the coordinator but keeps its peers: it trains on until the coordinator
-  declares it dead, then stops with ExcludedError, and never trains as a second world.
+  declares it dead, then stops with ExcludedError, and never trains as a second world;
+- one way: the peers' namespace blackholes its route to the victim, so nothing of theirs reaches
+  it, while everything it sends still reaches them; it is dropped as in the first.
 """
 
 from __future__ import annotations
@@ -62,6 +68,13 @@ class Net:
     def restore(self, *addresses: str) -> None:
         for address in addresses:
             ip("-n", self.victim, "route", "del", "blackhole", f"{address}/32")
+
+    def drop_to_victim(self) -> None:
+        """One way: nothing from the peers' namespace reaches the victim; what it sends arrives."""
+        ip("-n", self.peers, "route", "add", "blackhole", f"{VICTIM}/32")
+
+    def restore_to_victim(self) -> None:
+        ip("-n", self.peers, "route", "del", "blackhole", f"{VICTIM}/32")
 
 
 @pytest.fixture
@@ -125,7 +138,18 @@ class Job:
             time.sleep(0.1)
 
 
-def start_job(tmp_path: Path, net: Net, steps: int) -> Job:
+LANES = ["one-host", "lane"]
+
+
+def lane_env(lane: str, address: str) -> dict[str, str]:
+    """``one-host``: every worker on one host (one hostname), payloads in shared memory; ``lane``:
+    a host per worker, shared memory off, so payloads cross the TCP payload lane."""
+    if lane == "one-host":
+        return {}
+    return {"RINGSERVE_HOSTNAME": f"host-{address}", "RINGSERVE_SHARED_MEMORY": "0"}
+
+
+def start_job(tmp_path: Path, net: Net, steps: int, lane: str = "one-host") -> Job:
     port = 29500 + os.getpid() % 400
     # The coordinator's log goes to a file: nobody reads a pipe of it, which could fill and stall it.
     coordinator_log = tmp_path / "coordinator.log"
@@ -142,9 +166,10 @@ def start_job(tmp_path: Path, net: Net, steps: int) -> Job:
               "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "RINGSERVE_RPC_TIMEOUT_S": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, harness.WORKER, str(log), str(steps), "0.03"]
     # The victim takes rank 1, so that the tie-break (the latest rank goes) cannot be what drops it.
-    peers = [in_ns(net.peers, argv, {**common, "RINGSERVE_BIND_HOST": a, "RINGSERVE_RANK_HINT": str(r)})
+    peers = [in_ns(net.peers, argv, {**common, **lane_env(lane, a), "RINGSERVE_BIND_HOST": a, "RINGSERVE_RANK_HINT": str(r)})
              for a, r in zip(PEERS, (0, 2, 3), strict=True)]
-    victim = in_ns(net.victim, argv, {**common, "RINGSERVE_BIND_HOST": VICTIM, "RINGSERVE_RANK_HINT": "1"})
+    victim = in_ns(net.victim, argv, {**common, **lane_env(lane, VICTIM), "RINGSERVE_BIND_HOST": VICTIM,
+                                      "RINGSERVE_RANK_HINT": "1"})
     return Job(harness.Run(log=log, launcher=peers[0]), coordinator, peers, victim, steps)
 
 
@@ -160,19 +185,27 @@ def kill(job: Job) -> None:
             p.wait()
 
 
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("way", ["both", "one"])
 def test_a_worker_cut_off_from_its_peers_but_not_the_coordinator_is_dropped_within_a_bound_and_rejoins_after_the_heal(
-    tmp_path: Path, net: Net
+    tmp_path: Path, net: Net, lane: str, way: str
 ) -> None:
-    job = start_job(tmp_path, net, steps=400)
+    job = start_job(tmp_path, net, steps=400, lane=lane)
     try:
         cut_view = job.training_together(60)
         cut = time.time()
-        job.run.faults.append((cut, "peer routes blackholed", job.victim.pid))
-        net.blackhole(*PEERS)
+        job.run.faults.append((cut, f"peer routes cut ({way} way)", job.victim.pid))
+        if way == "both":
+            net.blackhole(*PEERS)
+        else:
+            net.drop_to_victim()
         dropped = job.first_commit_after(cut_view, DROP_BOUND_S + 10)
         time.sleep(2.0)
         healed = time.time()
-        net.restore(*PEERS)
+        if way == "both":
+            net.restore(*PEERS)
+        else:
+            net.restore_to_victim()
         back = job.first_commit_after(cut_view, 60, pid=job.victim.pid)
         outs = finish(job, 150)
     finally:
@@ -184,14 +217,15 @@ def test_a_worker_cut_off_from_its_peers_but_not_the_coordinator_is_dropped_with
     events = [line for line in (tmp_path / "coordinator.log").read_text().splitlines()
               if "reports" in line or "answers the coordinator" in line or "removed" in line or "formed" in line]
     print("\n" + "\n".join(line[:200] for line in events))
-    print(f"\npeer routes cut at {time.strftime('%H:%M:%S', time.localtime(cut))}: first commit without the victim {dropped - cut:.2f} s after the cut; "
+    print(f"\n[{lane}, {way} way] peer routes cut at {time.strftime('%H:%M:%S', time.localtime(cut))}: first commit without the victim {dropped - cut:.2f} s after the cut; "
           f"victim committed again {back - healed:.2f} s after the heal")
 
 
+@pytest.mark.parametrize("lane", LANES)
 def test_a_worker_cut_off_from_the_coordinator_trains_until_declared_dead_then_stops_with_excluded_error(
-    tmp_path: Path, net: Net
+    tmp_path: Path, net: Net, lane: str
 ) -> None:
-    job = start_job(tmp_path, net, steps=300)
+    job = start_job(tmp_path, net, steps=300, lane=lane)
     try:
         cut_view = job.training_together(60)
         cut = time.time()
