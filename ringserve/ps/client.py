@@ -12,9 +12,11 @@ keeps the step it pushes next, so each mode's rule is one line (see rules.py for
 
 A push goes to every shard at once (a shard none of whose pieces it carries still gets its
 header: sync counts one push per member), as a stream of chunks encoded with the wire codec. A
-shard that stops answering is waited for in the directory and asked again: pushes are
-idempotent per (worker, step), so a retried push is applied once. A shard that came back empty
-(no checkpoint) is seeded again with the values this client last pulled.
+shard that stops answering, or whose stream breaks mid-call (verdicts.py tells these from its
+refusals), is waited for in the directory and asked again: pushes are idempotent per (worker,
+step), so a retried push is applied once. A shard that came back empty (no checkpoint) is seeded
+again with the values this client last pulled. A call that fails on one shard cancels those to
+the others, and they end before its error reaches the caller.
 
 Example::
 
@@ -41,10 +43,11 @@ from ringserve.codecs import codec as codec_named
 from ringserve.config import PSClientConfig
 from ringserve.errors import InvalidArgumentError, NotInitializedError, RingserveError
 from ringserve.ps.layout import Layout, Piece, partition, specs_of
-from ringserve.ps.links import GONE, Link, Links, translate
+from ringserve.ps.links import Link, Links, translate
 from ringserve.ps.optim import Optimizer
 from ringserve.ps.rules import MEMBER_MODES, ROUND_MODES, check_mode
 from ringserve.ps.store import Job, piece_proto
+from ringserve.ps.verdicts import is_transient
 from ringserve.security import Security
 
 T = TypeVar("T")
@@ -65,6 +68,19 @@ def view_of(worker: _Member) -> Callable[[], int]:
             return 0
 
     return view
+
+
+def first_error(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first error of a TaskGroup's group (the one that cancelled the other tasks), with the
+    others noted on it."""
+    error = group.exceptions[0]
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    others = group.exceptions[1:]
+    if others:
+        error.add_note(f"{len(others)} more shard call(s) failed at the same time: "
+                       + "; ".join(f"{type(e).__name__}: {e}" for e in others))
+    return error
 
 
 DEFAULT_OPTIMIZER = Optimizer()  # frozen: plain SGD at lr 0.01, torch's default
@@ -160,10 +176,9 @@ class AsyncClient:
         for link, pieces in zip(self._links.links, self.layout.shards, strict=True):
             link.pieces = pieces
         if not seed:
-            await asyncio.gather(*(self._call(link, self._wait_job) for link in self._links.links))
+            await self._each(self._wait_job)
             return False
-        taken = await asyncio.gather(*(self._call(link, lambda ln: self._init_one(ln, 0)) for link in self._links.links))
-        return any(taken)
+        return any(await self._each(lambda ln: self._init_one(ln, 0)))
 
     async def _init_one(self, link: Link, version: int) -> bool:
         job = self.jobs[link.index]
@@ -209,6 +224,25 @@ class AsyncClient:
 
     # -- calls, with recovery --------------------------------------------------------------
 
+    async def _each(self, attempt: Callable[[Link], Awaitable[T]]) -> list[T]:
+        """Runs ``attempt`` on every shard at once (each as ``_call`` does); returns the results in
+        shard order.
+
+        The calls share a TaskGroup: the first to fail cancels the others, and they are awaited
+        before its error is raised, so no call runs on (and moves a link's step) after the caller
+        has the error. The error is raised as itself, not in an ExceptionGroup; those of calls that
+        failed at the same time are noted on it.
+        """
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._call(link, attempt), name=f"ringserve-ps-shard-{link.index}")
+                         for link in self._links.links]
+        except ExceptionGroup as failed:
+            error = first_error(failed)
+        else:
+            return [task.result() for task in tasks]
+        raise error  # outside the except: the group does not become its context
+
     async def _call(self, link: Link, attempt: Callable[[Link], Awaitable[T]]) -> T:
         """Runs ``attempt`` on a shard; a shard gone is waited for and asked again, one that came
         back empty is seeded again, and a refusal becomes a ringserve error."""
@@ -218,7 +252,7 @@ class AsyncClient:
                 return await attempt(link)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code in GONE:
+                if is_transient(exc):  # a broken transport or a shard going away (see verdicts.py)
                     started = started if started is not None else asyncio.get_running_loop().time()
                     self.counts["retries"] += 1
                     await self._links.recover(link, exc, started)
@@ -259,7 +293,7 @@ class AsyncClient:
         if self.layout is None:
             raise NotInitializedError("Call init() before pull().")
         async with self._turn():
-            await asyncio.gather(*(self._call(link, lambda ln: self._pull_one(ln, lookahead)) for link in self._links.links))
+            await self._each(lambda ln: self._pull_one(ln, lookahead))
         return self.values
 
     async def _pull_one(self, link: Link, lookahead: int = 0) -> None:
@@ -301,6 +335,7 @@ class AsyncClient:
 
         Raises:
             InvalidArgumentError: a key that is not the job's; a shard refusing a shape or dtype.
+            ShardUnavailableError: a shard did not come back within shard_wait_s.
         """
         return await self._push(grads, pb.GRADIENT, lrs)
 
@@ -318,8 +353,7 @@ class AsyncClient:
                                        f"(its keys: {', '.join(repr(k) for k in list(self.values)[:8])}).")
         arrays = {key: np.asarray(g) for key, g in grads.items()}
         async with self._turn():
-            return await asyncio.gather(*(self._call(link, lambda ln: self._push_one(ln, arrays, kind, lrs or ()))
-                                      for link in self._links.links))
+            return await self._each(lambda ln: self._push_one(ln, arrays, kind, lrs or ()))
 
     async def _push_one(self, link: Link, grads: Mapping[str, np.ndarray], kind: pb.PushKind, lrs: Sequence[float]) -> str:
         pieces = [p for p in link.pieces if p.key in grads]

@@ -2,10 +2,11 @@
 the client last saw of it, and the translation of a shard's errors into ringserve's.
 
 A link follows its shard through restarts. When a call fails because the shard is gone
-(UNAVAILABLE, or a stream cut), ``Links.recover`` asks the directory until the shard's index is
-listed alive again, within ``shard_wait_s``, and redials if its address changed. A shard that came
-back as a new incarnation may hold an older version than the client saw: the client then sends
-the version it saw once (so the shard counts what its restart lost) and pulls everything again.
+(UNAVAILABLE, or a stream cut: see verdicts.py for how these are told from the shard's own
+refusals), ``Links.recover`` asks the directory until the shard's index is listed alive again,
+within ``shard_wait_s``, and redials if its address changed. A shard that came back as a new
+incarnation may hold an older version than the client saw: the client then sends the version it
+saw once (so the shard counts what its restart lost) and pulls everything again.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ log = logging.getLogger("ringserve.ps")
 
 # Between two looks at the directory while waiting for shards.
 LIST_RETRY_S = 0.1
-# Codes that mean the shard (or the way to it) is gone, not that it refused the call.
-GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 
 @dataclass
@@ -166,7 +165,8 @@ class Links:
 
 
 def translate(exc: grpc.aio.AioRpcError, link: Link) -> RingserveError:
-    """A shard's refusal as a ringserve error naming the shard (not for GONE codes: recover those)."""
+    """A shard's refusal as a ringserve error naming the shard (not for transient failures:
+    verdicts.is_transient; recover those)."""
     code, details = exc.code(), exc.details() or ""
     where = f"Parameter-server shard {link.index} at {link.address}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:

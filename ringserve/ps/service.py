@@ -5,7 +5,9 @@ protos out, and errors mapped to status codes (INVALID_ARGUMENT for bad input, n
 NOT_FOUND for a shard without a job (a new one, or one restarted without a checkpoint);
 UNAVAILABLE while the shard is starting (it serves before the coordinator gives it its index and
 before it has read its checkpoint; clients wait and ask again, as for a shard that is down);
-FAILED_PRECONDITION for an Init of another job; DEADLINE_EXCEEDED for a wait that ran out).
+FAILED_PRECONDITION for an Init of another job; DEADLINE_EXCEEDED for a wait that ran out), each
+sent with verdicts.py's marker, which tells a client it is the shard's verdict and not gRPC's own
+error for a broken transport.
 Everything runs on the shard's event loop; between awaits, a push's check, decision and
 application happen at once, so no other call sees half of one.
 """
@@ -27,6 +29,7 @@ from ringserve.config import ShardConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.ps import rules
 from ringserve.ps.store import Job, PieceId, Store, decode_init
+from ringserve.ps.verdicts import refuse
 
 log = logging.getLogger("ringserve.ps")
 
@@ -91,8 +94,8 @@ class ShardService(pb_grpc.ParameterServerServicer):
                 while not ready():
                     await self._changed.wait()
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"Shard {self.index} waited {budget:.1f} s for {waiting_for()}.")
+            await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"Shard {self.index} waited {budget:.1f} s for {waiting_for()}.")
 
     def held(self) -> tuple[Store, rules.Ledger] | None:
         if self.store is None or self.ledger is None:
@@ -101,23 +104,20 @@ class ShardService(pb_grpc.ParameterServerServicer):
 
     async def _open(self, context: grpc.aio.ServicerContext) -> None:
         if self.starting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"This shard (of {self.shards}) is starting: it does not yet hold its index and state.")
+            await refuse(context, grpc.StatusCode.UNAVAILABLE,
+                         f"This shard (of {self.shards}) is starting: it does not yet hold its index and state.")
 
     async def _no_job(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.NOT_FOUND,
-                            f"Shard {self.index} of {self.shards} holds no job yet: Init it first.")
-        raise AssertionError("abort returns only by raising")
+        await refuse(context, grpc.StatusCode.NOT_FOUND,
+                     f"Shard {self.index} of {self.shards} holds no job yet: Init it first.")
 
     async def _invalid(self, context: grpc.aio.ServicerContext, exc: InvalidArgumentError | str) -> NoReturn:
         self.counts["pushes_refused"] += 1
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        raise AssertionError("abort returns only by raising")
+        await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _stalled(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"Shard {self.index}: the stream did not end within {self.config.max_wait_s:g} s (max_wait_s).")
-        raise AssertionError("abort returns only by raising")
+        await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"Shard {self.index}: the stream did not end within {self.config.max_wait_s:g} s (max_wait_s).")
 
     def _seen(self, ledger: rules.Ledger, seen_version: int) -> None:
         if seen_version and ledger.note_seen(seen_version):
@@ -148,9 +148,9 @@ class ShardService(pb_grpc.ParameterServerServicer):
             return await self._keep(held[0], held[1], job, context)
         nbytes = sum(p.nbytes for p in job.pieces)
         if nbytes > self.config.max_shard_bytes:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"The Init's {nbytes} bytes pass shard {self.index}'s cap of {self.config.max_shard_bytes} "
-                                f"(max_shard_bytes).")
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"The Init's {nbytes} bytes pass shard {self.index}'s cap of {self.config.max_shard_bytes} "
+                         f"(max_shard_bytes).")
         sizes = {p.id: p.nbytes for p in job.pieces}
         try:
             payloads = await self._read(stream, sizes, context)
@@ -172,8 +172,8 @@ class ShardService(pb_grpc.ParameterServerServicer):
     async def _keep(self, store: Store, ledger: rules.Ledger, job: Job, context: grpc.aio.ServicerContext) -> pb.InitResponse:
         difference = store.job.difference(job)
         if difference:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"Shard {self.index} holds another job: {difference}.")
+            await refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"Shard {self.index} holds another job: {difference}.")
         return pb.InitResponse(accepted=False, version=ledger.version)
 
     async def _read(self, stream: AsyncIterator[pb.InitMessage] | AsyncIterator[pb.PushMessage],
