@@ -47,6 +47,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "elastic"))
@@ -76,6 +77,26 @@ class Job:
     pause_s: float = 0.03
     lane: bool = False  # a hostname per worker, shared memory off: payloads cross the TCP lane
     standalone: bool = False  # a coordinator of its own, which the campaign restarts
+    # A job that runs otherwise (torchrun, parameter-server shards): makes its live job, which
+    # has Live's interface (run, workers, finish, stop) and injects its own kinds of fault.
+    start: Callable[[Job, Path], LiveJob] | None = None
+
+
+class LiveJob(Protocol):
+    """What the campaign asks of a running job (``Live`` is one)."""
+
+    run: harness.Run  # its commit log, its faults so far, and its launcher
+
+    def workers(self) -> list[int]: ...
+
+    def inject(self, kind: str, rng: random.Random) -> str | None:
+        """Injects a fault of a kind the campaign does not know; returns what it did (None: not
+        one of this job's kinds)."""
+        ...
+
+    def finish(self, timeout_s: float) -> tuple[int | None, str, bool]: ...
+
+    def stop(self) -> None: ...
 
 
 KILLS = ("kill", "kill-pair", "stop")
@@ -85,7 +106,9 @@ JOBS = [
     Job("torch-shm-auto", harness.TORCH_WORKER, {"RINGSERVE_ALGORITHM": "auto"}, KILLS, steps=300),
     Job("torch-lane-ring", harness.TORCH_WORKER, {"RINGSERVE_ALGORITHM": "ring"}, (*KILLS, "lane-reset"),
         steps=300, lane=True),
-    Job("diloco-shm", DILOCO, {"DILOCO_FRAGMENTS": "2", "DILOCO_SYNC_EVERY": "4"}, ("kill", "kill-pair"), steps=300),
+    # Two fragments, each synced one step late, and a commit every step: a kill lands mid-fragment.
+    Job("diloco-shm", DILOCO, {"DILOCO_FRAGMENTS": "2", "DILOCO_SYNC_EVERY": "4", "DILOCO_DELAY": "1",
+                               "DILOCO_COMMIT": "step"}, ("kill", "kill-pair"), steps=300),
     Job("numpy-coordinator", harness.WORKER, {}, ("coordinator",), standalone=True),
 ]
 QUICK = ["numpy-shm-ring", "numpy-lane-auto"]
@@ -121,7 +144,7 @@ class JobResult:
 class Live:
     """A running job: ``ringserve run``'s children, or workers of a coordinator of its own."""
 
-    def __init__(self, job: Job, tmp: Path, index: int) -> None:
+    def __init__(self, job: Job, tmp: Path) -> None:
         self.job, self.tmp = job, tmp
         self.log = tmp / "commits.jsonl"
         self.payload_ports: dict[int, int] = {}
@@ -150,6 +173,9 @@ class Live:
              "--settle-seconds", "0.5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return proc
+
+    def inject(self, kind: str, rng: random.Random) -> str | None:
+        return None
 
     def workers(self) -> list[int]:
         if self.job.standalone:
@@ -198,11 +224,14 @@ class Live:
                 proc.wait()
 
 
-def inject(live: Live, kind: str, rng: random.Random) -> str:
+def inject(live: LiveJob, kind: str, rng: random.Random) -> str:
     """Injects one fault of ``kind``; returns what it did, for the printed schedule."""
+    own = live.inject(kind, rng)
+    if own is not None:
+        return own
     pids = sorted(live.workers())
     if kind == "coordinator":
-        assert live.coordinator is not None
+        assert isinstance(live, Live) and live.coordinator is not None
         live.coordinator.kill()
         live.coordinator.wait()
         live.run.faults.append((time.time(), kind, live.coordinator.pid))
@@ -224,6 +253,7 @@ def inject(live: Live, kind: str, rng: random.Random) -> str:
             os.kill(victim, signal.SIGCONT)
         return f"SIGSTOP of {victim}, SIGCONT after the heartbeat timeout"
     if kind == "lane-reset":
+        assert isinstance(live, Live)
         port = live.lane_port(victim)
         if port is None:
             return "lane reset skipped: no payload port known"
@@ -240,7 +270,7 @@ def furthest_step(records: list[dict], before: float) -> int:
     return max(steps) if steps else 0
 
 
-def await_recovery(live: Live, outcome: Outcome) -> None:
+def await_recovery(live: LiveJob, outcome: Outcome, steps: int) -> None:
     """Waits (up to UNRECOVERED_S) for the job to commit past the fault: see ``recovered_at``."""
     records = live.run.records()
     before = furthest_step(records, outcome.at)
@@ -257,7 +287,7 @@ def await_recovery(live: Live, outcome: Outcome) -> None:
             # the view broke: harness.check_no_silent_regression); below it, commits were lost.
             outcome.steps_lost = max(0, before - min(r["step"] for r in after))
             return
-        if before >= live.job.steps or (live.run.launcher.poll() is not None and not live.job.standalone):
+        if before >= steps or live.run.launcher.poll() is not None:
             return
         time.sleep(0.05)
 
@@ -302,11 +332,14 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
     tmp = work / f"{index:03d}-{job.name}"
     tmp.mkdir(parents=True)
     started = time.time()
-    live = Live(job, tmp, index)
+    live: LiveJob = job.start(job, tmp) if job.start is not None else Live(job, tmp)
     outcomes: list[Outcome] = []
     hung = False
     try:
-        live.run.wait_for_step(5, 120)
+        try:
+            live.run.wait_for_step(5, 120)
+        except AssertionError:
+            faults = 0  # it never trained: reported by its exit and its (missing) final hash
         for n in range(faults):
             time.sleep(rng.uniform(0.5, 2.0))
             records = live.run.records()
@@ -316,7 +349,7 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
             outcome = Outcome(job.name, index, kind, time.time())
             what = inject(live, kind, rng)
             outcome.at = live.run.faults[-1][0] if live.run.faults else outcome.at
-            await_recovery(live, outcome)
+            await_recovery(live, outcome, job.steps)
             outcomes.append(outcome)
             took = "not recovered" if outcome.recovery_s is None else f"recovered in {outcome.recovery_s:.2f} s"
             say(f"  [{job.name} #{index}] fault {n + 1}: {what}: {took}, steps lost {outcome.steps_lost}")
@@ -324,6 +357,8 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
                 hung = True
                 break
         code, out, job_hung = live.finish(JOB_END_S)
+        (tmp / "output.log").write_text(out)
+        (tmp / "faults.json").write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1) + "\n")
     finally:
         live.stop()
     records = live.run.records()
