@@ -297,3 +297,25 @@ async def test_the_lane_sends_with_the_congestion_control_asked_and_keeps_the_ho
     assert [_congestion(other) for other in refused] == [system, system]
     said = [r.getMessage() for r in caplog.records if "congestion control" in r.getMessage()]
     assert len(said) == 1 and "no_such_cc refused" in said[0], said
+
+
+async def test_a_lane_closed_while_it_dials_fails_the_stream_waiting_for_it_with_an_error_not_a_cancellation() -> None:
+    # A listener that takes the connection and never answers: the lane is still dialling when
+    # its stream's view ends and the lane is closed. The stream waiting in ``ready`` (it requires
+    # the lane) was cancelled along with the dial (issue 40).
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    try:
+        port = silent.sockets[0].getsockname()[1]
+        inbound = InboundLane(host="127.0.0.1", port=port, token=b"t" * 16, context=None, server_name="127.0.0.1",
+                              timeout_s=20.0, buffers=LaneBuffers(MiB), max_bytes=4 * MiB, fell_back=lambda why: None,
+                              attached_late=lambda: None)
+        waiting = asyncio.ensure_future(inbound.ready())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        inbound.close()
+        with pytest.raises(ConnectionError, match="closed while it dialled"):
+            await asyncio.wait_for(waiting, 5)
+        await inbound.wait_closed()
+    finally:
+        silent.close()
+        await silent.wait_closed()

@@ -93,8 +93,12 @@ class InboundLane:
         try:
             conn = await self._connect()
         finally:
-            if not self._ready.done():  # cancelled while dialling
-                self._ready.cancel()
+            if not self._ready.done():  # closed (cancelled) while dialling
+                # An error, not a cancellation: a stream waiting in ``ready`` was not cancelled,
+                # and must fail as for any lane that did not attach (issue 40).
+                self.failure = self.failure or "the lane was closed while it dialled"
+                self._ready.set_exception(ConnectionError(self.failure))
+                self._ready.exception()  # retrieved: ``ready`` raises it
         if conn is None:
             self._finish(True)  # nothing came on the lane, nothing is owed
             return
