@@ -15,13 +15,16 @@ because ringserve.api, ringserve.torch, ringserve.elastic and users' code call t
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from ringserve.commits import Commit
 from ringserve.config import WorkerConfig
+from ringserve.errors import RingChangedError
+from ringserve.loop import uncancelled
 from ringserve.observe import Counters, Timeline
 from ringserve.worker.control.standing import Standing, on_loop
 from ringserve.worker.dataplane.peers import PEER_SERVICE
@@ -38,14 +41,25 @@ R = TypeVar("R")
 
 def delegate(face: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Worker, P], R]:
     """A Worker method that calls ``method`` on the face ``worker.<face>``, with its signature and
-    its docstring, marked as a delegate: the old name of a call that lives on the face now."""
+    its docstring, marked as a delegate: the old name of a call that lives on the face now. A
+    coroutine's cancellation that its caller did not ask for becomes RingChangedError there, as
+    at the synchronous API's boundary (loop.uncancelled)."""
 
     @functools.wraps(method)
     def forward(self: Worker, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return method(getattr(self, face), *args, **kwargs)
+        result = method(getattr(self, face), *args, **kwargs)
+        if inspect.iscoroutine(result):
+            return cast(R, uncancelled(result, functools.partial(_stray, self, self.latest_view)))
+        return result
 
     forward.__doc__ = f"Delegates to ``worker.{face}.{method.__name__}``:\n\n{method.__doc__ or ''}"
     return forward
+
+
+def _stray(worker: Worker, view: int) -> RingChangedError:
+    """The error of a call cancelled inside ringserve, not by its caller (see loop.uncancelled)."""
+    return RingChangedError(view, worker.latest_view, "the call was cancelled inside ringserve, not by its caller; "
+                            "the world is taken to have changed")
 
 
 class Worker:
