@@ -13,10 +13,11 @@ schedule is drawn from ``--seed`` alone: the same seed gives the same jobs, faul
 launch index) and gaps, and each fault is printed as it is injected.
 
 A fault is injected once the one before has recovered (or its bound has passed: then it counts as
-unrecovered), after a gap drawn from the schedule. For each fault the campaign records:
+unrecovered) and the world is whole again (restarted workers are in), after a gap drawn from the
+schedule. For each fault the campaign records:
 
-- **recovery**: seconds from the fault until two workers (not its victims) have committed a step
-  beyond the furthest step committed before it;
+- **recovery**: seconds from the fault until two workers (not its victims) have committed the
+  second step beyond the furthest step committed before it (see ``recovered_at``);
 - **steps lost**: committed steps that the job had to commit again (a resume from a durable copy);
 - **hang**: no recovery within the fault's bound, or a job that did not end within its bound;
 - **untyped**: tracebacks in the workers' output whose exception is not a ringserve error (a bare
@@ -74,6 +75,7 @@ class Job:
     env: dict[str, str]
     faults: tuple[str, ...]
     steps: int = 500
+    workers: int = 4
     pause_s: float = 0.03
     lane: bool = False  # a hostname per worker, shared memory off: payloads cross the TCP lane
     standalone: bool = False  # a coordinator of its own, which the campaign restarts
@@ -156,14 +158,15 @@ class Live:
             self.coordinator = self._start_coordinator()
             self.procs = [harness.start_worker(f"127.0.0.1:{self.port}", self.log, job.steps, job.pause_s,
                                                worker=job.worker, env={**env, "RINGSERVE_RANK_HINT": str(i)})
-                          for i in range(4)]
+                          for i in range(job.workers)]
             self.run = harness.Run(log=self.log, launcher=self.procs[0])
             return
         if job.lane:
             # A hostname per launch index and a payload port the campaign knows, to reset its sockets.
             env["RINGSERVE_SHARED_MEMORY"] = "0"
             env["CHAOS_LANE"] = "1"
-        self.run = harness.start(tmp, steps=job.steps, pause_s=job.pause_s, worker=str(Path(__file__).with_name("chaos_worker.py")),
+        self.run = harness.start(tmp, workers=job.workers, steps=job.steps, pause_s=job.pause_s,
+                                 worker=str(Path(__file__).with_name("chaos_worker.py")),
                                  heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_restarts=100,
                                  env={**env, "CHAOS_WORKER": job.worker, "CHAOS_PORTS": str(tmp / "ports")})
 
@@ -293,17 +296,35 @@ def await_recovery(live: LiveJob, outcome: Outcome, steps: int) -> None:
 
 
 def recovered_at(after: list[dict], before: int) -> float | None:
-    """When two workers (not the fault's victims) had both committed one step beyond ``before``,
-    the furthest step committed at the fault: a step whose collectives the victims could not have
-    taken part in (a killed or stopped worker), or that crossed the reset lanes or the restarted
-    coordinator. Two, because a commit's record is written as it is saved, before its
-    collective, and one rank can finish a collective alone before the view breaks."""
+    """When two workers (not the fault's victims) had both committed a step two beyond ``before``,
+    the furthest step committed at the fault. A commit's record is written as it is saved, before
+    the commit's own collective: the record of step ``before + 1`` may come before that collective
+    fails, and only the record of the step after it proves that the world carried a collective
+    through after the fault (an overestimate of at most one step). Two, because one rank can
+    finish a collective alone before the view breaks."""
     first: dict[int, dict[int, float]] = defaultdict(dict)  # step -> pid -> first record's time
     for r in after:
-        if r["step"] > before:
+        if r["step"] > before + 1:
             first[r["step"]].setdefault(r["pid"], r["time"])
     times = [sorted(pids.values())[1] for pids in first.values() if len(pids) >= 2]
     return min(times) if times else None
+
+
+def await_whole(live: LiveJob, workers: int, timeout_s: float) -> bool:
+    """Waits until ``workers`` processes commit in the newest view (the killed ones' replacements
+    are in): a fault then never takes the world below --min-np, where recovery would wait for a
+    new process to start rather than measure ringserve."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        records = live.run.records()
+        if records:
+            newest = max(r["view"] for r in records)
+            if len({r["pid"] for r in records if r["view"] == newest}) >= workers:
+                return True
+        if live.run.launcher.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
 
 
 TRACEBACK_END = re.compile(r"^(?:\[\d+\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)|[\w.]*CancelledError)(?::|$)")
@@ -341,7 +362,10 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
         except AssertionError:
             faults = 0  # it never trained: reported by its exit and its (missing) final hash
         for n in range(faults):
-            time.sleep(rng.uniform(0.5, 2.0))
+            gap = rng.uniform(0.5, 2.0)
+            if not await_whole(live, job.workers, UNRECOVERED_S):
+                break
+            time.sleep(gap)
             records = live.run.records()
             if furthest_step(records, time.time()) > job.steps * 0.85:
                 break
@@ -394,10 +418,10 @@ def summarize(results: list[JobResult]) -> tuple[list[dict[str, object]], dict[s
         "hangs": sum(1 for r in results if r.hung),
         "untyped": sum(len(r.untyped) for r in results),
         "divergent": sum(r.divergent for r in results),
-        "lost commits": sum(o.steps_lost for r in results for o in r.faults),
+        "lost_commits": sum(o.steps_lost for r in results for o in r.faults),
         "unrecovered": sum(1 for r in results for o in r.faults if o.recovery_s is None),
         "jobs": len(results),
-        "jobs not finished with one hash": sum(1 for r in results if r.code != 0 or r.final_hashes != 1),
+        "unfinished_jobs": sum(1 for r in results if r.code != 0 or r.final_hashes != 1),
     }
     return rows, totals
 
@@ -408,12 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--per-job", type=int, default=10, help="faults per job at most")
     parser.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, of --steps 300")
+    parser.add_argument("--steps", type=int, default=0, help="every job's steps (default: each job's own)")
     parser.add_argument("--json", type=Path, help="write every fault and job here")
     parser.add_argument("--workdir", type=Path, help="keep the jobs' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     names = QUICK if args.quick else [n for n in args.jobs.split(",") if n] or [j.name for j in JOBS]
     jobs = [j for j in JOBS if j.name in names]
+    steps = args.steps or (300 if args.quick else 0)
+    if steps:
+        jobs = [dataclasses.replace(j, steps=steps) for j in jobs]
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ringserve-chaos-"))
 
@@ -445,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"seed": args.seed, "totals": totals, "rows": rows,
                                          "jobs": [dataclasses.asdict(r) for r in results]}, indent=1) + "\n")
-    bad = totals["hangs"] + totals["untyped"] + totals["divergent"] + totals["unrecovered"] + totals["jobs not finished with one hash"]
+    bad = sum(totals[k] for k in ("hangs", "untyped", "divergent", "lost_commits", "unrecovered", "unfinished_jobs"))
     return 1 if bad else 0
 
 

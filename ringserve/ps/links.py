@@ -30,7 +30,7 @@ from ringserve.errors import (
 )
 from ringserve.ps.layout import Piece
 from ringserve.security import Security
-from ringserve.transport import channel_options, coordinator_error
+from ringserve.transport import channel_options, control_channel_options, coordinator_error
 
 log = logging.getLogger("ringserve.ps")
 
@@ -79,7 +79,7 @@ class Links:
 
     async def list(self) -> cpb.ListShardsResponse:
         if self._directory is None:
-            self._channel = self.security.channel(self.config.coordinator, channel_options(4 << 20))
+            self._channel = self.security.channel(self.config.coordinator, control_channel_options(4 << 20))
             self._directory = cpb_grpc.CoordinatorStub(self._channel)
         try:
             answer = await self._directory.ListShards(cpb.ListShardsRequest(), timeout=self.config.rpc_timeout_s)

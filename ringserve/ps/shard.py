@@ -35,7 +35,7 @@ from ringserve.errors import CoordinatorUnreachableError, RingserveError
 from ringserve.ps import checkpoint
 from ringserve.ps.service import ShardService
 from ringserve.security import Security
-from ringserve.transport import channel_options, coordinator_error, server_options
+from ringserve.transport import control_channel_options, coordinator_error, server_options
 
 log = logging.getLogger("ringserve.ps")
 
@@ -104,7 +104,7 @@ class Shard:
         await server.start()
         self._server = server
         try:
-            self._channel = self.security.channel(cfg.coordinator, channel_options(4 << 20))
+            self._channel = self.security.channel(cfg.coordinator, control_channel_options(4 << 20))
             self._stub = cpb_grpc.CoordinatorStub(self._channel)
             await self._register_first()
             if cfg.checkpoint_dir:

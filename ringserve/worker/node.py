@@ -42,7 +42,7 @@ from ringserve.errors import (
 )
 from ringserve.observe import Counters, Timeline
 from ringserve.security import Security
-from ringserve.transport import channel_options, server_options
+from ringserve.transport import channel_options, keepalive_for, server_options
 from ringserve.worker.control.client import ControlClient
 from ringserve.worker.control.loops import Answered, Excluded, Lifeline, LifelineEvent, ViewHeard
 from ringserve.worker.control.standing import Standing, raise_failure
@@ -328,6 +328,9 @@ class Node:
         return plane
 
     def make_channel(self, address: str) -> grpc.aio.Channel:
-        """A channel to a peer, with the job's TLS and token."""
+        """A channel to a peer, with the job's TLS and token, whose keepalive notices a silent peer
+        within the heartbeat timeout the coordinator handed out (transport.keepalive_for)."""
+        lifeline = self.lifeline
+        options = {} if lifeline is None else {"keepalive": keepalive_for(lifeline.heartbeat_timeout_s)}
         return self.security.channel(address, channel_options(self.config.max_message_bytes,
-                                                              lookahead_bytes=self.config.stream_window_bytes))
+                                                              lookahead_bytes=self.config.stream_window_bytes, **options))

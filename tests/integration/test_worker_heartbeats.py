@@ -59,3 +59,22 @@ async def test_workers_heartbeat_at_the_interval_the_coordinator_stretched(world
     await asyncio.sleep(3.0)
     # 3 workers at 0.5 s: about 18 beats (the configured 0.1 s would make about 90).
     assert 9 <= service.counts["heartbeats"] - beats <= 30
+
+
+async def test_after_a_long_coordinator_outage_the_workers_dial_the_restarted_one_within_a_second(world_factory) -> None:
+    # Down for 11 s, gRPC's own reconnect backoff (1 s, growing 1.6x a failed dial, up to 120 s)
+    # would next dial about 5 s after the restart; a worker that late was left out of the view
+    # the restarted coordinator rebuilt from the others (issue 40). The control channel's backoff
+    # stays under a second (transport.MAX_RECONNECT_BACKOFF_MS).
+    port = free_port()
+    world = await world_factory(2, coordinator={"port": port})
+    view = world.workers[0].view_id
+    await until(lambda: world.coordinator.service.heartbeat_streams.open == 2, 10)
+    await world.coordinator.stop()
+    await asyncio.sleep(11.0)
+    world.coordinator = await Coordinator(coordinator_config(min_workers=2, port=port)).start()
+    restarted = asyncio.get_running_loop().time()
+    service = world.coordinator.service
+    await until(lambda: service.counts["heartbeats"] >= 2, 10)
+    assert asyncio.get_running_loop().time() - restarted < 2.5
+    await until(lambda: service.view.view_id == view and len(service.view.members) == 2, 15)

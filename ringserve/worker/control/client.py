@@ -15,7 +15,7 @@ from ringserve.config import WorkerConfig
 from ringserve.errors import CoordinatorUnreachableError, TLSHandshakeError
 from ringserve.handshake import PROBE_TIMEOUT_S, diagnose
 from ringserve.security import Security
-from ringserve.transport import channel_options, coordinator_error
+from ringserve.transport import control_channel_options, coordinator_error
 
 PARAM_CHUNK_BYTES = 1 << 20
 # After a heartbeat stream fails, unary heartbeats are sent until it is opened again, first this
@@ -144,7 +144,7 @@ class ControlClient:
         self._config = config
         security = security or Security.load(config)
         self._security = security
-        self._channel = security.channel(self.address, channel_options(64 << 20))
+        self._channel = security.channel(self.address, control_channel_options(64 << 20))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.heartbeats = HeartbeatStream(self._stub, self.address, config.rpc_timeout_s, metadata=security.call_metadata())
 

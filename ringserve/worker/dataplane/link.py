@@ -89,6 +89,7 @@ class Link:
         self._waiters: deque[asyncio.Future[None]] = deque()  # senders waiting for room
         self._ending = False
         self._closed = False
+        self._carrier_over = False  # the call that carries the frames ended (see StreamLink._run)
         self._task: asyncio.Task[None] | None = None
         self._on_failure: OnFailure = _ignore
         self.bytes_sent = 0  # this link's share of counters.bytes_sent
@@ -249,7 +250,7 @@ class Link:
     async def _next(self) -> bytes | None:
         """The next frame to move, or None once the link has ended and the queue is empty."""
         while not self._frames:
-            if self._ending:
+            if self._ending or self._carrier_over:
                 return None
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
@@ -330,6 +331,10 @@ class StreamLink(Link):
         if self._task is None:  # never started, or already ended: nothing will release it later
             self.lease.release()
 
+    def _carrier_ended(self, _call: object) -> None:
+        self._carrier_over = True
+        self._wake_pump()
+
     def _ended(self, task: asyncio.Task[None]) -> None:
         super()._ended(task)
         self.lease.release()
@@ -339,10 +344,16 @@ class StreamLink(Link):
                                                  response_deserializer=peer_pb2.StreamSummary.FromString)
         call = method()
         view = hello.view_id
+        # A call that ends while the link is idle (keepalive found the peer silent: a partition,
+        # which no FIN or RST reports) wakes the pump, so that the failure is seen, and reported,
+        # now, not at the next frame, which the collective waiting on that peer never sends.
+        call.add_done_callback(self._carrier_ended)
         try:
             await call.write(wire.encode(hello))
             while (frame := await self._next()) is not None:
                 await call.write(frame)
+            if self._carrier_over and not self._ending:
+                await call  # raises the call's error (AioRpcError, below)
             # A clean end, said in so many words: a process killed -9 also closes its socket
             # cleanly, so the peer takes an end without BYE as the sender's failure.
             # The answer comes once the peer has routed every frame.
