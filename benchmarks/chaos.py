@@ -251,7 +251,7 @@ def inject(live: LiveJob, kind: str, rng: random.Random) -> str:
         return f"SIGKILL of {victim}"
     if kind == "stop":
         live.run.signal("SIGSTOP", signal.SIGSTOP, victim)
-        time.sleep(HEARTBEAT_TIMEOUT_S + rng.uniform(0.5, 1.5))
+        time.sleep(HEARTBEAT_TIMEOUT_S + rng.uniform(0.2, 1.0))
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGCONT)
         return f"SIGSTOP of {victim}, SIGCONT after the heartbeat timeout"
@@ -362,7 +362,7 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
         except AssertionError:
             faults = 0  # it never trained: reported by its exit and its (missing) final hash
         for n in range(faults):
-            gap = rng.uniform(0.5, 2.0)
+            gap = rng.uniform(0.2, 1.0)
             if not await_whole(live, job.workers, UNRECOVERED_S):
                 break
             time.sleep(gap)
@@ -432,14 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--per-job", type=int, default=10, help="faults per job at most")
     parser.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, of --steps 300")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, of --steps 250")
     parser.add_argument("--steps", type=int, default=0, help="every job's steps (default: each job's own)")
     parser.add_argument("--json", type=Path, help="write every fault and job here")
     parser.add_argument("--workdir", type=Path, help="keep the jobs' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     names = QUICK if args.quick else [n for n in args.jobs.split(",") if n] or [j.name for j in JOBS]
     jobs = [j for j in JOBS if j.name in names]
-    steps = args.steps or (300 if args.quick else 0)
+    steps = args.steps or (250 if args.quick else 0)
     if steps:
         jobs = [dataclasses.replace(j, steps=steps) for j in jobs]
     rng = random.Random(args.seed)
