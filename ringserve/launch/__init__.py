@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from ringserve.config import CoordinatorConfig, ShardConfig
@@ -122,8 +122,9 @@ def launch(
         thread.run(coord.start(), COORDINATOR_START_S)
         if ps_shards:
             job_env = os.environ if env is None else env
+            # The shards' restarts follow --max-restarts too, where it is given (--restart-failed).
             shards = ParameterServer(coord.address, shards=ps_shards, config=ShardConfig.from_env(job_env),
-                                     env=job_env).start()
+                                     env=job_env, max_restarts=max_restarts if restart_failed else SHARD_RESTARTS).start()
         workers = Workers(command, os.environ if env is None else env, out or sys.stdout.buffer,
                           coordinator=config, port=coord.port, placement=placement, networked=networked,
                           known_local=local)
@@ -133,8 +134,11 @@ def launch(
         workers.note(f"coordinator at {coord.address}; starting {num_proc} workers{where}")
         if shards is not None:
             workers.note(f"{ps_shards} parameter-server shards at {', '.join(shards.addresses)}")
+        # A shard that is down for good (its restarts spent) ends the run: the workers would
+        # otherwise wait for it, fail, be restarted and wait again, for ever.
+        fatal = (lambda: shards.failure) if shards is not None else _no_failure
         if not elastic:
-            return _run_fixed(workers, hosts, num_proc)
+            return _run_fixed(workers, hosts, num_proc, fatal)
         if discovery_script:
             assert placement is not None
             discovery = Discovery(discovery_script, placement.slots_per_host, placement.discovery_interval_s,
@@ -149,6 +153,7 @@ def launch(
             restart_failed=restart_failed, max_restarts=max_restarts if restart_failed else 0,
             blacklist=Blacklist(placement.cooldown_range) if placement is not None else None,
             elastic_timeout_s=placement.elastic_timeout_s if placement is not None else ELASTIC_TIMEOUT_S,
+            fatal=fatal,
         )
     except KeyboardInterrupt:
         return Outcome(130)
@@ -180,8 +185,17 @@ def _exit_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _run_fixed(workers: Workers, hosts: Sequence[HostSpec], num_proc: int) -> Outcome:
-    """Not elastic: every slot gets a worker; the first failure ends the run. Remote workers start
+SHARD_RESTARTS = 10  # a shard's restarts without --restart-failed (ParameterServer's default)
+
+
+def _no_failure() -> str:
+    return ""
+
+
+def _run_fixed(workers: Workers, hosts: Sequence[HostSpec], num_proc: int,
+               fatal: Callable[[], str] = _no_failure) -> Outcome:
+    """Not elastic: every slot gets a worker; the first failure ends the run, and so does a
+    ``fatal()`` that says why (a parameter-server shard down for good). Remote workers start
     first, so that local ones can advertise the address the remote hosts see this one by."""
     slots = assign_slots(hosts, num_proc)
     local_index: dict[str, int] = {}
@@ -210,4 +224,6 @@ def _run_fixed(workers: Workers, hosts: Sequence[HostSpec], num_proc: int) -> Ou
             done += 1
         if not pending and done == len(started):
             return Outcome(0)
+        if why := fatal():
+            return Outcome(1, reason=why)
         time.sleep(POLL_S)

@@ -213,9 +213,10 @@ def _excluder(blacklist: Blacklist | None, now: float) -> Callable[[str], bool]:
 def supervise(workers: Workers, *, num_proc: int, max_np: int, hosts: Sequence[HostSpec] | None,
               discovery: Discovery | None, restart_failed: bool, max_restarts: int,
               blacklist: Blacklist | None, elastic_timeout_s: float,
-              clock: Callable[[], float] = time.monotonic) -> Outcome:
+              clock: Callable[[], float] = time.monotonic, fatal: Callable[[], str] = lambda: "") -> Outcome:
     """Keeps workers in the slots an elastic run should have until training ends (see the module
-    docstring). Either ``hosts`` (fixed) or ``discovery`` gives the hosts."""
+    docstring). Either ``hosts`` (fixed) or ``discovery`` gives the hosts. ``fatal()``, when it
+    says why, ends the run with exit code 1 (a parameter-server shard down for good)."""
     run = _Run(workers, restarts_left=max_restarts, restart_failed=restart_failed, blacklist=blacklist)
     order: list[str] = []
     began = clock()
@@ -227,6 +228,8 @@ def supervise(workers: Workers, *, num_proc: int, max_np: int, hosts: Sequence[H
         ended = run.reap(now)
         if ended is not None:
             return ended
+        if why := fatal():
+            return Outcome(1, reason=why)
         if run.finished_at is not None:
             if not run.running:
                 return Outcome(0)

@@ -85,3 +85,33 @@ def test_a_killed_shard_process_is_started_again_and_resumes_from_its_checkpoint
     assert job.returncode == 0, output
     assert "starting it again" in output and "resumed from" in output, output
     assert max(line["step"] for line in progress(out)) == 19
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_down_for_good_ends_the_run_instead_of_leaving_its_workers_waiting(tmp_path: pathlib.Path) -> None:
+    # With its restarts spent (--max-restarts 1), the shard stays down: the run must end with exit
+    # code 1 saying so. It used to go on, the workers failing after shard_wait_s and being started
+    # again into the same wait, for ever (found by the chaos campaign's parameter-server job).
+    out = tmp_path / "progress.jsonl"
+    job = subprocess.Popen([*RINGSERVE, "run", "--ps", "1", "-np", "2", "--restart-failed", "--max-restarts", "1",
+                            "--", sys.executable, str(WORKER), "--steps", "0", "--sleep", "0.05", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "RINGSERVE_USE_UVLOOP": "0"})
+    try:
+        deadline = time.monotonic() + 60
+        while len(progress(out)) < 4 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.1)
+        killed: set[int] = set()
+        for _ in range(2):  # the first kill is restarted, the second spends the budget
+            while not (pids := [p for p in _shard_pids(job.pid) if p not in killed]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pids, "no shard process to kill"
+            os.kill(pids[0], signal.SIGKILL)
+            killed.add(pids[0])
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 1, output[-3000:]
+    assert "the 1 restarts allowed are spent" in output, output[-3000:]
