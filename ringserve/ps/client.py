@@ -321,7 +321,7 @@ class AsyncClient:
         assert header is not None, "a pull answers with a header first"
         self._answered(link, request.seen_version, header.incarnation)
         link.version, link.pulled = header.version, True
-        link.lost_updates = header.lost_updates
+        link.lost_now = header.lost_updates
         if self.mode in ROUND_MODES:
             link.step = header.version
         elif self.mode == "ssp":

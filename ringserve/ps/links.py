@@ -52,12 +52,20 @@ class Link:
     step: int = 0           # the next step to push: sync/average the round, ssp the clock
     pulled: bool = False    # a whole pull of this incarnation is held: later pulls may ask for changes only
     seen_before: int = 0    # the version seen of the shard's earlier incarnation, sent once
-    lost_updates: int = 0
+    lost_now: int = 0       # the updates the current incarnation reports lost to its restart
+    lost_before: int = 0    # those the earlier incarnations reported: a shard counts only its own
     restarts: list[int] = field(default_factory=list)
+
+    @property
+    def lost_updates(self) -> int:
+        """Every update lost to this shard's restarts, as its incarnations reported them."""
+        return self.lost_before + self.lost_now
 
     def restarted(self, incarnation: int) -> None:
         """The shard is a new incarnation: remember what was seen of the old one."""
         if self.incarnation and incarnation != self.incarnation:
+            self.lost_before += self.lost_now
+            self.lost_now = 0
             self.seen_before = max(self.seen_before, self.version)
             self.pulled = False
             self.restarts.append(incarnation)

@@ -135,6 +135,21 @@ async def test_a_shard_killed_and_restarted_resumes_from_its_checkpoint_and_coun
         assert [c.lost_updates for c in ps.clients] == [2, 2]
         assert [c.versions for c in ps.clients] == [[15, 15], [15, 15]]
         assert any("lost" in r.getMessage() for r in caplog.records)
+        # A second death: the new incarnation counts only its own losses, and the clients add
+        # them to the first's (they used to report the last incarnation's alone).
+        async with asyncio.timeout(10):
+            while restarted.service.checkpoint_version < 12:
+                await asyncio.sleep(0.02)
+        assert restarted.service.checkpoint_version == 12  # versions 13 to 15 were never written
+        await restarted.stop(checkpoint_last=False)
+        ps.shards.remove(restarted)
+        training = asyncio.ensure_future(ps.each(lambda r, c: steps(c, r, 2), timeout_s=60))
+        await asyncio.sleep(0.3)
+        again = await ps.start_shard(2, shard_index=1, checkpoint_dir=str(tmp_path), checkpoint_updates=4)
+        await training
+        state = await info(again)
+        assert (state.restored_version, state.lost_updates) == (12, 3)
+        assert [c.lost_updates for c in ps.clients] == [5, 5]
     finally:
         await ps.close()
 
