@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness  # noqa: E402  (the elastic tests' harness: the jobs and their records)
 from _common import free_port, table  # noqa: E402
+from chaos_jobs import ps as chaos_ps  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 2.0
 KILL_BOUND_S = 2.0  # the target for kills
@@ -76,6 +77,9 @@ class Job:
     faults: tuple[str, ...]
     steps: int = 500
     workers: int = 4
+    # How far apart the workers' steps may legitimately be (ssp's staleness): a commit this far
+    # below the furthest step after a fault is not a lost one.
+    spread: int = 0
     pause_s: float = 0.03
     lane: bool = False  # a hostname per worker, shared memory off: payloads cross the TCP lane
     standalone: bool = False  # a coordinator of its own, which the campaign restarts
@@ -112,6 +116,8 @@ JOBS = [
     Job("diloco-shm", DILOCO, {"DILOCO_FRAGMENTS": "2", "DILOCO_SYNC_EVERY": "4", "DILOCO_DELAY": "1",
                                "DILOCO_COMMIT": "step"}, ("kill", "kill-pair"), steps=300),
     Job("numpy-coordinator", harness.WORKER, {}, ("coordinator",), standalone=True),
+    # ssp with staleness 2 through two shard processes under `ringserve run --ps 2`.
+    Job("ps-ssp", chaos_ps.WORKER, {}, ("kill", "shard-kill"), steps=600, spread=2, start=chaos_ps.start),
 ]
 QUICK = ["numpy-shm-ring", "numpy-lane-auto"]
 
@@ -273,7 +279,7 @@ def furthest_step(records: list[dict], before: float) -> int:
     return max(steps) if steps else 0
 
 
-def await_recovery(live: LiveJob, outcome: Outcome, steps: int) -> None:
+def await_recovery(live: LiveJob, outcome: Outcome, job: Job) -> None:
     """Waits (up to UNRECOVERED_S) for the job to commit past the fault: see ``recovered_at``."""
     records = live.run.records()
     before = furthest_step(records, outcome.at)
@@ -288,9 +294,9 @@ def await_recovery(live: LiveJob, outcome: Outcome, steps: int) -> None:
             outcome.recovery_s = at - outcome.at
             # The survivors may commit again the furthest step (one rank committed it alone before
             # the view broke: harness.check_no_silent_regression); below it, commits were lost.
-            outcome.steps_lost = max(0, before - min(r["step"] for r in after))
+            outcome.steps_lost = max(0, before - job.spread - min(r["step"] for r in after))
             return
-        if before >= steps or live.run.launcher.poll() is not None:
+        if before >= job.steps or live.run.launcher.poll() is not None:
             return
         time.sleep(0.05)
 
@@ -371,9 +377,13 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
                 break
             kind = rng.choice(job.faults)
             outcome = Outcome(job.name, index, kind, time.time())
+            injected = len(live.run.faults)
             what = inject(live, kind, rng)
-            outcome.at = live.run.faults[-1][0] if live.run.faults else outcome.at
-            await_recovery(live, outcome, job.steps)
+            if len(live.run.faults) == injected:  # nothing to inject it into: not a fault
+                say(f"  [{job.name} #{index}] fault {n + 1}: {what}")
+                continue
+            outcome.at = live.run.faults[injected][0]
+            await_recovery(live, outcome, job)
             outcomes.append(outcome)
             took = "not recovered" if outcome.recovery_s is None else f"recovered in {outcome.recovery_s:.2f} s"
             say(f"  [{job.name} #{index}] fault {n + 1}: {what}: {took}, steps lost {outcome.steps_lost}")
@@ -392,7 +402,8 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
     final = {r["sha"] for r in records if r["step"] == max((r["step"] for r in records), default=0)}
     untyped = untyped_errors(out)
     for line in out.splitlines():  # a worker that died of something but a campaign's signal
-        if "exited with code" in line and "with code 137;" not in line:  # 137: SIGKILL, the campaign's
+        # 137 (a worker) and -9 (a parameter-server shard): the campaign's SIGKILL.
+        if "exited with code" in line and "with code 137;" not in line and "with code -9: starting it again" not in line:
             untyped.append(line.strip()[:200])
     return JobResult(job.name, index, code, hung or job_hung, untyped,
                      sum(1 for v in by_view_step.values() if len(v) > 1), len(final), outcomes, time.time() - started)
