@@ -155,7 +155,6 @@ class Live:
     def __init__(self, job: Job, tmp: Path) -> None:
         self.job, self.tmp = job, tmp
         self.log = tmp / "commits.jsonl"
-        self.payload_ports: dict[int, int] = {}
         env = {**job.env, "PYTHONUNBUFFERED": "1", "RINGSERVE_CHECKPOINT_DIR": str(tmp / "ckpt")}
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.port = 0
