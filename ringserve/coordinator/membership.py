@@ -109,6 +109,10 @@ class Rules:
     # send at most max_heartbeats_per_s in all (0: never stretched; see ringserve.coordinator.pacing).
     heartbeat_interval_s: float = 1.0
     max_heartbeats_per_s: float = 0.0
+    # Ticks further apart than this mean the coordinator itself did not run (stopped, starved, or
+    # the process that holds it paused): the silence of that gap is not the workers', and is not
+    # counted against them (INF: never; the service sets it from its tick).
+    stall_s: float = INF
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,8 @@ class State:
     bumps: tuple[float, ...] = ()
     # When workers were first found expired while others were nearly so (see _expire).
     expiring_since: float = INF
+    # The last Tick's time (see _forgive_stall).
+    ticked_at: float = -INF
     # Whether the next view may differ from the current one: set by every change of membership,
     # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
     # sort every worker again.
@@ -300,6 +306,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
                 actions.extend(Removed(w, "left") for w in leaving)
             state = replace(state, admit=True, bump=True, dirty=True)
     elif isinstance(event, Tick):
+        state = replace(_forgive_stall(state, now), ticked_at=now)
         state, removed = _expire(state, now)
         actions.extend(removed)
     if state.check is not None or state.held:
@@ -347,6 +354,19 @@ def _failure_window(state: State) -> float:
     if rules.max_heartbeats_per_s <= 0:
         return rules.failure_window_s
     return max(rules.failure_window_s, pacing.failure_window(heartbeat_interval(state), rules.heartbeat_timeout_s))
+
+
+def _forgive_stall(state: State, now: float) -> State:
+    """After a gap between ticks longer than ``stall_s``, the coordinator did not run, and heard
+    nothing, through no worker's fault: every worker's silence is moved on by the gap, so that
+    only silence while the coordinator listened counts. Without it, a coordinator stalled past the
+    heartbeat timeout (its process stopped, or starved on a loaded machine) declared every worker
+    dead the moment it ran again, and formed a view of none (issue 40)."""
+    gap = now - state.ticked_at
+    if state.ticked_at == -INF or gap <= state.rules.stall_s:
+        return state
+    last_seen = {wid: min(now, at + gap) for wid, at in seen(state).items()}
+    return replace(state, last_seen=last_seen, beats=None)
 
 
 def _expire(state: State, now: float) -> tuple[State, list[Action]]:

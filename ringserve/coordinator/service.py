@@ -36,6 +36,11 @@ from ringserve.security import Security
 
 log = logging.getLogger("ringserve.coordinator")
 
+# Ticks further apart than STALL_TICKS ticks (and STALL_MIN_S) mean the coordinator's loop did not
+# run: membership does not count that silence against the workers (membership._forgive_stall). A
+# loaded machine delays a tick by tens of milliseconds; a second is a stall.
+STALL_TICKS = 10
+STALL_MIN_S = 1.0
 PARAM_CHUNK_BYTES = 1 << 20
 # Puts whose chunks are read at once; the others wait their turn unread (HTTP/2 flow control holds
 # their data back at the client). Thirty-two puts read at once kept the loop 0.8 s at a time from
@@ -67,6 +72,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             failure_window_s=pacing.failure_window(config.heartbeat_interval_s, config.heartbeat_timeout_s),
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_heartbeats_per_s=config.max_heartbeats_per_s,
+            stall_s=max(STALL_MIN_S, STALL_TICKS * config.tick_s),
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()

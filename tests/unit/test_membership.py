@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ringserve.coordinator.membership import (
     Admit,
@@ -574,3 +575,37 @@ def test_local_ranks_computed_in_one_pass_match_their_definition_on_random_views
         view = ViewInfo(1, members)
         assert list(view.placements) == [_local_by_definition(view, r) for r in range(size)]
         assert all(view.rank_of(m.worker_id) == r for r, m in enumerate(members))
+
+
+def test_silence_while_the_coordinator_itself_was_stalled_is_not_counted_against_the_workers() -> None:
+    # The coordinator ticks every 0.1 s; then nothing runs for 9 s (its process stopped, or
+    # starved), past the heartbeat timeout. It used to declare every worker dead as it ran again.
+    m = Machine(min_workers=2, settle_s=0.0, heartbeat_timeout_s=5.0)
+    m.state = replace(m.state, rules=replace(m.state.rules, stall_s=1.0))
+    m.join(0.0, "a", "b")
+    for i in range(0, 11):
+        m.at(i / 10, Heartbeat("a"), Heartbeat("b"))
+        m.at(i / 10)
+    assert m.ids() == ["a", "b"]
+    m.at(10.0)  # the first tick after the stall: 9 s since the last one
+    assert m.removed == [] and m.ids() == ["a", "b"]
+    for i in range(1, 53):  # a's beats come in again; b's never do
+        m.at(10 + i / 10, Heartbeat("a"))
+        m.at(10 + i / 10)
+        if 10 + i / 10 < 14.95:
+            assert m.removed == [], 10 + i / 10
+    # b: silent for 5 s of the coordinator's running time (from 1.0 s to the stall, then from 10.0 s).
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_with_regular_ticks_a_silent_worker_is_removed_at_the_timeout_as_before() -> None:
+    m = Machine(min_workers=2, settle_s=0.0, heartbeat_timeout_s=2.0)
+    m.state = replace(m.state, rules=replace(m.state.rules, stall_s=1.0))
+    m.join(0.0, "a", "b")
+    m.at(0.0)
+    for i in range(1, 41):
+        m.at(i / 10, Heartbeat("a"))
+        m.at(i / 10)
+        if i / 10 <= 2.0:
+            assert m.removed == []
+    assert [r.worker_id for r in m.removed] == ["b"]
