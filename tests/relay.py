@@ -12,6 +12,9 @@ its headers), :meth:`cut` stands in for a route that drops one kind of traffic: 
 carried the pattern are reset, and from then on their bytes, and those of every new connection
 that carries it, go nowhere (no RST, no FIN: they just stop), while other connections (a health
 probe's) pass. :meth:`heal` resets the blackholed connections, so that their clients dial again.
+
+With ``delay_s`` set, every byte is passed on ``delay_s`` after it arrived, both ways and in
+order: a link with that much more latency than loopback's, and the same bandwidth.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ class _Link:
 
 
 class Relay:
-    def __init__(self, target_port: int, flip_after: bytes = b"", blackhole: bytes = b"") -> None:
+    def __init__(self, target_port: int, flip_after: bytes = b"", blackhole: bytes = b"", delay_s: float = 0.0) -> None:
         self.target_port = target_port
+        self.delay_s = delay_s
         self.flip_after = flip_after
         self.flipped = 0
         self.blackhole = blackhole
@@ -82,6 +86,12 @@ class Relay:
                 writer.transport.abort()  # a reset, as a route change makes of a live connection
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link, *, damage: bool) -> None:
+        if self.delay_s > 0:
+            try:
+                await self._delayed(reader, writer)
+            finally:
+                self._links.discard(link)
+            return
         try:
             while data := await reader.read(1 << 16):
                 if damage and self.flip_after and not self.flipped:
@@ -98,6 +108,38 @@ class Relay:
             self._links.discard(link)
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def _delayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Passes each read on ``delay_s`` after it arrived (reads go on meanwhile)."""
+        loop = asyncio.get_running_loop()
+        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def hold() -> None:
+            data = b"-"
+            while data:
+                try:
+                    data = await reader.read(1 << 16)
+                except OSError:
+                    data = b""
+                held.put_nowait((loop.time() + self.delay_s, data))
+
+        async def release() -> None:
+            while True:
+                due, data = await held.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                try:
+                    if not data:
+                        writer.close()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+                except OSError:
+                    return
+
+        with contextlib.suppress(asyncio.CancelledError):
+            async with asyncio.TaskGroup() as group:
+                group.create_task(hold())
+                group.create_task(release())
 
     def _flip(self, data: bytes) -> bytes:
         at = data.find(self.flip_after)

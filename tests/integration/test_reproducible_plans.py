@@ -14,11 +14,11 @@ last bits.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
 import pytest
+from relay import Relay
 from worlds import free_port, start_world
 
 from ringserve import selection
@@ -32,80 +32,6 @@ SIZES = (64 << 10, 256 << 10, 1_200_000, 4 << 20)  # bytes of float32
 APART = dict(shared_memory=False, payload_lane="off")  # as between hosts, every byte on the stream
 
 
-class SlowRelay:
-    """A TCP relay on loopback that passes every byte on ``delay_s`` after it arrived, both ways and
-    in order: a link with ``delay_s`` more latency than loopback's and the same bandwidth. A worker
-    binds ``target_port`` and advertises the relay's, so every peer dials it through the relay."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.target_port = target_port
-        self.delay_s = delay_s
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(5):
-                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except (OSError, TimeoutError):
-            writer.close()
-            return
-        task = asyncio.get_running_loop().create_task(self._carry(reader, writer, up_reader, up_writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._pipe(reader, up_writer))
-                group.create_task(self._pipe(up_reader, writer))
-        finally:
-            writer.close()
-            up_writer.close()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def hold() -> None:
-            data = b"-"
-            while data:
-                try:
-                    data = await reader.read(1 << 16)
-                except OSError:
-                    data = b""
-                held.put_nowait((loop.time() + self.delay_s, data))
-
-        async def release() -> None:
-            while True:
-                due, data = await held.get()
-                await asyncio.sleep(max(0.0, due - loop.time()))
-                try:
-                    if not data:
-                        writer.close()
-                        return
-                    writer.write(data)
-                    await writer.drain()
-                except OSError:
-                    return
-
-        async with asyncio.TaskGroup() as group:
-            group.create_task(hold())
-            group.create_task(release())
-
-
 def inputs(rank: int) -> dict[int, np.ndarray]:
     """Rank ``rank``'s float32 vectors, one per size: random, so that another order of the sum
     changes its last bits; the same in every run."""
@@ -115,14 +41,14 @@ def inputs(rank: int) -> dict[int, np.ndarray]:
 
 async def run_job(*, delay_s: float) -> tuple[dict[int, bytes], dict[Any, int], Links]:
     """One run of the job: (rank 0's sum of each size, the algorithms rank 0 ran, the measured figures)."""
-    relays: list[SlowRelay] = []
+    relays: list[Relay] = []
     each: list[dict[str, Any]] = []
     try:
         for i in range(N):
             config: dict[str, Any] = {"rank_hint": i, "hostname": f"host-{i}"}
             if delay_s > 0:
                 port = free_port()
-                relay = SlowRelay(port, delay_s)
+                relay = Relay(port, delay_s=delay_s)
                 relays.append(relay)
                 config.update(bind_port=port, advertise_port=await relay.start())
             each.append(config)
