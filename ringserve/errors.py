@@ -8,6 +8,7 @@ Errors are split by what a caller does next, as Horovod's elastic mode splits th
         │   ├── PeerUnavailableError  a ring neighbour stopped answering
         │   ├── RingChangedError      the view changed under a collective (old and new view named)
         │   ├── CollectiveTimeoutError  a collective passed its deadline
+        │   │   └── GroupTimedOutError  an op of a torch group that an earlier timeout broke
         │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
         │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
         ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
@@ -70,6 +71,11 @@ class RingChangedError(RecoverableError):
 
 class CollectiveTimeoutError(RecoverableError):
     """A collective did not finish within its deadline."""
+
+
+class GroupTimedOutError(CollectiveTimeoutError):
+    """An op of a torch.distributed group that an earlier timeout broke, on any rank of it: the
+    cause of its DistBackendError (ringserve/torch/distributed/breaker.py)."""
 
 
 class CorruptFrameError(RecoverableError):

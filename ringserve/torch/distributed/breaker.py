@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from ringserve.errors import CollectiveTimeoutError
+from ringserve.errors import CollectiveTimeoutError, GroupTimedOutError
 from ringserve.worker.dataplane import keys
 from ringserve.worker.dataplane.session import ViewPlane
 from ringserve.worker.ops import p2p
@@ -59,10 +59,6 @@ def name_op(what: str | None) -> str | None:
 def op_name() -> str | None:
     """The torch op being made on this thread (see ``name_op``), or None."""
     return getattr(_local, "what", None)
-
-
-class GroupTimedOutError(CollectiveTimeoutError):
-    """An op of a torch group that an earlier timeout broke (the cause of its DistBackendError)."""
 
 
 class Breaker:

@@ -45,8 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, NotInitializedError
-from ringserve.torch.distributed.breaker import GroupTimedOutError
+from ringserve.errors import CollectiveTimeoutError, GroupTimedOutError, InvalidArgumentError, NotInitializedError
 
 # Completion threads per process group at most: each callback blocked in a nested wait holds one.
 MAX_THREADS = 32
