@@ -68,14 +68,19 @@ class DiLoCo(Wrapping):
     Args:
         model: the module (or an iterable of its parameters) being trained.
         inner: the inner optimizer over those parameters (AdamW in the paper).
-        outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, Nesterov, as the paper).
+        outer_lr: the outer SGD's learning rate (0.7, as the paper).
+        outer_momentum: the outer SGD's momentum (0.9, as the paper).
+        nesterov: the outer SGD's Nesterov momentum (on, as the paper).
         sync_every: H, inner steps between two syncs of each fragment.
         compression: "int8" (default), "fp16", "bf16", None, or hvd.Compression.int8 and the like.
         error_feedback: carry each rank's encoding loss to its next sync (with a lossy codec).
         fragments: a count F, or torchft's model fragments: modules whose parameters, together,
             are every parameter given once.
-        fragment_sync_delay, fragment_update_alpha, should_quantize: Streaming DiLoCo's knobs,
+        fragment_sync_delay: Streaming DiLoCo's delay of a fragment's sync, in inner steps,
             named as torchft's (see ringserve.diloco.DiLoCoCore).
+        fragment_update_alpha: alpha, as torchft names it: when a fragment's sync lands, its local
+            copy becomes alpha * local + (1 - alpha) * global (0 adopts the global copy).
+        should_quantize: torchft's switch: True is compression "int8", False no int8.
         process_set: average over that set's ranks only.
         name: the allreduces' names (two DiLoCo optimizers in one job need different ones).
 
