@@ -12,6 +12,10 @@ from __future__ import annotations
 # enough after a coordinator restart, and no faster than a reconnect a second once it stays away.
 WATCH_BACKOFF_FIRST_S = 0.05
 WATCH_BACKOFF_MAX_S = 1.0
+# While the coordinator stays away, a loop's failures are logged at most once this often (the first
+# at once, then a count): a heartbeat fails at every commit, and a line each time floods the log
+# (and blocked a worker whose stderr was a pipe nobody read, once the pipe's 64 KiB were full).
+OUTAGE_LOG_EVERY_S = 5.0
 
 # -- the worker's node -----------------------------------------------------------------------
 

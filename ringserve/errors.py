@@ -145,11 +145,12 @@ class StateLostError(RingserveError):
 
 
 class CoordinatorUnreachableError(RingserveError):
-    """The coordinator at an address did not answer within the deadline."""
+    """The coordinator at an address did not answer within the deadline, or refused the
+    connection (``waited`` False: the call failed at once, so no deadline is named)."""
 
-    def __init__(self, address: str, deadline_s: float, detail: str = "") -> None:
+    def __init__(self, address: str, deadline_s: float, detail: str = "", *, waited: bool = True) -> None:
         self.address = address
-        message = f"The coordinator at {address} could not be reached within {deadline_s:g} s"
+        message = f"The coordinator at {address} could not be reached" + (f" within {deadline_s:g} s" if waited else "")
         super().__init__(f"{message}: {detail}" if detail else message + ".")
 
 

@@ -96,7 +96,9 @@ def coordinator_error(exc: grpc.aio.AioRpcError, address: str, deadline_s: float
     """Maps a failed control-plane call to a ringserve error naming the coordinator."""
     code = exc.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return CoordinatorUnreachableError(address, deadline_s, f"{code.name}: {exc.details()}")
+        # UNAVAILABLE: refused or dropped, whenever it came; only a deadline names its wait.
+        return CoordinatorUnreachableError(address, deadline_s, f"{code.name}: {exc.details()}",
+                                           waited=code == grpc.StatusCode.DEADLINE_EXCEEDED)
     return RingserveError(f"The coordinator at {address} answered {code.name}: {exc.details()}")
 
 

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.commits import Commit
 from ringserve.config import WorkerConfig
-from ringserve.constants import WATCH_BACKOFF_FIRST_S, WATCH_BACKOFF_MAX_S
+from ringserve.constants import OUTAGE_LOG_EVERY_S, WATCH_BACKOFF_FIRST_S, WATCH_BACKOFF_MAX_S
 from ringserve.errors import ExcludedError, RingserveError
 from ringserve.worker.control import exclusion
 from ringserve.worker.control.client import ControlClient
+from ringserve.worker.control.outage import Outage
 from ringserve.worker.control.reports import CommitReports
 from ringserve.worker.control.standing import tag_of
 from ringserve.worker.dataplane.peers import PeerServicer
@@ -113,6 +114,8 @@ class Lifeline:
         # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
         # then (see Elastic.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
         self.leaving = False
+        self.beats_out = Outage("heartbeat", every_s=OUTAGE_LOG_EVERY_S)
+        self.watch_out = Outage("view watch", every_s=OUTAGE_LOG_EVERY_S)
 
     def stop(self) -> None:
         """Ends the loops: the watch at once, the heartbeats at their next round."""
@@ -134,12 +137,13 @@ class Lifeline:
         while not self.stopped:
             try:
                 async for view in self.control.watch(self.worker_id):
+                    self.watch_out.ended(self.tag)
                     await self._on_event(ViewHeard(view))
                     if self.stopped:
                         return
                     backoff = WATCH_BACKOFF_FIRST_S
             except RingserveError as exc:  # the coordinator is away: watch again
-                log.warning("%s: view watch broke: %s", self.tag, exc)
+                self.watch_out.failed(self.tag, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, WATCH_BACKOFF_MAX_S)
             await self.housekeeping()
@@ -170,11 +174,12 @@ class Lifeline:
             except RingserveError as exc:
                 self.held.failed()
                 self.counters.heartbeats_missed += 1
-                log.warning("%s: heartbeat failed: %s", self.tag, exc)
+                self.beats_out.failed(self.tag, exc)
                 if await self._excluded_now():
                     return
                 continue
             self.heard_at = sent_at
+            self.beats_out.ended(self.tag)
             # The coordinator stretches the interval as the world grows (0: an older coordinator).
             self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
             self.held.answered(committed, answer.known)
