@@ -7,7 +7,13 @@ keeps the step it pushes next, so each mode's rule is one line (see rules.py for
 
 - sync, average: it computes on version ``v``, pushes round ``v``, and pulls with
   ``min_version v + 1``, which waits for the round;
-- ssp: it pushes its clock ``c`` and pulls for ``c + 1``, which waits for the slowest member;
+- ssp: it pushes its clock ``c`` and pulls for ``c + 1``, which waits for the slowest member.
+  The clock is the worker's, one for every shard: should the shards count it differently (one
+  refused a push as stale, or came back from a checkpoint, or started a joiner at a slower
+  member's clock than another did), each pull sets every shard's to the furthest, and the pull's
+  ``next_step`` tells the shards that were behind. A worker whose shards kept different clocks
+  would push its last steps to one shard after it had finished with the other: pushes that
+  reach that shard after the others' final pull;
 - async: it pushes and pulls at will.
 
 A push goes to every shard at once (a shard none of whose pieces it carries still gets its
@@ -294,6 +300,10 @@ class AsyncClient:
             raise NotInitializedError("Call init() before pull().")
         async with self._turn():
             await self._each(lambda ln: self._pull_one(ln, lookahead))
+            if self.mode == "ssp":  # one clock for every shard: the furthest (see the module)
+                clock = max(link.step for link in self._links.links)
+                for link in self._links.links:
+                    link.step = clock
         return self.values
 
     async def _pull_one(self, link: Link, lookahead: int = 0) -> None:

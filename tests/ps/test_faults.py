@@ -193,6 +193,31 @@ async def test_under_ssp_workers_go_on_past_a_restarted_shard_whose_clocks_are_b
         await ps.close()
 
 
+async def test_under_ssp_a_worker_keeps_one_clock_on_every_shard_so_it_pushes_no_step_after_its_last() -> None:
+    # Shards can count one worker's clock differently: one refused a push as stale, or came back
+    # from a checkpoint, or started a joiner at a slower member's clock than the other shard did.
+    # The worker then pushed its last steps to the shard ahead after it had finished with the
+    # other, and they reached that shard after the others' final pull (the chaos campaign's ps-ssp
+    # job ended on two final hashes). Forced here: one push that reaches shard 0 only.
+    ps = await start_ps_world(2, 2)
+    try:
+        await ps.each(lambda r, c: c.init(START, mode="ssp", staleness=2, optimizer=SGD, seed=r == 0))
+        await ps.each(lambda r, c: c.pull())
+        client = ps.clients[0]
+        x, y = task(0)
+        async with client._turn():
+            await client._push_one(client.links[0], gradients(client.values, x, y)[1], pb.GRADIENT, ())
+        assert [link.step for link in client.links] == [1, 0]
+        await client.pull()
+        assert [link.step for link in client.links] == [1, 1]  # the furthest, on both
+        await client.push(gradients(client.values, x, y)[1])
+        for shard in ps.shards:
+            clocks = {c.worker_id: c.clock for c in (await info(shard)).clocks}
+            assert clocks[client.worker_id] == 2, (shard.index, clocks)  # step 1 on both, none past it
+    finally:
+        await ps.close()
+
+
 async def test_a_shard_restarted_without_a_checkpoint_is_seeded_again_from_a_workers_values() -> None:
     ps = await start_ps_world(2, 2, coordinator={"heartbeat_timeout_s": 1.0})
     try:
