@@ -8,7 +8,9 @@ restarts, with a coordinator of its own that the campaign kills and starts again
 with the workers of tests/elastic: every commit appends ``{pid, time, view, step, sha}`` to the
 job's log, sha being the sha256 of that replica's parameters. The jobs cover shared memory and the
 TCP payload lane (a hostname per worker, shared memory off), ``ring`` and ``auto``, numpy, the
-torch ``DistributedOptimizer`` and DiLoCo (two fragments, so a kill lands mid-fragment). The
+torch ``DistributedOptimizer`` and DiLoCo (two fragments, so a kill lands mid-fragment), the
+parameter server under ssp (chaos_jobs/ps.py), DDP under torchrun (chaos_jobs/ddp.py), and
+partitions between hosts in network namespaces (chaos_jobs/partitions.py). The
 schedule is drawn from ``--seed`` alone: the same seed gives the same jobs, faults, victims (by
 launch index) and gaps, and each fault is printed as it is injected.
 
@@ -57,6 +59,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness  # noqa: E402  (the elastic tests' harness: the jobs and their records)
 from _common import free_port, table  # noqa: E402
 from chaos_jobs import ddp as chaos_ddp  # noqa: E402
+from chaos_jobs import partitions as chaos_partitions  # noqa: E402
 from chaos_jobs import ps as chaos_ps  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -133,7 +136,12 @@ JOBS = [
     Job("ps-ssp", chaos_ps.WORKER, {}, ("kill", "shard-kill"), steps=600, spread=2, start=chaos_ps.start),
     # DDP on the ringserve backend under torchrun's elastic agent, resuming from a checkpoint.
     Job("ddp-torchrun", chaos_ddp.WORKER, {}, KILLS, steps=300, start=chaos_ddp.start, restarts_group=True),
+    # A host per worker in network namespaces of the job's own, payloads on the TCP lane: cuts.
+    Job("numpy-netns-lane", harness.WORKER, {"RINGSERVE_ALGORITHM": "auto"}, ("partition", "partition-one-way"),
+        start=chaos_partitions.start),
 ]
+# Jobs this machine cannot run (no root or no iproute2 for namespaces), left out with a line that says so.
+UNAVAILABLE = {} if chaos_partitions.available() else {"numpy-netns-lane": "needs root and iproute2 (ip netns)"}
 QUICK = ["numpy-shm-ring", "numpy-lane-auto"]
 
 
@@ -182,9 +190,15 @@ class Live:
         self.port = 0
         if job.standalone:
             self.port = free_port()
+            # Every incarnation's log, one after another, kept with the job's.
+            self._coordinator_log = (tmp / "coordinator.log").open("ab")
+            # Files, not pipes: a pipe read only at the end fills up, and a worker whose log write
+            # blocks on it stops its event loop (heartbeats included) and is declared dead.
+            self.outputs = [tmp / f"worker-{i}.log" for i in range(job.workers)]
             self.coordinator = self._start_coordinator()
             self.procs = [harness.start_worker(f"127.0.0.1:{self.port}", self.log, job.steps, job.pause_s,
-                                               worker=job.worker, env={**env, "RINGSERVE_RANK_HINT": str(i)})
+                                               worker=job.worker, env={**env, "RINGSERVE_RANK_HINT": str(i), "ELASTIC_LOG_TIMES": "1"},
+                                               output=self.outputs[i])
                           for i in range(job.workers)]
             self.run = harness.Run(log=self.log, launcher=self.procs[0])
             return
@@ -201,7 +215,7 @@ class Live:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(self.port), "--min-workers", "2",
              "--settle-seconds", "0.5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=self._coordinator_log, stderr=subprocess.STDOUT)
         return proc
 
     def inject(self, kind: str, rng: random.Random) -> str | None:
@@ -233,14 +247,14 @@ class Live:
                 return None, str(exc), True
         outs, codes, hung = [], [], False
         deadline = time.time() + timeout_s
-        for proc in self.procs:
+        for proc, output in zip(self.procs, self.outputs, strict=True):
             try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+                proc.wait(timeout=max(1.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, _ = proc.communicate()
+                proc.wait()
                 hung = True
-            outs.append(out.decode(errors="replace"))
+            outs.append(output.read_text(errors="replace"))
             codes.append(proc.returncode)
         self.stop()
         return max(codes, key=abs), "".join(outs), hung
@@ -471,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep the jobs' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     names = QUICK if args.quick else [n for n in args.jobs.split(",") if n] or [j.name for j in JOBS]
-    jobs = [j for j in JOBS if j.name in names]
+    jobs = [j for j in JOBS if j.name in names and j.name not in UNAVAILABLE]
     steps = args.steps or (250 if args.quick else 0)
     if steps:
         jobs = [dataclasses.replace(j, steps=steps) for j in jobs]
@@ -481,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, flush=True)
 
+    for name in names:
+        if name in UNAVAILABLE:
+            say(f"left out: {name} ({UNAVAILABLE[name]})")
     say(f"chaos campaign: seed {args.seed}, {args.faults} faults over {', '.join(j.name for j in jobs)}; logs in {work}")
     results: list[JobResult] = []
     index = 0

@@ -89,7 +89,9 @@ def main() -> int:
     with log_path.open("a", encoding="utf-8") as log:
 
         def record(view: int, step: int, sha: str) -> None:
-            log.write(json.dumps({"pid": os.getpid(), "time": time.time(), "view": view, "step": step, "sha": sha}) + "\n")
+            shards = [link.step for link in ps.client.links]  # the clock each shard keeps for this worker
+            log.write(json.dumps({"pid": os.getpid(), "time": time.time(), "view": view, "step": step, "sha": sha,
+                                  "shards": shards}) + "\n")
             log.flush()
 
         try:
@@ -112,6 +114,10 @@ def main() -> int:
                 raise CollectiveTimeoutError(f"The final pull (clock {steps + staleness}) did not return within "
                                              f"{ps.config.round_timeout_s + 5.0:g} s.") from None
             record(0, steps, digest(ps.values))
+            # Which shard's values two workers disagree on, should they: each link's incarnation and version.
+            print(f"worker {os.getpid()}: final values from " + ", ".join(
+                f"shard {link.index} incarnation {link.incarnation} version {link.version} step {link.step}" for link in ps.client.links)
+                + "; by key " + ", ".join(f"{k} {digest({k: v})[:12]}" for k, v in sorted(ps.values.items())), flush=True)
             done.touch()
             print(f"worker {os.getpid()}: finished at step {steps}; lost updates {ps.client.lost_updates}, "
                   f"client counts {dict(ps.client.counts)}", flush=True)

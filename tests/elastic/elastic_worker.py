@@ -9,6 +9,7 @@ FAULT ``raise@K`` makes the first process that reaches step K raise inside a col
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -36,6 +37,8 @@ def claim(marker: str) -> bool:
 def main() -> None:
     log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     fault = sys.argv[4] if len(sys.argv) > 4 else ""
+    if os.environ.get("ELASTIC_LOG_TIMES"):  # the chaos campaign's: ringserve's warnings with their times
+        logging.basicConfig(format="%(asctime)s %(message)s", level=logging.WARNING)
     if os.environ.get("ELASTIC_HOSTS_OF"):  # hosts of that many workers, by launch index (test_algorithm_kills.py)
         index = int(os.environ.get("RINGSERVE_RANK_HINT", "0"))
         os.environ["RINGSERVE_HOSTNAME"] = f"host{index // int(os.environ['ELASTIC_HOSTS_OF'])}"

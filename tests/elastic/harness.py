@@ -59,9 +59,12 @@ class Run:
         return pid
 
     def follow(self) -> None:
-        """Reads the launcher's output as it comes, so that a test can wait for a line."""
+        """Reads the launcher's output as it comes, so that a test can wait for a line, and so
+        that the launcher never blocks on a full pipe (start() calls it; a second call is a no-op)."""
+        if self.reader is not None:
+            return
         stream = self.launcher.stdout
-        assert stream is not None and self.reader is None
+        assert stream is not None
 
         def read() -> None:
             for raw in stream:
@@ -115,7 +118,11 @@ def start(tmp: Path, *, workers: int = 4, steps: int, pause_s: float, min_np: in
         cmd.append(fault)
     env = {**os.environ, "RINGSERVE_ELASTIC_TIMEOUT_S": "60", "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", **(env or {})}
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    return Run(log=log, launcher=launcher)
+    run = Run(log=log, launcher=launcher)
+    # Read as it comes: a pipe read only at the end holds 64 KiB, and a launcher blocked on it stops
+    # forwarding its workers' output, so they block in their next log line too (heartbeats included).
+    run.follow()
+    return run
 
 
 def check_invariants(records: list[dict], steps: int | None) -> dict[str, float]:
@@ -155,20 +162,24 @@ def recovery_times(run: Run, records: list[dict]) -> list[float]:
 
 def coordinator_address(run: Run, timeout_s: float = 30.0) -> str:
     """The address the launcher's coordinator listens on, from its first line of output."""
-    assert run.launcher.stdout is not None
-    line = run.launcher.stdout.readline().decode()
     marker = "coordinator at "
+    line = run.wait_for_line(marker, timeout_s)
     assert marker in line, f"unexpected first line {line!r}"
     return line.split(marker, 1)[1].split(";", 1)[0].strip()
 
 
 def start_worker(address: str, log: Path, steps: int, pause_s: float, *, worker: str = WORKER,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """One more worker process for a running job, outside the launcher."""
+                 env: dict[str, str] | None = None, output: Path | None = None) -> subprocess.Popen[bytes]:
+    """One more worker process for a running job, outside the launcher. Its output goes to a
+    pipe (read with communicate() at its end), or to the file ``output``: a worker that writes
+    more than a pipe holds (64 KiB) blocks in its next write until someone reads."""
     env = {**os.environ, "RINGSERVE_COORDINATOR": address, "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
            "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, worker, str(log), str(steps), str(pause_s)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    argv = [sys.executable, worker, str(log), str(steps), str(pause_s)]
+    if output is None:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with output.open("ab") as sink:
+        return subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
 
 RESUMED = re.compile(r"resuming from (?:the checkpoint of )?commit (\d+)")
