@@ -450,7 +450,7 @@ def _check_ring(state: State, now: float) -> tuple[State, list[Action]]:
     victim = links.cut_off(ids, check.linked)
     down = len([link for link in links.down_links(ids, check.linked) if victim in link])
     reason = (f"cut off from its ring neighbours: {down} of its links did not come up within "
-              f"{state.rules.heartbeat_timeout_s:g} s, though it answers the coordinator")
+              f"{links.window(state.rules.heartbeat_timeout_s):g} s, though it answers the coordinator")
     return _cut(state, victim, now, reason)
 
 
@@ -472,7 +472,7 @@ def _arm_check(state: State, now: float) -> State:
         return replace(state, check=None)
     if state.check is None and not any(m.worker_id in state.cuts for m in view.members):
         return state
-    return replace(state, check=RingCheck(view.view_id, now + state.rules.heartbeat_timeout_s))
+    return replace(state, check=RingCheck(view.view_id, now + links.window(state.rules.heartbeat_timeout_s)))
 
 
 def _join(state: State, event: Join, now: float) -> State:

@@ -10,10 +10,13 @@ within a view, so the ring stays dead until a new view comes. The coordinator th
 2. counts a link as up once its receiving end says, in a heartbeat, that its predecessor's stream
    reached it in that view (``Linked``): positive evidence, which a blackholed connect never gives,
    however long TCP takes to give up;
-3. if some link is still down ``heartbeat_timeout_s`` after the view was published, drops one worker
-   (:func:`cut_off`): the one on most of the down links (a worker cut off from both neighbours sits
-   on two, each neighbour on one), so the largest connected part of the ring goes on. The new view is
-   checked the same way, so each round takes one timeout and removes one worker;
+3. if some link is still down :func:`window` after the view was published (half the heartbeat
+   timeout), drops one worker (:func:`cut_off`): the one on most of the down links (a worker cut
+   off from both neighbours sits on two, each neighbour on one), so the largest connected part of
+   the ring goes on. The new view is checked the same way, so each round takes one window and
+   removes one worker. A receiver heartbeats as soon as its predecessor's stream of a new view
+   reaches it (peers.py's ``on_linked``), so a link that is up says so within a round trip, not
+   at the next heartbeat: the window need not cover a heartbeat interval;
 4. holds the dropped worker out of admission for a while (:func:`hold_s`), doubling with each cut,
    so that a worker whose routes are still gone does not break the ring at every commit; and checks
    any view that takes it back, so a cut that persists is found within one timeout, not when TCP
@@ -66,6 +69,13 @@ def cut_off(ids: Sequence[str], linked: frozenset[str]) -> str:
         count[receiver] += 1
     rank = {w: r for r, w in enumerate(ids)}
     return max(ids, key=lambda w: (count[w], rank[w]))
+
+
+def window(heartbeat_timeout_s: float) -> float:
+    """How long a checked view's links have to come up: half the heartbeat timeout. A healthy
+    link is up, and said so (its receiver heartbeats at once), within a dial and a round trip; the
+    other half of the timeout is the partition's own bound, kept for detecting the cut."""
+    return heartbeat_timeout_s / 2
 
 
 def hold_s(cuts: int, heartbeat_timeout_s: float) -> float:

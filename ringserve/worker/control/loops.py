@@ -111,6 +111,7 @@ class Lifeline:
         self.held = CommitReports()
         self.heard_mark: Commit | None = None
         self.heartbeat_now = asyncio.Event()
+        peers.on_linked = self.heartbeat_now.set  # the ring's link into us is up: say so now (ringcheck.py)
         # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
         # then (see Elastic.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
         self.leaving = False

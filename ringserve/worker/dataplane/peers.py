@@ -68,6 +68,9 @@ class PeerServicer:
         # Verified streams open from a (view, sender rank): a heartbeat says whether the ring's
         # link into us is up.
         self._inbound: dict[tuple[int, int], int] = {}
+        # Called when the stream from the current view's ring predecessor first reaches us: the
+        # lifeline heartbeats at once, so that a coordinator checking the ring hears it now.
+        self.on_linked: Callable[[], None] = lambda: None
         self._rings: set[InboundRing] = set()  # shared rings mapped by streams still open
         self._handlers: set[asyncio.Task] = set()  # the tasks serving streams, until they end
 
@@ -283,8 +286,11 @@ class PeerServicer:
 
     def _count(self, hello: wire.FrameHeader, delta: int) -> None:
         link = (hello.view_id, hello.sender_rank)
+        before = self.linked_view()
         count = self._inbound.get(link, 0) + delta
         if count > 0:
             self._inbound[link] = count
         else:
             self._inbound.pop(link, None)
+        if not before and self.linked_view():
+            self.on_linked()
