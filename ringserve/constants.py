@@ -23,6 +23,16 @@ OUTAGE_LOG_EVERY_S = 5.0
 # is left are streams the peers are closing too; half a second lets their last frames go.
 SERVER_STOP_GRACE_S = 0.5
 
+# -- event loops on threads (ringserve.loop) ------------------------------------------------
+
+# gRPC's completion events reach an event loop through whichever loop of the process reads its
+# poller: an event of a call made on another loop is handed to that loop (call_soon_threadsafe).
+# Calls cancelled by a close complete a moment later, so a loop closed at once after its channels
+# and servers would have their last events handed to a closed loop, by another loop of the process
+# (a torchrun rank 0 runs its coordinator on a loop of its own beside its worker's): "Event loop is
+# closed" in that loop's log. A stopping loop runs this long more, for those events.
+GRPC_DRAIN_S = 0.05
+
 # -- waiting from another thread -------------------------------------------------------------
 
 # A thread that waits for a call on the worker's loop gives up this long after the call's own

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ringserve.constants import GRPC_DRAIN_S
+
 T = TypeVar("T")
 
 log = logging.getLogger("ringserve")
@@ -55,11 +57,24 @@ async def uncancelled(coro: Coroutine[Any, Any, T], stray: Callable[[], BaseExce
         raise error from exc
 
 
+def _quiet_closed_loop_handoffs(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loops' exception handler: gRPC's hand-off of a late completion to a loop already closed
+    (see GRPC_DRAIN_S) is logged at debug level, as what it is: an event for a call whose owner
+    is gone. Everything else goes to asyncio's default handler."""
+    exc = context.get("exception")
+    handle = str(context.get("handle", ""))
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "PollerCompletionQueue" in handle:
+        log.debug("a gRPC completion for a closed event loop was dropped: %s", handle)
+        return
+    loop.default_exception_handler(context)
+
+
 class LoopThread:
     """Runs an event loop on a daemon thread until stop()."""
 
     def __init__(self, *, use_uvloop: bool, name: str = "ringserve-loop") -> None:
         self.loop = new_event_loop(use_uvloop)
+        self.loop.set_exception_handler(_quiet_closed_loop_handoffs)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -74,6 +89,7 @@ class LoopThread:
             if pending:
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(asyncio.sleep(GRPC_DRAIN_S))  # the last gRPC completions: see above
             self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
