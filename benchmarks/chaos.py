@@ -243,8 +243,8 @@ class Live:
             try:
                 code, out = self.run.finish(timeout_s)
                 return code, out, False
-            except AssertionError as exc:
-                return None, str(exc), True
+            except AssertionError as exc:  # its message keeps the output's tail: the job's log keeps all of it
+                return None, "".join(self.run.lines) + f"\n{str(exc).splitlines()[0]}\n", True
         outs, codes, hung = [], [], False
         deadline = time.time() + timeout_s
         for proc, output in zip(self.procs, self.outputs, strict=True):
@@ -307,6 +307,16 @@ def inject(live: LiveJob, kind: str, rng: random.Random) -> str:
         subprocess.run(["ss", "-K", "-t", f"( sport = :{port} or dport = :{port} )"], capture_output=True, timeout=10)
         return f"TCP reset of the payload lanes into {victim} (port {port})"
     raise ValueError(f"unknown fault {kind!r}")
+
+
+def dump_stacks(live: LiveJob) -> None:
+    """Makes every worker of a hung job print its threads' stacks into the job's output (the
+    workers register SIGUSR1 with faulthandler: tests/elastic/commit_log.py)."""
+    for pid in live.workers():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(1.0)
 
 
 def furthest_step(records: list[dict], before: float) -> int:
@@ -425,6 +435,7 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
             say(f"  [{job.name} #{index}] fault {n + 1}: {what}: {took}, steps lost {outcome.steps_lost}")
             if outcome.recovery_s is None and furthest_step(live.run.records(), time.time()) < job.steps:
                 hung = True
+                dump_stacks(live)
                 break
         code, out, job_hung = live.finish(JOB_END_S)
         (tmp / "output.log").write_text(out)
@@ -481,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="", help="comma-separated job names (default: all)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, of --steps 250")
     parser.add_argument("--steps", type=int, default=0, help="every job's steps (default: each job's own)")
+    parser.add_argument("--kinds", default="", help="comma-separated fault kinds to inject (default: each job's own)")
     parser.add_argument("--json", type=Path, help="write every fault and job here")
     parser.add_argument("--workdir", type=Path, help="keep the jobs' logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -489,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (250 if args.quick else 0)
     if steps:
         jobs = [dataclasses.replace(j, steps=steps) for j in jobs]
+    if args.kinds:  # a replay of one kind of fault: the jobs that have it, with it alone
+        kinds = set(args.kinds.split(","))
+        jobs = [dataclasses.replace(j, faults=tuple(k for k in j.faults if k in kinds)) for j in jobs
+                if kinds & set(j.faults)]
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ringserve-chaos-"))
 

@@ -8,12 +8,18 @@ then kill every holder while fresh workers are in the view without the state."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import time
 from typing import IO, Any
 
 from ringserve import api
+
+# SIGUSR1 prints every thread's Python stack to stderr: the chaos campaign sends it to a job that
+# hangs, so that its output says where each worker waits.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class CommitLog:
