@@ -164,7 +164,7 @@ def main() -> None:
                     continue
                 row = cell(world, nbytes, setting, latency_s, bytes_per_s)
                 rows.append(row)
-                model = selection.predict(row["algorithm"], nbytes, world, selection.Links.of(latency_s, bytes_per_s),
+                model = selection.predict(row["algorithm"], nbytes, world, selection.LinkCosts.of(latency_s, bytes_per_s),
                                           MiB).seconds
                 print(f"N={world:5d} {nbytes:>9d} B {setting:18s} ran {row['algorithm']:18s} {row['seconds']:9.3f} s "
                       f"({row['sent_per_rank']:.3f} S)  model {model:8.3f} s  [{row['wall_s']:.0f} s wall]", flush=True)

@@ -13,7 +13,7 @@ growth of its resident set from just before the tensor was made, tensor included
 reduce float32 sums in place (``out=a`` for ringserve) with one compute thread per process.
 
 The workers share one host, so by default ringserve passes payloads through shared memory (only
-headers go over the gRPC stream; see ringserve/worker/dataplane/shared.py). Two more runs with
+headers go over the gRPC stream; see ringserve/worker/dataplane/links/shared.py). Two more runs with
 shared memory off say what the network path costs on its own, over loopback: with the TCP payload
 lane, as between hosts by default, and with every payload over the gRPC stream (``--no-stream``
 skips both).

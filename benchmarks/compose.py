@@ -9,7 +9,7 @@ Each round runs, one after the other (so that each sees the same machine load):
 - ``ringserve run -np N`` on the host: workers see each other's /proc, shared memory through it;
 - ``docker-compose up --scale worker=N`` with the compose file as shipped: one container per
   worker, each in its own PID namespace, the rings handed over Unix sockets in the shared tmpfs
-  volume (RINGSERVE_SHARED_DIR, see ringserve/worker/dataplane/fdpass.py);
+  volume (RINGSERVE_SHARED_DIR, see ringserve/worker/dataplane/links/fdpass.py);
 - the same with RINGSERVE_SHARED_DIR empty: what containers got before, every payload over the
   stream (the bridge network's veth pairs).
 

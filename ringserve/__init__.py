@@ -12,38 +12,12 @@ Synchronous numpy API for training scripts::
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
 Parameter-server mode: ``ringserve.ParameterServer`` and ``ringserve.ps`` (clients, optimizers).
-``import ringserve`` never imports torch.
+``import ringserve`` never imports torch, and loads no layer until one of its names is read.
 """
 
-from ringserve.api import (
-    add_process_set,
-    allgather,
-    allgather_object,
-    allreduce,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_object,
-    cross_rank,
-    cross_size,
-    global_process_set,
-    grouped_allgather,
-    grouped_reduce_scatter,
-    init,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    process_sets,
-    rank,
-    reduce_scatter,
-    remove_process_set,
-    shutdown,
-    size,
-)
-from ringserve.config import CoordinatorConfig, WorkerConfig
-from ringserve.coordinator import Coordinator
-from ringserve.diloco import DiLoCo
+from typing import TYPE_CHECKING
+
+from ringserve._lazy import exports
 from ringserve.errors import (
     CollectiveTimeoutError,
     CoordinatorUnreachableError,
@@ -66,10 +40,41 @@ from ringserve.errors import (
     ViewInstallError,
     WorkerFailedError,
 )
-from ringserve.powersgd import PowerSGD
-from ringserve.ps.server import ParameterServer
-from ringserve.worker.ops.process_sets import ProcessSet
-from ringserve.worker.runtime import Worker
+
+if TYPE_CHECKING:  # the same names, for type checkers: each is imported when first read (ringserve._lazy)
+    from ringserve.api import (
+        add_process_set,
+        allgather,
+        allgather_object,
+        allreduce,
+        alltoall,
+        barrier,
+        broadcast,
+        broadcast_object,
+        cross_rank,
+        cross_size,
+        global_process_set,
+        grouped_allgather,
+        grouped_reduce_scatter,
+        init,
+        is_initialized,
+        join,
+        local_rank,
+        local_size,
+        process_sets,
+        rank,
+        reduce_scatter,
+        remove_process_set,
+        shutdown,
+        size,
+    )
+    from ringserve.config import CoordinatorConfig, WorkerConfig
+    from ringserve.coordinator import Coordinator
+    from ringserve.diloco import DiLoCo
+    from ringserve.launch.shards import ParameterServer
+    from ringserve.powersgd import PowerSGD
+    from ringserve.worker.ops.process_sets import ProcessSet
+    from ringserve.worker.runtime import Worker
 
 __version__ = "0.1.0"
 
@@ -127,3 +132,38 @@ __all__ = [
     "shutdown",
     "size",
 ]
+
+__getattr__, __dir__ = exports(__name__, {
+    "add_process_set": "ringserve.api",
+    "allgather": "ringserve.api",
+    "allgather_object": "ringserve.api",
+    "allreduce": "ringserve.api",
+    "alltoall": "ringserve.api",
+    "barrier": "ringserve.api",
+    "broadcast": "ringserve.api",
+    "broadcast_object": "ringserve.api",
+    "cross_rank": "ringserve.api",
+    "cross_size": "ringserve.api",
+    "global_process_set": "ringserve.api",
+    "grouped_allgather": "ringserve.api",
+    "grouped_reduce_scatter": "ringserve.api",
+    "init": "ringserve.api",
+    "is_initialized": "ringserve.api",
+    "join": "ringserve.api",
+    "local_rank": "ringserve.api",
+    "local_size": "ringserve.api",
+    "process_sets": "ringserve.api",
+    "rank": "ringserve.api",
+    "reduce_scatter": "ringserve.api",
+    "remove_process_set": "ringserve.api",
+    "shutdown": "ringserve.api",
+    "size": "ringserve.api",
+    "CoordinatorConfig": "ringserve.config",
+    "WorkerConfig": "ringserve.config",
+    "Coordinator": "ringserve.coordinator",
+    "DiLoCo": "ringserve.diloco",
+    "ParameterServer": "ringserve.launch.shards",
+    "PowerSGD": "ringserve.powersgd",
+    "ProcessSet": "ringserve.worker.ops.process_sets",
+    "Worker": "ringserve.worker.runtime",
+}, submodules=("api", "config", "coordinator", "diloco", "elastic", "errors", "launch", "ps", "worker"))

@@ -281,7 +281,7 @@ def _ps_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_ps(ns: argparse.Namespace) -> int:
     from ringserve.config import ShardConfig
-    from ringserve.ps.server import serve
+    from ringserve.launch.shards import serve
 
     config = ShardConfig.from_env(**_overrides(ns, _PS_FIELDS))
     return serve(config, one_shard=ns.one_shard or config.shards == 1, shard_id=ns.shard_id, parent=ns.parent)

@@ -25,7 +25,7 @@ MiB = 1 << 20
 ADVERTISE_AUTO = "auto"
 
 # The most slots a shared-memory ring has: its header page holds one state byte per slot (see
-# worker/dataplane/shared.py, whose layout this must match; a unit test checks that it does).
+# worker/dataplane/links/shared.py, whose layout this must match; a unit test checks that it does).
 MAX_SHARED_SLOTS = 4032
 
 # WorkerConfig.payload_lane values: fall back per edge, require, or never use the TCP payload lane.
@@ -313,9 +313,9 @@ class WorkerConfig(SecuritySettings):
         shared_memory: between workers on one host, pass payloads through a shared-memory ring
             (a memfd the successor maps) and only headers over the stream; workers on other
             hosts, or that cannot see each other's processes, fall back to the stream by
-            themselves (see worker/dataplane/shared.py). Off: every payload travels over gRPC.
+            themselves (see worker/dataplane/links/shared.py). Off: every payload travels over gRPC.
         shared_dir: a directory that every worker on this host shares, where each worker's rings
-            are handed to receivers over a Unix socket (see worker/dataplane/fdpass.py): containers, whose
+            are handed to receivers over a Unix socket (see worker/dataplane/links/fdpass.py): containers, whose
             PID namespaces hide each other's /proc, then pass payloads through shared memory too.
             A tmpfs volume mounted into every worker container (docker-compose.yml). Empty: rings
             are found through /proc only.
@@ -323,7 +323,7 @@ class WorkerConfig(SecuritySettings):
             one host whose hostnames differ, containers, run wide frames; pages are only taken as
             payloads are written, so narrow frames use a chunk of each); when all are in use,
             payloads travel over the stream until one is freed.
-        payload_lane: the TCP payload lane between hosts (see worker/dataplane/tcplane.py):
+        payload_lane: the TCP payload lane between hosts (see worker/dataplane/lanes/tcp/outbound.py):
             each worker listens on one payload port, and a DATA frame's payload travels on a
             plain TCP (or, with TLS, a TLS) connection beside the gRPC stream, which still carries
             its header. ``auto`` (the default): an edge whose lane cannot connect and

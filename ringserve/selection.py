@@ -64,7 +64,7 @@ WIDE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
-class Links:
+class LinkCosts:
     """The cost of one hop: ``latency_s`` + bytes * ``seconds_per_byte``, + ``frame_s`` a frame."""
 
     latency_s: float
@@ -72,13 +72,13 @@ class Links:
     frame_s: float = FRAME_S
 
     @classmethod
-    def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S) -> Links:
+    def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S) -> LinkCosts:
         return cls(latency_s, 1.0 / bytes_per_s, frame_s)
 
 
 @dataclass(frozen=True)
-class Measured(Links):
-    """Link figures measured at start-up (worker/dataplane/calibration.py), where plain ``Links``
+class Measured(LinkCosts):
+    """Link figures measured at start-up (worker/dataplane/calibration.py), where plain ``LinkCosts``
     are given (RINGSERVE_LINK_LATENCY_S and RINGSERVE_LINK_MBPS): ``auto`` plans by their class
     (``planned``), never by their value."""
 
@@ -89,14 +89,14 @@ class Measured(Links):
 HOST = "host"
 LAN = "lan"
 WAN = "wan"
-LAN_LINKS = Links.of(50e-6, 10e9 / 8)
-WAN_LINKS = Links.of(0.020, 100e6 / 8)
+LAN_LINKS = LinkCosts.of(50e-6, 10e9 / 8)
+WAN_LINKS = LinkCosts.of(0.020, 100e6 / 8)
 CLASS_LINKS = {HOST: LAN_LINKS, LAN: LAN_LINKS, WAN: WAN_LINKS}
-# Links across hosts measured at least this one way are a WAN's (a round trip of 16 ms): see planned.
+# LinkCosts across hosts measured at least this one way are a WAN's (a round trip of 16 ms): see planned.
 WAN_LATENCY_S = 8e-3
 
 
-def link_class(links: Links, hosts: tuple[int, ...], n: int) -> str:
+def link_class(links: LinkCosts, hosts: tuple[int, ...], n: int) -> str:
     """The class of a ring of ``n`` ranks on ``hosts`` (each rank's host, as the view says; empty:
     not known) whose links measured ``links``: HOST where every rank is on one host, whatever was
     measured; else WAN from WAN_LATENCY_S one way, LAN below it."""
@@ -105,7 +105,7 @@ def link_class(links: Links, hosts: tuple[int, ...], n: int) -> str:
     return WAN if links.latency_s >= WAN_LATENCY_S else LAN
 
 
-def planned(links: Links, *, hosts: tuple[int, ...], n: int) -> Links:
+def planned(links: LinkCosts, *, hosts: tuple[int, ...], n: int) -> LinkCosts:
     """The figures ``auto`` (and ``halving_doubling``'s choice of its two forms) plans a ring of
     ``n`` ranks on ``hosts`` by: given figures as they are (a static fact, the user's word);
     measured ones (``Measured``) as their class's (``link_class``, CLASS_LINKS).
@@ -144,7 +144,7 @@ def _frames(nbytes: float, chunk: int) -> int:
     return max(1, math.ceil(nbytes / chunk))
 
 
-def _ring_step(segment: float, links: Links, chunk_bytes: int, least_frames: int = 1) -> float:
+def _ring_step(segment: float, links: LinkCosts, chunk_bytes: int, least_frames: int = 1) -> float:
     """One step of a pipelined ring that moves ``segment`` bytes: its bytes, or, when they take
     less than a hop's latency, the hop (a chunk must arrive before the next step's leaves)."""
     a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
@@ -152,7 +152,7 @@ def _ring_step(segment: float, links: Links, chunk_bytes: int, least_frames: int
     return max(segment * b + f * frames, a + min(segment, chunk_bytes) * b + f)
 
 
-def predict(algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int) -> Plan:
+def predict(algorithm: str, nbytes: int, n: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The predicted time of an allreduce of ``nbytes`` over ``n`` ranks under ``algorithm``."""
     a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
     s = float(nbytes)
@@ -207,7 +207,7 @@ def ring_chunk(nbytes: int, n: int, chunk_bytes: int, *, apart: bool) -> int:
     return int(min(max(half, chunk_bytes), WIDE_CHUNKS * chunk_bytes))
 
 
-def _tree(s: float, n: int, links: Links, chunk_bytes: int) -> Plan:
+def _tree(s: float, n: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The double binary tree, pipelined: each tree carries S/2 in chunks of ``t`` bytes. The
     first chunk climbs and comes down 2D hops; after it, a node inside one tree and a leaf of the
     other sends 4 chunks per chunk of each half (one up in each tree, two down), so the pipeline
@@ -241,7 +241,7 @@ def candidates(op: str, n: int, *, coded: bool) -> tuple[str, ...]:
     return (RING,)
 
 
-def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: Links, chunk_bytes: int) -> Plan:
+def _predict_op(op: str, algorithm: str, nbytes: int, n: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """Costs of the other collectives: half an allreduce (reduce-scatter, allgather), or a
     broadcast's chain (n - 1 hops, then a commit lap) against its tree (3 D hops, twice the bytes
     at inner nodes)."""
@@ -279,7 +279,7 @@ PLANS_KEPT = 4096
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> bool:
+def by_host(nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes: int) -> bool:
     """Whether an allreduce of ``nbytes`` over ``hosts`` hosts of ``local`` ranks each runs by host
     under ``auto`` (a reduce-scatter within each host, an allreduce of each 1/local slice across
     hosts, an allgather within each host: worker/ops/hierarchy.py) rather than flat over all ranks.
@@ -300,16 +300,16 @@ def by_host(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int)
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def across_hosts(setting: str, nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> Plan:
+def across_hosts(setting: str, nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The plan of a by-host allreduce's stage across ``hosts`` hosts, each of whose ``local`` ranks
     carries 1/local of ``nbytes`` over the uplink they share, by the whole view's link figures (so
     that every rank, whichever ring across hosts it is in, plans alike: worker/ops/hierarchy.py)."""
-    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+    shared = LinkCosts(links.latency_s, links.seconds_per_byte * local, links.frame_s)
     return choose(setting, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes)
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def flat_plan(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: int) -> Plan:
+def flat_plan(nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The best flat allreduce over ``hosts`` hosts of ``local`` ranks each (under ``auto``, where
     by_host says flat): the ring, which crosses each host's uplink once, or the best other plan
     with the uplink shared by the host's ranks, whose partners on other hosts it reaches at once.
@@ -317,14 +317,14 @@ def flat_plan(nbytes: int, local: int, hosts: int, links: Links, chunk_bytes: in
     the ring at 64 MiB over 8 hosts of 2, and took 1.3x to 2.4x its time (docs/design/algorithms.md).
     """
     n = local * hosts
-    shared = Links(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+    shared = LinkCosts(links.latency_s, links.seconds_per_byte * local, links.frame_s)
     ring = predict(RING, nbytes, n, links, chunk_bytes)
     other = choose(AUTO, "allreduce", nbytes, n, shared, chunk_bytes)
     return ring if ring.seconds <= other.seconds else other
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def choose(setting: str, op: str, nbytes: int, n: int, links: Links | None, chunk_bytes: int, *,
+def choose(setting: str, op: str, nbytes: int, n: int, links: LinkCosts | None, chunk_bytes: int, *,
            coded: bool = False) -> Plan:
     """The plan for one call: ``setting`` (RINGSERVE_ALGORITHM) when it names an algorithm that can
     run the call, the ring when it cannot; under ``auto`` the fastest predicted.

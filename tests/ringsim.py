@@ -1,7 +1,7 @@
 """A ring of simulated ranks in one event loop: the shipped collectives over in-memory links.
 
 Each rank is a real ``Plane`` whose links to the ranks it sends to are ``MemoryLink``s, so a
-collective runs exactly the code that ships: its program (programs.py), the executor, the values,
+collective runs exactly the code that ships: its program (programs/__init__.py), the executor, the values,
 the session and the plane's routing and abort protocol, and the link's encoding, lane and
 backpressure. Only the socket is missing. Collectives over sub-rings of the view run too
 (``simulate_rings``), concurrently with the whole view's, as process sets would. Each link delays
@@ -24,15 +24,15 @@ from typing import Any
 from ringserve._proto import peer_pb2
 from ringserve.errors import RingChangedError
 from ringserve.observe import Counters
-from ringserve.selection import Links
-from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
-from ringserve.worker.dataplane.laneserver import LaneServer
-from ringserve.worker.dataplane.link import SEND_WINDOW
-from ringserve.worker.dataplane.memlink import MemoryLink
+from ringserve.selection import LinkCosts
+from ringserve.testing.memlink import MemoryLink
+from ringserve.worker.dataplane.lanes.tcp.inbound import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.lanes.tcp.outbound import OutboundLane
+from ringserve.worker.dataplane.lanes.tcp.server import LaneServer
+from ringserve.worker.dataplane.links.shared import OutboundRing
+from ringserve.worker.dataplane.links.stream import SEND_WINDOW
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Place, Session
-from ringserve.worker.dataplane.shared import OutboundRing
-from ringserve.worker.dataplane.tcplane import OutboundLane
 
 Call = Callable[[Session, int], Awaitable[Any]]
 
@@ -42,7 +42,7 @@ DELAYS = (0, 1, 3, 8)
 
 def make_ring(world: int, rng: random.Random, *, checksum: bool = False, lanes: bool = False,
               lane_slots: int = 2, slot_bytes: int = 64, abort_grace_s: float = 1.0, algorithm: str = "ring",
-              links: Links | None = None, tcp_lanes: list[LaneServer] | None = None) -> list[Plane]:
+              links: LinkCosts | None = None, tcp_lanes: list[LaneServer] | None = None) -> list[Plane]:
     """``world`` planes of view 1; each opens a MemoryLink to any rank it sends to (its successor
     at once, others on first use), each link with its own random delays and window. ``algorithm``
     (RINGSERVE_ALGORITHM) and ``links`` (the link figures, None: measured) are the planes'.

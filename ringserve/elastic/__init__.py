@@ -8,8 +8,14 @@ This package sits above the worker and the numpy API; the coordinator never impo
 records both sides share are ``ringserve.commits``).
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-from ringserve.elastic.state import ObjectState, State, run
+from ringserve._lazy import exports
+
+if TYPE_CHECKING:  # the same names, for type checkers (ringserve._lazy)
+    from ringserve.elastic.state import ObjectState, State, run
 
 __all__ = ["ObjectState", "State", "run"]
+
+__getattr__, __dir__ = exports(__name__, {"ObjectState": "ringserve.elastic.state", "State": "ringserve.elastic.state",
+                                          "run": "ringserve.elastic.state"})

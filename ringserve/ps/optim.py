@@ -12,7 +12,7 @@ within float32 rounding:
   ``p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
 
 A step returns a new values array instead of writing into the old one: a pull that is still
-streaming the old array sends a consistent version (see ringserve/ps/store.py).
+streaming the old array sends a consistent version (see ringserve/ps/shard/store.py).
 """
 
 from __future__ import annotations

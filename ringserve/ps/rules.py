@@ -1,7 +1,7 @@
 """A shard's bookkeeping of versions, rounds and clocks, and the decisions it makes from them.
 
 Pure: the shard's servicer asks the ``Ledger`` what to do with a push or whether a pull may be
-answered, carries the decision out on its values (store.py), and then records it. Modes:
+answered, carries the decision out on its values (shard/store.py), and then records it. Modes:
 
 - **sync**: rounds. Round ``t`` collects one push of step ``t`` from every member of the newest
   view the shard knows; when every member has pushed (or a new view drops those that have not),

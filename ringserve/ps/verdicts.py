@@ -2,7 +2,7 @@
 asks again, and which it raises.
 
 A failed call's status comes from one of two places. The shard's servicer decides some (bad
-input, no job, a wait that ran out: see service.py), and gRPC decides the others, on either side,
+input, no job, a wait that ran out: see shard/service.py), and gRPC decides the others, on either side,
 when the connection or the stream breaks under the call: UNAVAILABLE, and also INTERNAL ("Internal
 error from Core" when a reset finds the client sending, "Stream removed" when the peer resets the
 stream), CANCELLED (the peer or its transport cancelled the stream: a caller's own cancellation

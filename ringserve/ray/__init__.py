@@ -4,7 +4,7 @@
   runs in the driver. ``start()``, ``run(fn, args=..., kwargs=...)`` (one result per rank, in rank
   order), ``run_remote`` (ObjectRefs), ``execute``, ``execute_single``, ``shutdown()``. With
   ``min_workers``/``max_workers`` it is elastic: a dead actor is replaced, and the others go on
-  from their last commit. See executor.py.
+  from their last commit. See programs/executor.py.
 - Ray Train: ``TorchTrainer(..., torch_config=ringserve.ray.RingserveConfig())`` runs the torch
   process group on the "ringserve" backend with nothing else to set up; Ray's own
   ``TorchConfig(backend="ringserve")`` works too once the workers import the backend, which

@@ -1,6 +1,6 @@
 """What the executor decides from its actors' outcomes: pure, with no Ray and no clock.
 
-The executor (executor.py) waits on its actors' calls and turns each ending into an ``Outcome``;
+The executor (programs/executor.py) waits on its actors' calls and turns each ending into an ``Outcome``;
 these functions decide what follows, so that the rules are tested in microseconds:
 
 - **Fixed worlds** (``num_workers``): every rank must return. The first failure ends the run, but

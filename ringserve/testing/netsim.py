@@ -2,7 +2,7 @@
 
 Every rank is a real ``Plane`` (the data plane that ships: programs, executor, values, routing,
 aborts, the measure of the links), and its links are ``TimedLink``s: in-memory links, like
-memlink.py's, that deliver each frame when the alpha-beta model says it arrives. Run under
+ringserve/testing/memlink.py's, that deliver each frame when the alpha-beta model says it arrives. Run under
 vclock.py's loop, a collective's time is the model's, whatever the machine.
 
 The model (``Model``), per frame of ``b`` bytes from rank s to rank d:
@@ -34,9 +34,9 @@ from typing import Any
 from ringserve import wire
 from ringserve.errors import ProtocolError, RingChangedError
 from ringserve.observe import Counters
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.link import SEND_WINDOW, Link
+from ringserve.worker.dataplane.links.stream import SEND_WINDOW, Link
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import Session
@@ -58,9 +58,9 @@ class Model:
     def host(self, rank: int) -> int:
         return self.hosts[rank] if self.hosts else rank
 
-    def links(self) -> Links:
+    def links(self) -> LinkCosts:
         """The figures of the links between hosts, as a plane that is told them holds them."""
-        return Links.of(self.latency_s, self.bytes_per_s)
+        return LinkCosts.of(self.latency_s, self.bytes_per_s)
 
 
 @dataclass
@@ -161,10 +161,10 @@ class Outcome:
     seconds: float
     finished: list[float]
     sent: list[int]
-    links: Links | None
+    links: LinkCosts | None
 
 
-def make_view(world: int, model: Model, *, algorithm: str = "auto", links: Links | None = None,
+def make_view(world: int, model: Model, *, algorithm: str = "auto", links: LinkCosts | None = None,
               abort_grace_s: float = 1.0, checksum: bool = False) -> tuple[list[Plane], Network]:
     """``world`` planes of view 1 linked by ``model``'s network."""
     network = Network(model, world)
@@ -183,7 +183,7 @@ def make_view(world: int, model: Model, *, algorithm: str = "auto", links: Links
     return planes, network
 
 
-async def simulate(world: int, call: Call, model: Model, *, algorithm: str = "auto", links: Links | None = None,
+async def simulate(world: int, call: Call, model: Model, *, algorithm: str = "auto", links: LinkCosts | None = None,
                    timeout_s: float = 1e6, seed: int = 0, check: bool = True, members: Sequence[int] | None = None,
                    **view: Any) -> Outcome:
     """Runs ``call(session, rank)`` on every rank at once, over ``model``'s network, on the running
@@ -198,7 +198,7 @@ async def simulate(world: int, call: Call, model: Model, *, algorithm: str = "au
     planes, network = make_view(world, model, algorithm=algorithm, links=links, **view)
     ranks = list(range(world)) if members is None else list(members)
     sessions = {r: planes[r].session(None if members is None else tuple(members)) for r in ranks}
-    measured: list[Links | None] = [None]
+    measured: list[LinkCosts | None] = [None]
     ready = asyncio.Event()
     waiting = [len(ranks)]
     start = [0.0]

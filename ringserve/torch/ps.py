@@ -48,8 +48,8 @@ import torch
 from ringserve import api
 from ringserve.config import PSClientConfig
 from ringserve.errors import InvalidArgumentError, UnsupportedError
-from ringserve.ps import api as ps_api
-from ringserve.ps.client import AsyncClient
+from ringserve.ps.client import sync as ps_api
+from ringserve.ps.client.aio import AsyncClient
 from ringserve.ps.optim import Optimizer
 from ringserve.ps.rules import check_mode
 from ringserve.torch._wrapping import Wrapping

@@ -47,7 +47,7 @@ from ringserve.worker.control.client import ControlClient
 from ringserve.worker.control.loops import Answered, Excluded, Lifeline, LifelineEvent, ViewHeard
 from ringserve.worker.control.standing import Standing, raise_failure
 from ringserve.worker.control.tasks import TaskOwner
-from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.dataplane.links.channels import ChannelCache
 from ringserve.worker.dataplane.peers import PeerServicer
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.registry import Planes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ringsim import simulate
 
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives
 
@@ -80,7 +80,7 @@ async def test_the_latency_algorithms_over_tcp_lanes_give_the_same_bytes_as_over
     # Link figures given: measured ones vary with the machine's load, and under ``halving_doubling``
     # the model may then plan recursive doubling in one run and halving-doubling in the other, whose
     # sums round differently (both right). At these, every allreduce here plans ``algorithm``.
-    links = Links.of(1e-5, 1e8)
+    links = LinkCosts.of(1e-5, 1e8)
     over_lanes = await simulate(world, every_collective, seed=7, tcp=True, algorithm=algorithm, links=links)
     alone = await simulate(world, every_collective, seed=7, algorithm=algorithm, links=links)
     for rank in range(world):

@@ -1,4 +1,4 @@
-"""The payload lane's I/O threads (lanethreads.py) over real socket pairs: in order, whatever the
+"""The payload lane's I/O threads (lanes/tcp/threads.py) over real socket pairs: in order, whatever the
 descriptor's mode, and stopped at once by close."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from ringserve.worker.dataplane.lanethreads import Writer, read_into
+from ringserve.worker.dataplane.lanes.tcp.threads import Writer, read_into
 
 
 def _drain(sock: socket.socket, total: int, out: bytearray) -> None:

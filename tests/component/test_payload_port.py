@@ -1,4 +1,4 @@
-"""The payload port on its own (laneserver.py, tcplane.py, lanein.py): a real listener on
+"""The payload port on its own (lanes/tcp/server.py, lanes/tcp/outbound.py, lanes/tcp/inbound.py): a real listener on
 127.0.0.1:0, the sender's lanes it holds, and receivers that dial it, over real sockets.
 
 What must hold: the holder of a lane's token attaches and gets every payload, in order, exact;
@@ -24,10 +24,10 @@ import pytest
 from ringserve import wire
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
-from ringserve.worker.dataplane.laneserver import LaneServer
-from ringserve.worker.dataplane.lanesock import MAGIC
-from ringserve.worker.dataplane.tcplane import OutboundLane
+from ringserve.worker.dataplane.lanes.tcp.inbound import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.lanes.tcp.outbound import OutboundLane
+from ringserve.worker.dataplane.lanes.tcp.server import LaneServer
+from ringserve.worker.dataplane.lanes.tcp.sockets import MAGIC
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,7 +19,7 @@ import pytest
 from ringserve import Coordinator, RingChangedError, Worker, WorkerFailedError
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
-from ringserve.worker.dataplane import shared
+from ringserve.worker.dataplane.links import shared
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -1,4 +1,4 @@
-"""The TCP payload lane between real workers (tcplane.py): a coordinator and workers over loopback,
+"""The TCP payload lane between real workers (lanes/tcp/outbound.py): a coordinator and workers over loopback,
 with shared memory off, so that every payload between them takes the lane (as between hosts)
 unless the lane cannot attach, when it takes the gRPC stream.
 
@@ -30,7 +30,7 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.coordinator.statusview import snapshot
 from ringserve.errors import CorruptFrameError
 from ringserve.metrics import WorkerCollector
-from ringserve.worker.dataplane.lanesock import MAGIC
+from ringserve.worker.dataplane.lanes.tcp.sockets import MAGIC
 
 pytestmark = pytest.mark.timeout(90)
 

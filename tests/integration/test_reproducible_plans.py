@@ -22,7 +22,7 @@ from relay import Relay
 from worlds import free_port, start_world
 
 from ringserve import selection
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +39,7 @@ def inputs(rank: int) -> dict[int, np.ndarray]:
     return {size: rng.standard_normal(size // 4).astype(np.float32) for size in SIZES}
 
 
-async def run_job(*, delay_s: float) -> tuple[dict[int, bytes], dict[Any, int], Links]:
+async def run_job(*, delay_s: float) -> tuple[dict[int, bytes], dict[Any, int], LinkCosts]:
     """One run of the job: (rank 0's sum of each size, the algorithms rank 0 ran, the measured figures)."""
     relays: list[Relay] = []
     each: list[dict[str, Any]] = []

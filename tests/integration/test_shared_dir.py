@@ -1,4 +1,4 @@
-"""Shared rings handed over a Unix socket in a shared directory (ringserve/worker/dataplane/fdpass.py): what
+"""Shared rings handed over a Unix socket in a shared directory (ringserve/worker/dataplane/links/fdpass.py): what
 lets containers of one host, each in its own PID namespace, pass payloads through shared memory.
 
 The first tests run the exchange in this process, with the /proc route made unusable; the last
@@ -22,9 +22,9 @@ from worlds import coordinator_config
 
 from ringserve import Worker, WorkerConfig, wire
 from ringserve.errors import InvalidArgumentError
-from ringserve.worker.dataplane import fdpass, shared
-from ringserve.worker.dataplane.fdpass import RingServer
-from ringserve.worker.dataplane.shared import InboundRing, OutboundRing
+from ringserve.worker.dataplane.links import fdpass, shared
+from ringserve.worker.dataplane.links.fdpass import RingServer
+from ringserve.worker.dataplane.links.shared import InboundRing, OutboundRing
 
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.skipif(not shared.supported(), reason="the fast path needs Linux memfd seals and x86-64")]

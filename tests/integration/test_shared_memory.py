@@ -16,8 +16,8 @@ import pytest
 
 from ringserve import wire
 from ringserve._proto import peer_pb2
-from ringserve.worker.dataplane import shared
-from ringserve.worker.dataplane.shared import OutboundRing
+from ringserve.worker.dataplane.links import shared
+from ringserve.worker.dataplane.links.shared import OutboundRing
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shared.supported(), reason="the fast path needs Linux memfd seals, /proc and x86-64")]
 

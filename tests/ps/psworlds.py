@@ -14,7 +14,7 @@ from worlds import World, start_world
 
 from ringserve.config import PSClientConfig, ShardConfig
 from ringserve.ps import AsyncClient, Optimizer, Shard
-from ringserve.ps.client import view_of
+from ringserve.ps.client.aio import view_of
 
 FAST_SHARD = dict(connect_timeout_s=5.0, register_timeout_s=20.0, rpc_timeout_s=5.0, max_wait_s=60.0,
                   use_uvloop=False)

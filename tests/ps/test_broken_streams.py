@@ -26,8 +26,8 @@ from ringserve._proto import ps_pb2 as pb
 from ringserve._proto import ps_pb2_grpc as pb_grpc
 from ringserve.errors import InvalidArgumentError, RingserveError
 from ringserve.ps import Optimizer, Shard
-from ringserve.ps.client import first_error
-from ringserve.ps.service import ShardService
+from ringserve.ps.client.aio import first_error
+from ringserve.ps.shard.service import ShardService
 from ringserve.ps.verdicts import VERDICT_KEY, is_transient, refuse
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,8 @@
-"""The shards stand on the ground: only ps/api.py (the synchronous client) and the package's
-re-exports reach up to the worker. tests/unit/test_import_layers.py places ringserve.ps as a whole
-above the numpy facade, for that client; this holds the rest of the package to the ground."""
+"""The shards and the asyncio client stand on the ground: tests/unit/test_import_layers.py places
+ringserve.ps in the "parameter servers" layer, on the ground alone, and only the synchronous
+client (ps/client/sync.py, a worker of the numpy facade) and the packages' re-exports above it.
+This checks that those placements hold the whole shard side, so that the general rule covers it.
+(A shard process's modules, as loaded: tests/unit/test_lazy_imports.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import sys
 import types
 
 UNIT = pathlib.Path(__file__).resolve().parents[1] / "unit" / "test_import_layers.py"
-CLIENT_SIDE = {"ringserve.ps", "ringserve.ps.api"}
+ABOVE = {"ringserve.ps": "package", "ringserve.ps.client": "parameter-server client",
+         "ringserve.ps.client.sync": "parameter-server client"}
 
 
 def load_layers() -> types.ModuleType:
@@ -22,20 +25,11 @@ def load_layers() -> types.ModuleType:
     return module
 
 
-def test_the_shard_side_of_ringserve_ps_imports_only_the_ground_the_wire_contract_and_itself() -> None:
+def test_every_parameter_server_module_but_the_synchronous_client_lies_in_a_layer_on_the_ground_alone() -> None:
     layers = load_layers()
-    allowed = layers.reachable("ground")
-    found = []
-    for module, targets in sorted(layers.graph().items()):
-        if not module.startswith("ringserve.ps.") or module in CLIENT_SIDE:
-            continue
-        for target, line in sorted(targets.items()):
-            own = target.startswith("ringserve.ps.") and target not in CLIENT_SIDE
-            if not own and layers.layer_of(target) not in allowed:
-                found.append(f"{module}:{line} imports {target} ({layers.layer_of(target)})")
-    assert not found, "the shard side reaches above the ground:\n" + "\n".join(found)
-
-
-def test_the_shard_side_is_not_empty_so_the_check_above_checks_something() -> None:
-    shard_side = [m for m in load_layers().graph() if m.startswith("ringserve.ps.") and m not in CLIENT_SIDE]
-    assert {"ringserve.ps.shard", "ringserve.ps.service", "ringserve.ps.store", "ringserve.ps.client"} <= set(shard_side)
+    assert layers.reachable("parameter servers") == {"parameter servers", "ground", "wire contract"}
+    placed = {m: layers.layer_of(m) for m in layers.graph() if m == "ringserve.ps" or m.startswith("ringserve.ps.")}
+    assert {m: layer for m, layer in placed.items() if layer != "parameter servers"} == ABOVE
+    shard_side = {m for m, layer in placed.items() if layer == "parameter servers"}
+    assert {"ringserve.ps.shard.node", "ringserve.ps.shard.service", "ringserve.ps.shard.store",
+            "ringserve.ps.client.aio", "ringserve.ps.jobs"} <= shard_side

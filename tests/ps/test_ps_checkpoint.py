@@ -1,5 +1,5 @@
 """A shard's checkpoints: written atomically, the newest readable one restored with its ledger and
-optimizer state, older ones pruned (ringserve/ps/checkpoint.py)."""
+optimizer state, older ones pruned (ringserve/ps/shard/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import pathlib
 
 import numpy as np
 
-from ringserve.ps import checkpoint, optim
+from ringserve.ps import optim
+from ringserve.ps.jobs import Job
 from ringserve.ps.layout import partition, specs_of
 from ringserve.ps.rules import Ledger
-from ringserve.ps.store import Job, Store
+from ringserve.ps.shard import checkpoint
+from ringserve.ps.shard.store import Store
 
 
 def shard_state(version: int) -> tuple[Store, Ledger]:

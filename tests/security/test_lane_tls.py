@@ -1,4 +1,4 @@
-"""The payload lane under TLS (laneserver.py): the lane speaks the job's TLS with the gRPC server's
+"""The payload lane under TLS (lanes/tcp/server.py): the lane speaks the job's TLS with the gRPC server's
 certificate, CA and client-auth rule; a plaintext lane never carries a TLS job's payloads; a
 plaintext client on a TLS lane, and a client the CA did not sign under mTLS, are refused."""
 
@@ -21,11 +21,11 @@ from ringserve._proto import peer_pb2
 from ringserve.config import WorkerConfig
 from ringserve.observe import Counters
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.lanein import InboundLane, LaneBuffers
-from ringserve.worker.dataplane.lanes import Lanes
-from ringserve.worker.dataplane.laneserver import LaneServer, client_context, server_context
-from ringserve.worker.dataplane.lanesock import MAGIC
-from ringserve.worker.dataplane.tcplane import OutboundLane
+from ringserve.worker.dataplane.lanes.hub import Lanes
+from ringserve.worker.dataplane.lanes.tcp.inbound import InboundLane, LaneBuffers
+from ringserve.worker.dataplane.lanes.tcp.outbound import OutboundLane
+from ringserve.worker.dataplane.lanes.tcp.server import LaneServer, client_context, server_context
+from ringserve.worker.dataplane.lanes.tcp.sockets import MAGIC
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ from ringsim import simulate, simulate_rings
 from ringserve import codecs, topology
 from ringserve.errors import CorruptFrameError, MismatchError
 from ringserve.ring import REDUCE_OPS, segment_bounds
-from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING2D, TREE, Links
+from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING2D, TREE, LinkCosts
 from ringserve.worker.dataplane import routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
@@ -31,7 +31,7 @@ ALGORITHMS = (HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D)
 QUICK = (2, 3, 6, 8)  # the default run: powers of two, a fold (3, 6), a prime (3), a grid (6, 8)
 ALL = tuple(range(2, 18))
 T = 20.0
-WAN = Links.of(0.02, 100e6 / 8)
+WAN = LinkCosts.of(0.02, 100e6 / 8)
 
 
 def worlds_for(algorithm: str, worlds: tuple[int, ...]) -> list[int]:

@@ -12,7 +12,7 @@ import uvloop
 
 from ringserve import selection
 from ringserve.loop import fine_clock
-from ringserve.selection import FASTEST_SECONDS_PER_BYTE, Links
+from ringserve.selection import FASTEST_SECONDS_PER_BYTE, LinkCosts
 from ringserve.testing import vclock
 from ringserve.worker.dataplane.calibration import Clock, links_of
 
@@ -70,7 +70,7 @@ def test_under_virtual_time_the_probe_clock_is_the_virtual_one() -> None:
 
 def test_a_probe_whose_bytes_took_no_visible_time_gives_the_fastest_link_not_a_free_one() -> None:
     links = links_of(0.0005, 0.0)
-    assert links == Links(0.0005, FASTEST_SECONDS_PER_BYTE)
+    assert links == LinkCosts(0.0005, FASTEST_SECONDS_PER_BYTE)
     assert links_of(0.0005, 3e-9).seconds_per_byte == 3e-9
     # The benchmark model's whole gradient (DDP's first bucket) over 4 ranks at that latency: the
     # ring, as the bytes say. With bytes for free (the old floor, 1e-12 s a byte) the model put the
@@ -78,7 +78,7 @@ def test_a_probe_whose_bytes_took_no_visible_time_gives_the_fastest_link_not_a_f
     # rank against the ring's 1.5). The floor is a backstop: the clock above is the fix.
     bucket = 23 * MiB
     assert selection.choose("auto", "allreduce", bucket, 4, links, 2 * MiB).algorithm == selection.RING
-    free = Links(0.0005, 1e-12)
+    free = LinkCosts(0.0005, 1e-12)
     assert selection.choose("auto", "allreduce", bucket, 4, free, 2 * MiB).algorithm != selection.RING
 
 

@@ -9,20 +9,20 @@ import pytest
 
 from ringserve import selection
 from ringserve.errors import InvalidArgumentError
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.worker.dataplane import keys, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import subring
 from ringserve.worker.ops import hierarchy
 
-WAN = Links.of(0.020, 100e6 / 8)
+WAN = LinkCosts.of(0.020, 100e6 / 8)
 
 
 def test_a_plan_asked_again_is_remembered_and_stays_the_same() -> None:
     first = selection.choose("auto", "allreduce", 64 << 10, 8, WAN, 2 << 20)
     hits = selection.choose.cache_info().hits
-    again = selection.choose("auto", "allreduce", 64 << 10, 8, Links.of(0.020, 100e6 / 8), 2 << 20)
+    again = selection.choose("auto", "allreduce", 64 << 10, 8, LinkCosts.of(0.020, 100e6 / 8), 2 << 20)
     assert again is first
     assert selection.choose.cache_info().hits == hits + 1
     # Another size or other links are other questions.

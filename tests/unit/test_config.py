@@ -133,7 +133,7 @@ def test_shared_slots_outside_their_range_are_rejected_naming_the_value_and_the_
 
 def test_the_shared_slots_limit_matches_the_shared_ring_layout() -> None:
     from ringserve.config import MAX_SHARED_SLOTS
-    from ringserve.worker.dataplane import shared
+    from ringserve.worker.dataplane.links import shared
     shared.OutboundRing(MAX_SHARED_SLOTS, 1).close()
     with pytest.raises(ValueError):
         shared.OutboundRing(MAX_SHARED_SLOTS + 1, 1)

@@ -1,4 +1,4 @@
-"""Recursive doubling by host as one program (programs_hd.host_doubling), proved by the simulator
+"""Recursive doubling by host as one program (halving_doubling.host_doubling), proved by the simulator
 (tests/ringsim.py): the shipped program, executor, values and planes over in-memory links, under
 seeded random interleavings, over hosts of 1 to 5 consecutive ranks and 1 to 8 hosts, powers of two
 and not (the leaders then fold). Every rank must end with the ring's bytes where sums are exact;
@@ -19,8 +19,8 @@ from test_algorithms_sim import (
 )
 
 from ringserve.ring import REDUCE_OPS
-from ringserve.worker.dataplane import programs_hd, routes
-from ringserve.worker.dataplane.programs import Ring
+from ringserve.worker.dataplane import routes
+from ringserve.worker.dataplane.programs import Ring, halving_doubling
 from ringserve.worker.dataplane.session import Session
 
 QUICK = ((2, 2), (2, 3), (3, 3), (4, 2), (1, 3), (2, 1))  # (ranks per host, hosts)
@@ -63,4 +63,4 @@ def test_a_host_s_ranks_talk_to_their_leader_only_and_leaders_to_their_doubling_
 
 def test_a_ring_that_is_no_multiple_of_its_hosts_is_refused() -> None:
     with pytest.raises(ValueError, match="no hosts of 3"):
-        list(programs_hd.host_doubling(Ring(tuple(range(4)), 0), 3, 10, 4))
+        list(halving_doubling.host_doubling(Ring(tuple(range(4)), 0), 3, 10, 4))

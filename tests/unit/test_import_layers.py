@@ -4,7 +4,7 @@ Every import statement counts: at the top of a module, inside a function (a lazy
 ``if TYPE_CHECKING:``. A cycle hidden in a function or behind TYPE_CHECKING still ties two modules
 into one, which is what the rule is there to prevent.
 
-The layers are those of shared/ARCHITECTURE.md, from the wire contract up to the engines. A module
+The layers are those of CONTRIBUTING.md ("The layers"), from the wire contract up to the engines. A module
 belongs to the layer of its longest matching prefix; it may import its own layer and the layers
 that its layer stands on (``below``, followed transitively). Siblings (the coordinator and the
 worker, the framework bindings) stand on the same ground and never import each other. A new
@@ -25,12 +25,13 @@ PACKAGE = ROOT / "ringserve"
 class Layer:
     prefixes: tuple[str, ...]
     below: tuple[str, ...]  # the layers this one stands on (each with what stands below it)
+    exact: tuple[str, ...] = ()  # modules of this layer by their name alone (a package's __init__)
 
 
 GROUND = tuple(
     f"ringserve.{name}"
     for name in ("errors", "config", "constants", "wire", "codecs", "ring", "commits", "security", "transport",
-                 "handshake", "observe", "metrics", "loop", "_malloc", "powersgd", "topology", "selection")
+                 "handshake", "observe", "metrics", "loop", "_malloc", "_lazy", "atomic", "powersgd", "topology", "selection")
 )
 
 LAYERS: dict[str, Layer] = {
@@ -44,13 +45,17 @@ LAYERS: dict[str, Layer] = {
     # DiLoCo on numpy arrays: the facade's collectives, driven by an optimizer's schedule.
     "numpy facade": Layer(("ringserve.api", "ringserve.diloco"), ("worker node and faces",)),
     "elastic": Layer(("ringserve.elastic",), ("numpy facade",)),
-    # The shards stand on the ground alone (tests/ps/test_layers.py holds them to it); the package's
-    # synchronous client (ps/api.py) is a worker of the numpy facade's context, whose id and view it pushes as.
-    "parameter servers": Layer(("ringserve.ps",), ("numpy facade",)),
+    # The shards and the asyncio client, and what they share, stand on the ground alone: a shard
+    # process loads neither the worker nor the coordinator.
+    "parameter servers": Layer(("ringserve.ps",), ("ground",)),
+    # The synchronous client is a worker of the numpy facade's context, whose id and view it pushes as.
+    # (The client package's __init__ re-exports it, so it sits here too.)
+    "parameter-server client": Layer(("ringserve.ps.client.sync",), ("numpy facade", "parameter servers"),
+                                     exact=("ringserve.ps.client",)),
     # What the framework bindings share, with no framework in it (topology, ops, fused collectives,
     # errors carried through graph ops).
-    "binding core": Layer(("ringserve.bindings", "ringserve.graph_ops"), ("elastic",)),
-    "torch binding": Layer(("ringserve.torch",), ("elastic", "coordinator", "parameter servers")),
+    "binding core": Layer(("ringserve.bindings", "ringserve.bridge", "ringserve.graph_ops"), ("elastic",)),
+    "torch binding": Layer(("ringserve.torch",), ("binding core", "coordinator", "parameter-server client")),
     "keras binding": Layer(("ringserve.keras",), ("binding core", "coordinator")),
     "tensorflow binding": Layer(("ringserve.tensorflow",), ("binding core", "coordinator")),
     "engines": Layer(
@@ -58,18 +63,21 @@ LAYERS: dict[str, Layer] = {
          "ringserve.testing"),
         # The estimators and Ray Train run a framework's training through its binding: the engines
         # stand on every binding (and the bindings, siblings, never on each other).
-        ("elastic", "coordinator", "parameter servers", "torch binding", "keras binding", "tensorflow binding"),
+        ("elastic", "coordinator", "parameter-server client", "torch binding", "keras binding", "tensorflow binding"),
     ),
-    # The package's own __init__ re-exports the public names of every layer below it.
-    "package": Layer(("ringserve",), ("engines",)),
+    # The packages' own __init__s that re-export public names of every layer (ringserve, and
+    # ringserve.ps, whose ParameterServer supervisor sits with the launchers). Lazily: see ringserve/_lazy.py.
+    "package": Layer((), ("engines",), exact=("ringserve", "ringserve.ps")),
 }
 
 
 def layer_of(module: str) -> str:
     best, length = "", -1
     for name, layer in LAYERS.items():
+        if module in layer.exact:
+            return name
         for prefix in layer.prefixes:
-            matches = module == prefix or (module.startswith(prefix + ".") and prefix != "ringserve")
+            matches = module == prefix or module.startswith(prefix + ".")
             if matches and len(prefix) > length:
                 best, length = name, len(prefix)
     assert best, f"{module} belongs to no layer: name its layer in tests/unit/test_import_layers.py"
@@ -113,6 +121,11 @@ def imports(module: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> 
                 prefix = node.module or ""
             # ``from ringserve.worker import runtime`` imports the module runtime, not the package.
             targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "exports":
+            # A lazy re-export table (ringserve/_lazy.py): each module it names is imported on first read.
+            table = node.args[1] if len(node.args) > 1 else None
+            if isinstance(table, ast.Dict):
+                targets = [v.value for v in table.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
         for named in targets:
             target = named
             while target not in known and "." in target:

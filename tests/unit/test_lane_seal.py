@@ -1,4 +1,4 @@
-"""A TLS lane's sealed records (laneseal.py), pure: every byte comes back as sealed, whatever the
+"""A TLS lane's sealed records (lanes/tcp/seal.py), pure: every byte comes back as sealed, whatever the
 views the parser reads into; every kind of damage is refused by name; a cut record is a closed
 lane; the key changes every so many records at both ends alike."""
 
@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 
 from ringserve.errors import ProtocolError
-from ringserve.worker.dataplane.laneseal import KEY_BYTES, LENGTH, OVERHEAD, RECORD, TAG, Opener, Sealer, read_exactly
-from ringserve.worker.dataplane.lanesock import LaneClosed
+from ringserve.worker.dataplane.lanes.tcp.seal import (
+    KEY_BYTES,
+    LENGTH,
+    OVERHEAD,
+    RECORD,
+    TAG,
+    Opener,
+    Sealer,
+    read_exactly,
+)
+from ringserve.worker.dataplane.lanes.tcp.sockets import LaneClosed
 
 
 def seal_all(sealer: Sealer, pieces: list[bytes]) -> list[bytes]:

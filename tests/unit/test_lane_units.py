@@ -15,10 +15,10 @@ from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.group import payload_ports
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.laneframes import FrameParser, Landings
-from ringserve.worker.dataplane.lanein import POOLED_MIN, LaneBuffers
-from ringserve.worker.dataplane.lanes import split_host
-from ringserve.worker.dataplane.tcplane import as_bytes
+from ringserve.worker.dataplane.lanes.hub import split_host
+from ringserve.worker.dataplane.lanes.tcp.frames import FrameParser, Landings
+from ringserve.worker.dataplane.lanes.tcp.inbound import POOLED_MIN, LaneBuffers
+from ringserve.worker.dataplane.lanes.tcp.outbound import as_bytes
 
 
 def test_the_lane_is_on_by_default_with_any_free_port_and_a_one_second_connect_deadline() -> None:

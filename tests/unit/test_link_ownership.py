@@ -19,12 +19,12 @@ from ringsim import make_ring, shut
 from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, RingChangedError
 from ringserve.observe import Counters
-from ringserve.worker.dataplane import shared
-from ringserve.worker.dataplane.link import SEND_WINDOW, Link
-from ringserve.worker.dataplane.memlink import MemoryLink
+from ringserve.testing.memlink import MemoryLink
+from ringserve.worker.dataplane.links import shared
+from ringserve.worker.dataplane.links.shared import InboundRing, OutboundRing
+from ringserve.worker.dataplane.links.stream import SEND_WINDOW, Link
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Place
-from ringserve.worker.dataplane.shared import InboundRing, OutboundRing
 from ringserve.worker.ops import collectives
 
 needs_shared = pytest.mark.skipif(not shared.supported(), reason="shared rings need Linux memfds on x86-64")

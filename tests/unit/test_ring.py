@@ -1,6 +1,6 @@
 """The shipped collectives, proved by a simulator of the ring for worlds 1..16, and ring.py's schedule.
 
-The simulator (tests/ringsim.py) runs the real collectives: their programs (programs.py) through
+The simulator (tests/ringsim.py) runs the real collectives: their programs (programs/__init__.py) through
 the executor, on real sessions linked by in-memory links, under seeded random interleavings (random
 delays per frame, random send windows down to one frame, random start times). It checks every
 rank's result against numpy's answer, that all ranks hold the same bytes, that no frame was sent
@@ -37,9 +37,9 @@ from ringserve.ring import (
     segment_bounds,
     successor,
 )
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal
+from ringserve.worker.dataplane.programs import FORWARD, Phase, Place, Program, Recv, Ring, Signal, executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
 from ringserve.worker.ops import collectives

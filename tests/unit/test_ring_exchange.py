@@ -20,9 +20,9 @@ from ringsim import simulate
 from ringserve import wire
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError, MismatchError
 from ringserve.ring import chunk_bounds
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.programs import FORWARD, Give, Place, Program, Recv, Ring
+from ringserve.worker.dataplane.programs import FORWARD, Give, Place, Program, Recv, Ring, executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Exchange
 from ringserve.worker.ops import collectives, grouped

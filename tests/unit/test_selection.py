@@ -7,10 +7,10 @@ import math
 import pytest
 
 from ringserve import selection, topology
-from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE, Links
+from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE, LinkCosts
 
-WAN = Links.of(0.020, 100e6 / 8)  # 20 ms one way, 100 Mbit/s
-LAN = Links.of(50e-6, 10e9 / 8)  # 50 us, 10 Gbit/s
+WAN = LinkCosts.of(0.020, 100e6 / 8)  # 20 ms one way, 100 Mbit/s
+LAN = LinkCosts.of(50e-6, 10e9 / 8)  # 50 us, 10 Gbit/s
 MiB = 1 << 20
 
 
@@ -57,7 +57,7 @@ def test_auto_takes_the_fastest_plan_but_another_than_the_ring_only_where_clearl
 def test_a_2d_ring_the_model_puts_near_the_ring_is_not_taken_over_few_ranks_on_a_lan() -> None:
     # Measured between 4 hosts on veth: the 2D ring took 1.1x the ring's time at 1 MiB, 1.3x at 4 MiB,
     # where the model put it at 0.84-0.98x (docs/design/algorithms.md).
-    veth = Links.of(50e-6, 2e9)
+    veth = LinkCosts.of(50e-6, 2e9)
     for size in (MiB, 4 * MiB):
         assert selection.predict(RING2D, size, 4, veth, 2 * MiB).seconds < selection.predict(RING, size, 4, veth, 2 * MiB).seconds
         assert selection.choose("auto", "allreduce", size, 4, veth, 2 * MiB).algorithm == RING
@@ -123,10 +123,10 @@ def test_by_host_pays_for_small_tensors_and_not_for_large_ones_over_few_ranks_pe
 
 
 def test_a_flat_allreduce_over_hosts_plans_with_the_uplink_shared_by_the_hosts_ranks() -> None:
-    # Links measured at 1 Gbit/s, 20 ms: planned per rank, a 2D ring beats the ring at 64 MiB
+    # LinkCosts measured at 1 Gbit/s, 20 ms: planned per rank, a 2D ring beats the ring at 64 MiB
     # over 16 ranks; but 2 ranks share each host's uplink, and every partner of a 2D ring's
     # column stage is on another host, while the ring crosses each uplink once.
-    fast = Links.of(0.02, 1e9 / 8)
+    fast = LinkCosts.of(0.02, 1e9 / 8)
     ring2d, ring = (selection.predict(a, 64 * MiB, 16, fast, 2 * MiB).seconds for a in (RING2D, RING))
     assert ring2d < ring
     assert not selection.by_host(64 * MiB, 2, 8, fast, 2 * MiB)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ringserve import selection
-from ringserve.selection import HALVING_DOUBLING, HOST, LAN, RECURSIVE_DOUBLING, RING, RING2D, WAN, Links, Measured
+from ringserve.selection import HALVING_DOUBLING, HOST, LAN, RECURSIVE_DOUBLING, RING, RING2D, WAN, LinkCosts, Measured
 
 MiB = 1 << 20
 CHUNK = 2 * MiB
@@ -74,13 +74,13 @@ def test_the_same_perturbations_taken_at_their_value_plan_apart() -> None:
     apart = 0
     for n in WORLDS:
         for size in SIZES:
-            algorithms = {selection.choose("auto", "allreduce", size, n, Links(m.latency_s, m.seconds_per_byte),
+            algorithms = {selection.choose("auto", "allreduce", size, n, LinkCosts(m.latency_s, m.seconds_per_byte),
                                            CHUNK).algorithm for m in perturbed(LOOPBACK, TENFOLD)}
             apart += len(algorithms) > 1
     assert apart > 50
     # The flake of 43b31c7: a 1.2 MB allreduce over 3 ranks planned a tree at 3-4 ms, the ring at 0.3.
-    assert selection.choose("auto", "allreduce", 1_200_000, 3, Links(4e-3, 1e-9), CHUNK).algorithm != RING
-    assert selection.choose("auto", "allreduce", 1_200_000, 3, Links(0.3e-3, 1e-9), CHUNK).algorithm == RING
+    assert selection.choose("auto", "allreduce", 1_200_000, 3, LinkCosts(4e-3, 1e-9), CHUNK).algorithm != RING
+    assert selection.choose("auto", "allreduce", 1_200_000, 3, LinkCosts(0.3e-3, 1e-9), CHUNK).algorithm == RING
 
 
 def test_a_ring_on_one_host_is_never_a_wan_and_across_hosts_8_ms_one_way_makes_one() -> None:
@@ -98,7 +98,7 @@ def test_a_ring_on_one_host_is_never_a_wan_and_across_hosts_8_ms_one_way_makes_o
 
 
 def test_given_figures_are_a_static_fact_and_plan_at_their_value() -> None:
-    given = Links.of(3e-3, 1e9)
+    given = LinkCosts.of(3e-3, 1e9)
     assert selection.planned(given, hosts=(0, 0, 0), n=3) is given
     assert selection.planned(given, hosts=(0, 1, 2), n=3) is given
     # Measured, the same figures are a LAN's; given, they are what the user says the links are.
@@ -147,7 +147,7 @@ def test_on_a_lan_or_one_host_the_benchmarks_calls_plan_as_they_did_on_a_quiet_m
 
 
 def test_on_a_wan_the_plans_are_those_of_the_documented_20_ms_100_mbit_links() -> None:
-    documented = Links.of(0.020, 100e6 / 8)
+    documented = LinkCosts.of(0.020, 100e6 / 8)
     assert documented == selection.WAN_LINKS
     for n, size in itertools.product((2, 4, 8, 12, 16, 64, 100, 256, 1000, 1024), (4096, MiB, 64 * MiB)):
         measured = Measured(0.0201, 1 / (99e6 / 8))

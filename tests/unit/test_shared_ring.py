@@ -17,8 +17,8 @@ import pytest
 
 from ringserve import ProtocolError, wire
 from ringserve._proto import peer_pb2
-from ringserve.worker.dataplane import shared
-from ringserve.worker.dataplane.shared import InboundRing, OutboundRing
+from ringserve.worker.dataplane.links import shared
+from ringserve.worker.dataplane.links.shared import InboundRing, OutboundRing
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.skipif(not shared.supported(), reason="the fast path needs Linux memfd seals, /proc and x86-64")]
 
@@ -136,7 +136,7 @@ def test_only_a_sealed_ringserve_memfd_is_ever_mapped(tmp_path) -> None:
 
 SENDER = textwrap.dedent("""
     import sys, numpy as np
-    from ringserve.worker.dataplane.shared import OutboundRing
+    from ringserve.worker.dataplane.links.shared import OutboundRing
     out = OutboundRing(slots=2, slot_bytes=1 << 20)
     sys.stdout.write(out.offer().SerializeToString().hex() + "\\n"); sys.stdout.flush()
     sys.stdin.readline()                      # the parent has attached

@@ -26,9 +26,9 @@ from ringserve.errors import (
     RingChangedError,
 )
 from ringserve.ring import reduce_scatter_step, segment_bounds
-from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane import keys, programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.programs import Program, Ring
+from ringserve.worker.dataplane.programs import Program, Ring, executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw
 from ringserve.worker.ops import collectives

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ringserve import topology
-from ringserve.worker.dataplane import programs_hd, routes
+from ringserve.worker.dataplane import routes
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.programs import Ring
+from ringserve.worker.dataplane.programs import Ring, halving_doubling
 
 SIZES = [*range(1, 70), 127, 128, 129, 255, 1000, 1023, 1024, 1025]
 
@@ -71,11 +71,11 @@ def test_halving_gives_each_block_away_once_and_keeps_only_its_own(p: int) -> No
     for vrank in range(p):
         held = set(range(p))
         for step in range(p.bit_length() - 1):
-            kept = programs_hd.kept(vrank, p, step)
-            given = programs_hd.given(vrank, p, step)
+            kept = halving_doubling.kept(vrank, p, step)
+            given = halving_doubling.given(vrank, p, step)
             assert set(kept) | set(given) == held and not set(kept) & set(given)
             # what a rank gives is what its partner keeps, in the order the partner takes it
-            assert given == programs_hd.kept(vrank ^ (p >> (step + 1)), p, step)
+            assert given == halving_doubling.kept(vrank ^ (p >> (step + 1)), p, step)
             held = set(kept)
         assert held == {vrank}
 
@@ -85,7 +85,7 @@ def test_doubling_brings_every_block_to_every_rank_once(p: int) -> None:
     for vrank in range(p):
         got = [vrank]
         for step in range(p.bit_length() - 1):
-            got += programs_hd.gather_order(vrank ^ (1 << step), step)
+            got += halving_doubling.gather_order(vrank ^ (1 << step), step)
         assert sorted(got) == list(range(p))
 
 

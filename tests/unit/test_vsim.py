@@ -18,7 +18,7 @@ import pytest
 
 from ringserve import selection
 from ringserve.errors import PeerUnavailableError
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.testing import netsim, vclock
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives
@@ -173,6 +173,6 @@ def test_at_1024_ranks_a_64_mib_allreduce_under_auto_is_within_1_2x_of_the_bandw
 
 def test_a_model_with_given_links_runs_without_measuring_them() -> None:
     x = np.ones(8, dtype=np.float32)
-    links = Links.of(ALPHA, MBPS * 1e6 / 8)
+    links = LinkCosts.of(ALPHA, MBPS * 1e6 / 8)
     outcome = vclock.run(netsim.simulate(4, allreduce_of(x), WAN, links=links))
     assert outcome.links is None and outcome.seconds == pytest.approx(2 * ALPHA, rel=0.05)

@@ -13,7 +13,7 @@ import pytest
 from ringserve.errors import NotInitializedError, RingChangedError, ViewInstallError
 from ringserve.worker.control.standing import Standing, on_loop
 from ringserve.worker.control.tasks import TaskOwner
-from ringserve.worker.dataplane.channels import ChannelCache
+from ringserve.worker.dataplane.links.channels import ChannelCache
 from ringserve.worker.dataplane.policy import Place
 
 # -- the task owner -----------------------------------------------------------------------------------

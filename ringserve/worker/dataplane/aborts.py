@@ -8,7 +8,7 @@ collective on the final lap, or ``grace_s`` after it first heard of the abort, w
 first, with MismatchError (every rank's arguments named) or CorruptFrameError. So no rank returns
 a result the others do not, and none waits for frames that will not come.
 
-Abort frames are sent from the receive path and never wait for room on a link (see link.py).
+Abort frames are sent from the receive path and never wait for room on a link (see links/stream.py).
 ``Aborts`` sends nothing itself: each call returns the encoded ABORT frame to pass on to the next
 rank of the collective's ring (or None), and the plane sends it, so this holds no link and no
 reference back to the plane.

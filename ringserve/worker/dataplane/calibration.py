@@ -37,13 +37,13 @@ import numpy as np
 from ringserve import wire
 from ringserve.errors import RingChangedError
 from ringserve.loop import fine_clock
-from ringserve.selection import FASTEST_SECONDS_PER_BYTE, Links, Measured
-from ringserve.worker.dataplane import executor, keys, programs, routes
+from ringserve.selection import FASTEST_SECONDS_PER_BYTE, LinkCosts, Measured
+from ringserve.worker.dataplane import keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.partials import PartialRaw
-from ringserve.worker.dataplane.programs import Lead, Program, Recv, Ring, Signal, Take
-from ringserve.worker.dataplane.programs_hd import recursive_doubling
+from ringserve.worker.dataplane.programs import Lead, Program, Recv, Ring, Signal, Take, executor
+from ringserve.worker.dataplane.programs.halving_doubling import recursive_doubling
 from ringserve.worker.dataplane.session import Session, ViewPlane
 from ringserve.worker.dataplane.values import Values
 
@@ -116,13 +116,13 @@ class Measures:
     would have without the measure. The plane owns the pulled measures' tasks (``close``).
     """
 
-    def __init__(self, links: Links | None, timeout_s: float) -> None:
+    def __init__(self, links: LinkCosts | None, timeout_s: float) -> None:
         self.given = links
         self.timeout_s = timeout_s
-        self._figures: dict[str, asyncio.Future[Links]] = {}  # by ring spec (keys.py)
-        self._tasks: set[asyncio.Task[Links]] = set()
+        self._figures: dict[str, asyncio.Future[LinkCosts]] = {}  # by ring spec (keys.py)
+        self._tasks: set[asyncio.Task[LinkCosts]] = set()
 
-    async def links(self, session: Session) -> Links:
+    async def links(self, session: Session) -> LinkCosts:
         """The figures of the session's ring: given, measured already in this view, or measured now
         (then ``Measured``, which auto plans by its class: selection.planned)."""
         if self.given is not None:
@@ -154,13 +154,13 @@ class Measures:
         for task in self._tasks:
             task.cancel()
 
-    def _start(self, session: Session) -> asyncio.Future[Links]:
+    def _start(self, session: Session) -> asyncio.Future[LinkCosts]:
         loop = asyncio.get_running_loop()
         pending = self._figures[session.spec] = loop.create_future()
         task = loop.create_task(measure(session, timeout_s=self.timeout_s), name="ringserve-measure-links")
         self._tasks.add(task)
 
-        def done(task: asyncio.Task[Links]) -> None:
+        def done(task: asyncio.Task[LinkCosts]) -> None:
             self._tasks.discard(task)
             if pending.done():  # failed by close()
                 return
@@ -176,13 +176,13 @@ class Measures:
         return pending
 
 
-def _fail(pending: asyncio.Future[Links], exc: BaseException) -> None:
+def _fail(pending: asyncio.Future[LinkCosts], exc: BaseException) -> None:
     if not pending.done():
         pending.set_exception(exc)
         pending.exception()  # retrieved: each caller raises it, the loop need not log it
 
 
-async def measure(session: Session, *, timeout_s: float) -> Links:
+async def measure(session: Session, *, timeout_s: float) -> LinkCosts:
     """Runs the measuring collective of the session's ring on this rank."""
     ring = session.ring
     size = PROBE_BYTES
@@ -201,7 +201,7 @@ async def measure(session: Session, *, timeout_s: float) -> Links:
     return Measured(links.latency_s, links.seconds_per_byte)
 
 
-def links_of(latency_s: float, seconds_per_byte: float) -> Links:
+def links_of(latency_s: float, seconds_per_byte: float) -> LinkCosts:
     """The agreed figures as the model takes them: a time per byte no less than the fastest a link
     can be (selection.FASTEST_SECONDS_PER_BYTE), where the probe's bytes took no time to be seen."""
-    return Links(latency_s, max(seconds_per_byte, FASTEST_SECONDS_PER_BYTE))
+    return LinkCosts(latency_s, max(seconds_per_byte, FASTEST_SECONDS_PER_BYTE))

@@ -6,7 +6,7 @@ its children sends, and a 2D ring reduces a segment along its row and then along
 reduction here combines what arrives with this rank's *partial* result for those elements when it
 holds one (a ``Fold`` with slot NO_SEND keeps one), and with its input otherwise.
 
-Two rules keep every rank bit-identical, as the ring's rule does (ARCHITECTURE.md, Consistency):
+Two rules keep every rank bit-identical, as the ring's rule does (docs/design/algorithms.md, "Consistency, codecs, aborts, elastic views"):
 
 - every partial result is computed by one rank and sent on, never computed twice, except in
   recursive doubling, where both partners compute the same sum of two group results; so

@@ -5,8 +5,8 @@ A peer stream opens with a HELLO that names a view and the sender's rank in it. 
 not this worker's own. Only then are its frames read into the plane, routed by collective key,
 each collective checking that its frames come from the rank that precedes this one in its ring
 (``Plane.on_frame``: a frame any other stream brings is refused, and so is its stream); and only
-then is a shared-memory ring it offers mapped (see shared.py), or, where there is none, its TCP
-payload lane dialled (see tcplane.py, lanein.py): once that lane is attached, the sender's frames
+then is a shared-memory ring it offers mapped (see links/shared.py), or, where there is none, its TCP
+payload lane dialled (see lanes/tcp/outbound.py, lanes/tcp/inbound.py): once that lane is attached, the sender's frames
 come on it, read and routed by the lane as the stream's are, with the same checks. So any rank of a view can stream to
 any other, as sub-rings and point-to-point programs need, while the bounds of gate.py hold for the
 streams that have proved nothing.
@@ -42,10 +42,10 @@ from ringserve.observe import Counters
 from ringserve.ring import predecessor
 from ringserve.worker.dataplane.gate import Pass, StreamGate
 from ringserve.worker.dataplane.inbox import Received
-from ringserve.worker.dataplane.lanein import InboundLane
+from ringserve.worker.dataplane.lanes.tcp.inbound import InboundLane
+from ringserve.worker.dataplane.links.shared import InboundRing
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.registry import Planes
-from ringserve.worker.dataplane.shared import InboundRing
 
 log = logging.getLogger("ringserve.worker")
 
@@ -182,7 +182,7 @@ class PeerServicer:
             if plane is not None and admitted.hello is not None:
                 plane.starve((admitted.hello.sender_rank,), exc)
             # Hold the stream, unread, until the sender's own deadline has failed its link with the
-            # same error (tcplane.py): refused at once, a sender still writing could see INTERNAL.
+            # same error (lanes/tcp/outbound.py): refused at once, a sender still writing could see INTERNAL.
             await asyncio.sleep(self.planes.lanes.required_within_s + self.config.rpc_timeout_s)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:

@@ -31,13 +31,13 @@ import numpy as np
 from ringserve import wire
 from ringserve.errors import PeerUnavailableError, ProtocolError, UsageError
 from ringserve.observe import Counters, Timeline
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.worker.dataplane import aborts, keys, routes
 from ringserve.worker.dataplane.aborts import Aborts
 from ringserve.worker.dataplane.calibration import Measures
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
-from ringserve.worker.dataplane.laneframes import Landings
-from ringserve.worker.dataplane.link import Link
+from ringserve.worker.dataplane.lanes.tcp.frames import Landings
+from ringserve.worker.dataplane.links.stream import Link
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
 from ringserve.worker.dataplane.programs import Ring
@@ -66,13 +66,13 @@ class Plane:
         pool: ResultPool | None = None,
         hierarchical: str = "0",
         algorithm: str = "ring",
-        links: Links | None = None,
+        links: LinkCosts | None = None,
         measure_timeout_s: float = 60.0,
         scale: int = 1,
         landings: Landings | None = None,
     ) -> None:
         self.place = place
-        # Where the payload lanes' threads may read a payload straight into a result (laneframes.py).
+        # Where the payload lanes' threads may read a payload straight into a result (lanes/tcp/frames.py).
         self.landings = landings
         self.pool = pool  # new-result buffers (pool.py); None: each result is a fresh array
         self.hierarchical = hierarchical  # whole-view allreduces by host when the view allows (hierarchy.py)
@@ -252,7 +252,7 @@ class Plane:
              payload: np.ndarray | memoryview | bytes, dtype: int, count: int, origin: int = 0,
              origin_count: int = 0, codec: int = 0, volatile: bool = False) -> None:
         """Sends one DATA frame on ``link``; with ``checksum`` on, its header carries its crc32.
-        ``volatile``: the caller may write the payload's memory once this returns (link.py)."""
+        ``volatile``: the caller may write the payload's memory once this returns (links/stream.py)."""
         header = wire.FrameHeader(
             kind=wire.DATA,
             view_id=self.place.view_id,

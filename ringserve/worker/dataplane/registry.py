@@ -4,7 +4,7 @@ There is the current view's plane, and the retired ones: planes of older views w
 may still finish and whose links are still flushing their last frames. ``Planes.install`` asks the
 view policy (policy.py) what a new view means and carries out its actions, in order; everything
 else here is the bookkeeping around them: the links planes open (a gRPC stream on a leased
-channel, with a shared-memory lane where the host allows and a TCP payload lane, see tcplane.py),
+channel, with a shared-memory lane where the host allows and a TCP payload lane, see lanes/tcp/outbound.py),
 forgetting retired planes once drained, and the event that wakes whoever waits for the next view
 (``start()``, ``wait_for_view``, a peer stream whose HELLO named a view not installed yet).
 
@@ -22,16 +22,17 @@ from ringserve._proto import coordinator_pb2 as cpb
 from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError, RingChangedError
 from ringserve.observe import Counters, Timeline
-from ringserve.selection import Links
-from ringserve.worker.dataplane import policy, shared
-from ringserve.worker.dataplane.channels import ChannelCache
-from ringserve.worker.dataplane.fdpass import RingServer
-from ringserve.worker.dataplane.lanes import Lanes
-from ringserve.worker.dataplane.link import Link, StreamLink
+from ringserve.selection import LinkCosts
+from ringserve.worker.dataplane import policy
+from ringserve.worker.dataplane.lanes.hub import Lanes
+from ringserve.worker.dataplane.links import shared
+from ringserve.worker.dataplane.links.channels import ChannelCache
+from ringserve.worker.dataplane.links.fdpass import RingServer
+from ringserve.worker.dataplane.links.shared import OutboundRing
+from ringserve.worker.dataplane.links.stream import Link, StreamLink
 from ringserve.worker.dataplane.plane import OnPeerFailure, Plane
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
-from ringserve.worker.dataplane.shared import OutboundRing
 
 log = logging.getLogger("ringserve.worker")
 
@@ -74,7 +75,7 @@ class Planes:
         self.pool = ResultPool(config.result_pool_bytes)
         self._rings_served: RingServer | None = None
         self._rings_refused = False
-        self.lanes = Lanes(config, counters, tag=tag)  # the payload port and its lanes (tcplane.py)
+        self.lanes = Lanes(config, counters, tag=tag)  # the payload port and its lanes (lanes/tcp/outbound.py)
 
     @property
     def latest_view(self) -> int:
@@ -155,7 +156,7 @@ class Planes:
             place, self.counters, cfg.abort_grace_s, connect=lambda rank: self._connect(place, rank),
             timeline=self.timeline, on_peer_failure=self._on_peer_failure, checksum=cfg.checksum, pool=self.pool,
             hierarchical=cfg.hierarchical, algorithm=cfg.algorithm,
-            links=Links.of(cfg.link_latency_s, cfg.link_mbps * 1e6 / 8) if cfg.link_mbps > 0 else None,
+            links=LinkCosts.of(cfg.link_latency_s, cfg.link_mbps * 1e6 / 8) if cfg.link_mbps > 0 else None,
             measure_timeout_s=cfg.collective_timeout_s, landings=self.lanes.buffers.landings,
         )
         log.info("%s: joined as rank %d of %d", self._tag(), place.rank, place.size)
@@ -182,7 +183,7 @@ class Planes:
         return ring
 
     def _ring_server(self) -> RingServer | None:
-        """This worker's ring server in the shared directory (fdpass.py), made on first use."""
+        """This worker's ring server in the shared directory (links/fdpass.py), made on first use."""
         cfg = self.config
         if self._rings_served is None and cfg.shared_dir and not self._rings_refused:
             try:

@@ -8,7 +8,7 @@ disagree on the algorithm then disagree on the descriptor, and fail with Mismatc
 other argument, and the plane checks each frame's sender against the algorithm that frame claims.
 
 Every algorithm may also hear from the ring's predecessor and send to its successor: aborts go
-round the ring (aborts.py), and so does the confirmation lap that checksums add (executor.py).
+round the ring (aborts.py), and so does the confirmation lap that checksums add (programs/executor.py).
 
 A broadcast's tree depends on its root: its algorithm is ``tree/<root position>``. The measure of a
 ring's links (``probe``) pings both ring neighbours, then agrees by recursive doubling.
@@ -24,7 +24,7 @@ from ringserve.selection import HALVING_DOUBLING, HOST_DOUBLING, RECURSIVE_DOUBL
 from ringserve.worker.dataplane.descriptor import Descriptor, changed
 from ringserve.worker.dataplane.programs import Ring
 
-PROBE = "probe"  # the measure of the links (worker/ops/calibration.py): pings both ways, then doubling
+PROBE = "probe"  # the measure of the links (worker/dataplane/calibration.py): pings both ways, then doubling
 ALGORITHMS = (RING, HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D, HOST_DOUBLING, PROBE)  # names from selection.py
 
 TOKEN = " algo="

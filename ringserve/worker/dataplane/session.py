@@ -1,7 +1,7 @@
 """A session: the ring a collective runs over, on one view's plane (plane.py).
 
-Programs (programs.py) work in ring positions over a ``Ring(members, index)``, and the executor
-(executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
+Programs (programs/__init__.py) work in ring positions over a ``Ring(members, index)``, and the executor
+(programs/executor.py) runs them on a session: it opens the collective here, sends on the link to the ring's
 next member (or to the members at the positions a step names: halving-doubling's partners, a
 tree's parent and children), and receives what the ring's previous member (or the named one)
 sends. So the same program runs over the
@@ -29,10 +29,10 @@ import numpy as np
 
 from ringserve.errors import InvalidArgumentError
 from ringserve.observe import Counters, Timeline
-from ringserve.selection import Links
+from ringserve.selection import LinkCosts
 from ringserve.worker.dataplane import keys
 from ringserve.worker.dataplane.inbox import MISMATCH, Inbox, Received
-from ringserve.worker.dataplane.link import STREAM_METHOD, Link
+from ringserve.worker.dataplane.links.stream import STREAM_METHOD, Link
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.pool import ResultPool
 from ringserve.worker.dataplane.programs import Ring
@@ -44,7 +44,7 @@ __all__ = ["MISMATCH", "STREAM_METHOD", "Inbox", "LinkFigures", "Place", "Receiv
 class LinkFigures(Protocol):
     """A plane's link figures (``calibration.Measures`` ships it): given, or measured once per ring."""
 
-    async def links(self, session: Session) -> Links: ...
+    async def links(self, session: Session) -> LinkCosts: ...
 
 
 class ViewPlane(Protocol):
@@ -200,7 +200,7 @@ class Session:
 
     def land(self, key: str, frames: list[tuple[int, int, np.ndarray]], dtype: int) -> None:
         """Frames (slot, chunk) of collective ``key`` may be read straight into their regions
-        (programs.py's ``Land``; laneframes.py's ``Landings``)."""
+        (programs/__init__.py's ``Land``; lanes/tcp/frames.py's ``Landings``)."""
         self.plane.land(key, frames, dtype)
 
     async def withdraw(self, key: str) -> None:
@@ -222,7 +222,7 @@ class Session:
 
     def has_room(self, to: tuple[int, ...] = ()) -> bool:
         """Whether the link to the ring's next member (or the links to the members at positions
-        ``to``) take another DATA frame now (see link.py)."""
+        ``to``) take another DATA frame now (see links/stream.py)."""
         if not to:
             link = self._next
             return link is None or link.has_room
@@ -230,7 +230,7 @@ class Session:
 
     async def flushed(self) -> None:
         """Waits until the payloads sent so far, on the links to any of the ring's members, no
-        longer read the collective's buffers (see tcplane.py): a program's buffers are the
+        longer read the collective's buffers (see lanes/tcp/outbound.py): a program's buffers are the
         caller's again after this."""
         opened = set(self.plane.linked_ranks)
         for rank in self.ring.members:
@@ -272,9 +272,9 @@ class Session:
         """Sends one DATA frame to the ring's next member (or to each member at positions ``to``).
 
         A frame to a partner (``to``) is sent as volatile: a TCP payload lane sends from the
-        caller's memory after this returns (tcplane.py), and a partner's exchange may write that
+        caller's memory after this returns (lanes/tcp/outbound.py), and a partner's exchange may write that
         very region as soon as the partner's frame of it arrives (recursive doubling reduces in
-        place what it has just sent), so the lane sends a copy of it (link.py). The ring's frames
+        place what it has just sent), so the lane sends a copy of it (links/stream.py). The ring's frames
         need none: a region sent on is written again only with data that came back round the ring."""
         for link in [self._next] if not to else self._links(to):
             self.plane.send(link, key, inbox, slot=slot, chunk=chunk, payload=payload, dtype=dtype, count=count,

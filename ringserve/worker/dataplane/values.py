@@ -1,6 +1,6 @@
 """What a program's steps do to the data: pure numpy, no I/O, one class per way values travel.
 
-The executor turns each step of a program (programs.py) into one call here: ``Lead`` is
+The executor turns each step of a program (programs/__init__.py) into one call here: ``Lead`` is
 ``first``, ``Fold`` is ``reduce`` then ``pass_on``, ``Own`` is ``reduce`` (or ``alone``) then
 ``own``, ``Take`` is ``take``, ``Give`` is ``block``, ``Place`` is ``place``. Every incoming
 payload is checked against what the step expects (dtype, count, codec, length) before it is used.
@@ -65,7 +65,7 @@ class Values:
         raise self._wrong("Give")
 
     def landing(self, a: int, b: int) -> np.ndarray | None:
-        """Elements [a, b) as the memory a frame for them may be read straight into (programs.py's
+        """Elements [a, b) as the memory a frame for them may be read straight into (programs/__init__.py's
         ``Land``), if they are stored as they travel; None if a frame must be decoded first."""
         return None
 

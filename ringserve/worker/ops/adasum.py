@@ -46,10 +46,10 @@ import numpy as np
 
 from ringserve.errors import InvalidArgumentError, UnsupportedError
 from ringserve.ring import segment_bounds
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.executor import ring_of
-from ringserve.worker.dataplane.programs import Program, Ring
+from ringserve.worker.dataplane.programs import Program, Ring, executor
+from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Exchange, Raw, Values
 from ringserve.worker.ops.arguments import as_array, chunk_elems, result_buffer

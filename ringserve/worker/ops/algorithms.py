@@ -17,16 +17,16 @@ import numpy as np
 from ringserve import selection, topology
 from ringserve.codecs import Codec
 from ringserve.ring import segment_bounds
-from ringserve.selection import Links, Plan
-from ringserve.worker.dataplane import executor, programs_grid, programs_hd, programs_tree, routes
+from ringserve.selection import LinkCosts, Plan
+from ringserve.worker.dataplane import routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.partials import PartialCoded, PartialRaw
-from ringserve.worker.dataplane.programs import Programs, Ring
+from ringserve.worker.dataplane.programs import Programs, Ring, executor, halving_doubling, ring2d, trees
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Raw
 
 
-async def figures(session: Session) -> Links:
+async def figures(session: Session) -> LinkCosts:
     """The link figures the session's ring plans by: given ones as they are, measured ones (measured
     first if nobody has in this view) as their class's, by the ring's hosts (selection.planned).
     Alike on every rank of the ring: the measured figures are agreed, the hosts are the view's."""
@@ -99,16 +99,16 @@ def allreduce_program(algorithm: str, ring: Ring, total: int, chunk_elems: int) 
     """
     if algorithm == selection.HALVING_DOUBLING:
         blocks = segment_bounds(total, topology.power_below(ring.size))
-        return programs_hd.halving_doubling(ring, blocks, chunk_elems)
+        return halving_doubling.halving_doubling(ring, blocks, chunk_elems)
     if algorithm == selection.RECURSIVE_DOUBLING:
-        return programs_hd.recursive_doubling(ring, total, chunk_elems)
+        return halving_doubling.recursive_doubling(ring, total, chunk_elems)
     if algorithm == selection.TREE:
-        return programs_tree.tree_allreduce(ring, total, chunk_elems)
+        return trees.tree_allreduce(ring, total, chunk_elems)
     if algorithm == selection.RING2D:
-        return programs_grid.ring2d_allreduce(ring, total, chunk_elems)
+        return ring2d.ring2d_allreduce(ring, total, chunk_elems)
     name, _, local = algorithm.partition("/")
     if name == selection.HOST_DOUBLING and local.isdigit():
-        return programs_hd.host_doubling(ring, int(local), total, chunk_elems)
+        return halving_doubling.host_doubling(ring, int(local), total, chunk_elems)
     raise ValueError(f"No allreduce program is called {algorithm!r}.")
 
 
@@ -142,7 +142,7 @@ async def reduce_scatter(session: Session, src: np.ndarray, buf: np.ndarray, bou
                          coder: Codec | None = None) -> str:
     """Reduce-scatter by halving over a power-of-two ring: position p ends with ``bounds[p]``."""
     values = partial_values(session.ring, src, buf, op, session.place.size, coder, None)
-    program = programs_hd.halving_doubling(session.ring, bounds, chunk_elems, gather=False)
+    program = halving_doubling.halving_doubling(session.ring, bounds, chunk_elems, gather=False)
     return await executor.run(session, name, routes.tagged(descriptor, selection.HALVING_DOUBLING), timeout_s,
                               program, values)
 
@@ -150,7 +150,7 @@ async def reduce_scatter(session: Session, src: np.ndarray, buf: np.ndarray, bou
 async def allgather_blocks(session: Session, values: Blocks, total: int, *, name: str | None, descriptor: Descriptor,
                            chunk_elems: int, timeout_s: float) -> str:
     """Allgather by doubling over a power-of-two ring, of blocks whose sizes differ by position."""
-    program = programs_hd.allgather_doubling(session.ring, total, chunk_elems)
+    program = halving_doubling.allgather_doubling(session.ring, total, chunk_elems)
     return await executor.run(session, name, routes.tagged(descriptor, selection.HALVING_DOUBLING), timeout_s,
                               program, values)
 
@@ -158,6 +158,6 @@ async def allgather_blocks(session: Session, values: Blocks, total: int, *, name
 async def broadcast(session: Session, values: Blocks, root: int, total: int, *, name: str | None, descriptor: Descriptor,
                     chunk_elems: int, timeout_s: float) -> str:
     """Broadcast of block ``root`` down the binary tree rooted there, acknowledged and committed."""
-    program = programs_tree.tree_broadcast(session.ring, root, total, chunk_elems)
+    program = trees.tree_broadcast(session.ring, root, total, chunk_elems)
     return await executor.run(session, name, routes.tagged(descriptor, routes.rooted(root)), timeout_s,
                               program, values)

@@ -1,8 +1,8 @@
 """The collectives' public side: arguments checked, descriptors made, results shaped.
 
-Each collective picks its program (programs.py, the pure schedule of ring.py's steps), the data
+Each collective picks its program (programs/__init__.py, the pure schedule of ring.py's steps), the data
 its steps act on (values.py: as they are, encoded by a codec, or blocks by origin), and runs them
-with the executor (executor.py), which does everything else once for all of them.
+with the executor (programs/executor.py), which does everything else once for all of them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import numpy as np
 from ringserve import selection
 from ringserve.errors import InvalidArgumentError
 from ringserve.ring import check_op, segment_bounds
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.executor import ring_of
+from ringserve.worker.dataplane.programs import executor
+from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks, Exchange, Raw
 from ringserve.worker.ops import algorithms, hierarchy

@@ -26,9 +26,10 @@ import numpy as np
 
 from ringserve.errors import ProtocolError
 from ringserve.ring import check_op, segment_bounds
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.executor import ring_of
+from ringserve.worker.dataplane.programs import executor
+from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import collectives
 from ringserve.worker.ops.arguments import as_array, chunk_elems, codec_for, reduction_values

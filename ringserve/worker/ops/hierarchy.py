@@ -42,10 +42,11 @@ import numpy as np
 from ringserve import selection
 from ringserve.errors import MismatchError, RingserveError
 from ringserve.ring import finish_into, segment_bounds
-from ringserve.worker.dataplane import executor, programs, routes
+from ringserve.worker.dataplane import programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.partials import PartialRaw
 from ringserve.worker.dataplane.policy import Place
+from ringserve.worker.dataplane.programs import executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
 from ringserve.worker.ops import algorithms, refusal

@@ -53,9 +53,10 @@ import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
 from ringserve.ring import segment_bounds
-from ringserve.worker.dataplane import executor, keys, programs, routes
+from ringserve.worker.dataplane import keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
-from ringserve.worker.dataplane.executor import ring_of
+from ringserve.worker.dataplane.programs import executor
+from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Raw, Values
 from ringserve.worker.ops import adasum, algorithms, collectives, refusal

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, InvalidArgumentError
-from ringserve.worker.dataplane import executor, keys, programs
+from ringserve.worker.dataplane import keys, programs
 from ringserve.worker.dataplane.descriptor import Descriptor
+from ringserve.worker.dataplane.programs import executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Blocks
 

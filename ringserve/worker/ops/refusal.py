@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import NoReturn
 
 from ringserve.errors import InvalidArgumentError, MismatchError
-from ringserve.worker.dataplane import executor, programs
+from ringserve.worker.dataplane import programs
 from ringserve.worker.dataplane.descriptor import Descriptor
+from ringserve.worker.dataplane.programs import executor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Values
 
