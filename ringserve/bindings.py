@@ -126,6 +126,10 @@ cross_rank = api.cross_rank
 cross_size = api.cross_size
 
 
+def ringserve_built() -> bool:
+    return True
+
+
 def mpi_threads_supported() -> bool:
     return False
 

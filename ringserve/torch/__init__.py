@@ -30,6 +30,19 @@ Horovod's: ``hvd.init(process_sets=[...])`` or ``hvd.add_process_set(ranks)``, t
 
 from __future__ import annotations
 
+from ringserve.bindings import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    ringserve_built,
+    rocm_built,
+)
 from ringserve.errors import HostsUpdatedInterrupt
 from ringserve.errors import RecoverableError as HorovodInternalError
 
@@ -41,26 +54,15 @@ from ringserve.torch import distributed, elastic, ps
 from ringserve.torch.basics import (
     ProcessSet,
     add_process_set,
-    ccl_built,
     cross_rank,
     cross_size,
-    cuda_built,
-    ddl_built,
     global_process_set,
-    gloo_built,
-    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     rank,
     remove_process_set,
-    ringserve_built,
-    rocm_built,
     shutdown,
     size,
 )

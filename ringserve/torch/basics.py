@@ -318,45 +318,12 @@ def wait(future: concurrent.futures.Future[T]) -> T:
         waited(ctx)
 
 
-def ringserve_built() -> bool:
-    return True
 
 
-def mpi_built() -> bool:
-    return False
 
 
-def gloo_built() -> bool:
-    return False
 
 
-def nccl_built() -> bool:
-    return False
 
 
-def ddl_built() -> bool:
-    return False
 
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def mpi_enabled() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    return False
