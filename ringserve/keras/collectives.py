@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from ringserve import api, bindings
+from ringserve import api, bindings, bridge
 from ringserve.bindings import Average, Compression, ReduceOp, process_set_of
 from ringserve.keras import _backend
 
@@ -33,60 +31,37 @@ def allreduce(value: Any, name: str | None = None, average: bool | None = None, 
     Returns:
         A backend tensor of value's shape and dtype.
     """
-    reduce_op = bindings.resolve_op(op, average)
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.allreduce",
-                                        compression=compression, prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor, process_set=ps)
-
+    run = bridge.allreduce(op=bindings.resolve_op(op, average), name=name or "ringserve.keras.allreduce",
+                           compression=compression, process_set=process_set_of(process_set),
+                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
     return _backend.host_call(run, [value])[0]
 
 
 def grouped_allreduce(values: list[Any], name: str | None = None, op: ReduceOp | str | None = Average,
                       compression: object = Compression.none, process_set: object = None) -> list[Any]:
     """Reduces every tensor of ``values`` in one collective per dtype; returns backend tensors."""
-    reduce_op = bindings.resolve_op(op)
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.keras.grouped_allreduce",
-                                        compression=compression, process_set=ps)
-
+    run = bridge.allreduce(op=bindings.resolve_op(op), name=name or "ringserve.keras.grouped_allreduce",
+                           compression=compression, process_set=process_set_of(process_set))
     return _backend.host_call(run, values)
 
 
 def allgather(value: Any, name: str | None = None, process_set: object = None) -> Any:
     """Every rank's ``value`` concatenated along the first axis, in rank order (ranks may differ in
     that axis only)."""
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(api.allgather(arrays[0], name=name, process_set=ps))]
-
+    run = bridge.allgather(name=name, process_set=process_set_of(process_set))
     return _backend.host_call(run, [value], same_shapes=False)[0]
 
 
 def broadcast(value: Any, root_rank: int, name: str | None = None, process_set: object = None) -> Any:
     """``root_rank``'s ``value`` on every rank, bit for bit."""
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(api.broadcast(arrays[0], root=root_rank, name=name, process_set=ps))]
-
+    run = bridge.broadcast(root_rank=root_rank, name=name, process_set=process_set_of(process_set))
     return _backend.host_call(run, [value])[0]
 
 
 def reducescatter(value: Any, name: str | None = None, op: ReduceOp | str | None = Average,
                   process_set: object = None) -> Any:
     """This rank's block (along the first axis) of the reduction of every rank's ``value``."""
-    reduce_op = bindings.resolve_op(op)
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(api.reduce_scatter(arrays[0], op=reduce_op.value, name=name, process_set=ps))]
-
+    run = bridge.reducescatter(op=bindings.resolve_op(op), name=name, process_set=process_set_of(process_set))
     return _backend.host_call(run, [value], same_shapes=False)[0]
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from ringserve import api, bindings
+from ringserve import api, bindings, bridge
 from ringserve.bindings import Average, Compression, ReduceOp, Sum, process_set_of
 from ringserve.errors import InvalidArgumentError
 from ringserve.tensorflow._host import host_call
@@ -50,10 +49,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
 
 def _dense_allreduce(tensor: tf.Tensor, op: ReduceOp, name: str, compression: object, prescale: float,
                      postscale: float, ps: ProcessSet | None) -> tf.Tensor:
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return bindings.fused_allreduce(arrays, op=op, name=name, compression=compression,
-                                        prescale_factor=prescale, postscale_factor=postscale, process_set=ps)
-
+    run = bridge.allreduce(op=op, name=name, compression=compression, process_set=ps, prescale_factor=prescale,
+                           postscale_factor=postscale)
     if op not in (Average, Sum) or not tensor.dtype.is_floating:
         return host_call(run, [tensor])[0]
 
@@ -84,26 +81,17 @@ def grouped_allreduce(tensors: list[Any], average: bool | None = None, device_de
                       op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: object = None) -> list[tf.Tensor]:
     """Reduces every tensor of the list in one collective per dtype (one ring pass for all)."""
-    reduce_op = bindings.resolve_op(op, average)
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return bindings.fused_allreduce(arrays, op=reduce_op, name=name or "ringserve.tf.grouped_allreduce",
-                                        compression=compression, prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor, process_set=ps)
-
+    run = bridge.allreduce(op=bindings.resolve_op(op, average), name=name or "ringserve.tf.grouped_allreduce",
+                           compression=compression, process_set=process_set_of(process_set),
+                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
     return host_call(run, tensors)
 
 
 def allgather(tensor: Any, name: str | None = None, process_set: object = None) -> tf.Tensor:
     """Every rank's ``tensor`` concatenated along the first axis, in rank order (the ranks' tensors
     may differ in that axis only)."""
-    ps = process_set_of(process_set)
     value = tf.convert_to_tensor(tensor)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(api.allgather(arrays[0], name=name, process_set=ps))]
-
+    run = bridge.allgather(name=name, process_set=process_set_of(process_set))
     out = host_call(run, [value], same_shapes=False)[0]
     if not tf.executing_eagerly():
         out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
@@ -112,11 +100,7 @@ def allgather(tensor: Any, name: str | None = None, process_set: object = None) 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set: object = None) -> tf.Tensor:
     """``root_rank``'s ``tensor`` on every rank, bit for bit."""
-    ps = process_set_of(process_set)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(api.broadcast(arrays[0], root=root_rank, name=name, process_set=ps))]
-
+    run = bridge.broadcast(root_rank=root_rank, name=name, process_set=process_set_of(process_set))
     return host_call(run, [tensor])[0]
 
 
@@ -125,17 +109,10 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: object = Com
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """This rank's block, along the first axis, of the reduction of every rank's ``tensor`` (blocks
     split the first axis as evenly as it goes, the first ranks taking one row more)."""
-    reduce_op = bindings.resolve_op(op)
-    ps = process_set_of(process_set)
     value = tf.convert_to_tensor(tensor)
-    codec = bindings.wire_of(compression)
-
-    def run(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        a = arrays[0] if prescale_factor == 1.0 else (arrays[0] * prescale_factor).astype(arrays[0].dtype)
-        out = np.asarray(api.reduce_scatter(a, op=reduce_op.value, name=name, process_set=ps,
-                                            compression=codec if a.dtype.kind == "f" else None))
-        return [out if postscale_factor == 1.0 else (out * postscale_factor).astype(out.dtype)]
-
+    run = bridge.reducescatter(op=bindings.resolve_op(op), name=name, process_set=process_set_of(process_set),
+                               compression=compression, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor)
     out = host_call(run, [value], same_shapes=False)[0]
     if not tf.executing_eagerly():
         out.set_shape(tf.TensorShape([None]).concatenate(value.shape[1:]))
