@@ -16,6 +16,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ringserve.atomic import write_atomic
+
 # Upper bounds, in seconds, of the latency buckets (Prometheus adds +Inf).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -174,8 +176,5 @@ def merge_traces(paths: list[str], out: str) -> int:
     events: list[dict[str, Any]] = []
     for path in paths:
         events.extend(load_trace(path))
-    tmp = f"{out}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
     return len(events)

@@ -28,11 +28,11 @@ import os
 import posixpath
 import re
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ringserve.atomic import write_atomic, write_atomic_fs
 from ringserve.commits import Commit
 from ringserve.errors import InvalidArgumentError
 
@@ -102,28 +102,10 @@ class CheckpointStore:
         """Writes the pickled ``state`` as the checkpoint of ``commit``, atomically; returns its path."""
         data = encode(commit, state)
         final = self._join(file_name(commit))
-        temp = self._join(f".{file_name(commit)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
         if self._fs is not None:
-            with self._fs.open(temp, "wb") as f:
-                f.write(data)
-            self._fs.mv(temp, final)
-            return final
-        try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):  # best effort: another writer may have removed it
-                os.unlink(temp)
-            raise
-        # The rename itself is durable only once the directory is.
-        fd = os.open(self._root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            write_atomic_fs(self._fs, final, data)
+        else:
+            write_atomic(final, data)
         return final
 
     def listing(self) -> list[tuple[Commit, str]]:

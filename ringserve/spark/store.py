@@ -22,6 +22,7 @@ import posixpath
 import uuid
 from typing import Any
 
+from ringserve.atomic import write_atomic_fs
 from ringserve.bindings import require
 from ringserve.errors import InvalidArgumentError
 
@@ -107,10 +108,7 @@ class Store:
         reader never sees half a checkpoint."""
         parent = posixpath.dirname(path) if not self.local else os.path.dirname(path)
         self.fs.makedirs(parent, exist_ok=True)
-        temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with self.fs.open(temporary, "wb") as f:
-            f.write(data)
-        self.fs.mv(temporary, path)
+        write_atomic_fs(self.fs, path, data)
 
     def remove(self, path: str) -> None:
         if self.fs.exists(path):
