@@ -15,6 +15,7 @@ with the hook and DDP's default buckets.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,3 +88,14 @@ def test_an_op_made_through_torch_distributeds_python_functions_is_told_from_one
     c10d: dict[str, Any] = {"__name__": "torch.distributed.distributed_c10d", "made": work.from_python_api}
     exec("def all_reduce():\n    return made()\n", c10d)
     assert c10d["all_reduce"]()
+
+
+def test_the_python_call_signal_holds_on_this_torch_c10ds_calls_are_python_ddps_reducer_calls_are_not(tmp_path: Path) -> None:
+    # work.from_python_api reads the caller's module from the stack, as torch gives no supported
+    # signal: this fails the day torch's c10d calls the backend from elsewhere, or DDP's reducer
+    # from Python.
+    run_dist(DIST_WORKERS / "program_order.py", N, tmp_path, [], timeout_s=120)
+    for rank in range(N):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["python"] and all(seen["python"]), seen
+        assert seen["reducer"] and not any(seen["reducer"]), seen
