@@ -42,6 +42,8 @@ sys.path.insert(0, str(ROOT / "tests" / "elastic"))
 
 import harness  # noqa: E402  (the elastic tests' harness: a job's commit log and faults)
 
+from ringserve.launch.elastic import FINISH_GRACE_S  # noqa: E402  (ringserve run's grace after training ends)
+
 NET = "10.214.7"
 COORDINATOR = f"{NET}.1"
 WORKERS = 4
@@ -75,6 +77,7 @@ class PartitionJob:
         self.cut: list[tuple[str, str]] = []  # (namespace, address) blackholed now
         self.procs: list[subprocess.Popen[bytes]] = []
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self._first_finish: float | None = None
         self._make_net(tag)
         try:
             self._start(steps, pause_s, {**(getattr(job, "env", {}) or {})})
@@ -155,9 +158,23 @@ class PartitionJob:
         self.cut = []
 
     def finish(self, timeout_s: float) -> tuple[int | None, str, bool]:
-        """Waits for every worker to end: (the exit code furthest from 0, their output, hung)."""
+        """Waits for every worker to end: (the exit code furthest from 0, their output, hung).
+
+        As ``ringserve run`` does (launch/elastic.py, FINISH_GRACE_S): once a worker finished with
+        0, training is over, and a worker still waiting to join then (a victim held out of
+        admission after its cuts, ringcheck.hold_s, while the others trained to the end) gets the
+        grace, then SIGTERM, which it answers by leaving; that is no failure of the job."""
         hung = False
         deadline = time.time() + timeout_s
+        stopped: set[int] = set()
+        while any(p.poll() is None for p in self.procs) and time.time() < deadline:
+            finished = [p for p in self.procs if p.returncode == 0]
+            if finished and time.time() - self._finished_at(finished) > FINISH_GRACE_S:
+                for proc in self.procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+                        stopped.add(proc.pid)
+            time.sleep(0.1)
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.time()))
@@ -166,9 +183,17 @@ class PartitionJob:
                 proc.wait()
                 hung = True
         outs = [(self.tmp / f"worker-{i}.log").read_text(errors="replace") for i in range(len(self.procs))]
-        codes = [p.returncode for p in self.procs]
+        codes = [p.returncode for p in self.procs if p.pid not in stopped]
+        outs += [f"worker {pid}: still waiting to join {FINISH_GRACE_S:g} s after training finished; stopped, "
+                 "as ringserve run stops it\n" for pid in sorted(stopped)]
         self.stop()
         return max(codes, key=abs), "".join(outs), hung
+
+    def _finished_at(self, finished: list[subprocess.Popen[bytes]]) -> float:
+        """When this wait first saw a worker that had finished (the grace counts from then)."""
+        if self._first_finish is None:
+            self._first_finish = time.time()
+        return self._first_finish
 
     def stop(self) -> None:
         self.heal()

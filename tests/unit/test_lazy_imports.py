@@ -26,6 +26,7 @@ import time
 import types
 
 import pytest
+import test_import_layers  # the layer table, beside this file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAZY_PACKAGES = ["ringserve", "ringserve.ps", "ringserve.ps.client", "ringserve.ps.shard", "ringserve.coordinator",
@@ -33,15 +34,6 @@ LAZY_PACKAGES = ["ringserve", "ringserve.ps", "ringserve.ps.client", "ringserve.
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", re.M)
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def layers() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("import_layers_for_lazy", ROOT / "tests" / "unit" / "test_import_layers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def env() -> dict[str, str]:
@@ -114,7 +106,7 @@ def stop(proc: subprocess.Popen[str]) -> str:
 
 
 def test_a_coordinator_a_shard_and_a_numpy_worker_each_load_only_their_own_layers(tmp_path: pathlib.Path) -> None:
-    table = layers()
+    table = test_import_layers
     python = [sys.executable, "-X", "importtime"]
     coordinator = subprocess.Popen([*python, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", "1",
                                     "--settle-seconds", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
