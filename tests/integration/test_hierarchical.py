@@ -11,7 +11,7 @@ import pytest
 
 from ringserve.errors import MismatchError
 from ringserve.worker.dataplane.policy import Place
-from ringserve.worker.ops import hierarchy
+from ringserve.worker.ops import planner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,8 +27,8 @@ def place(hosts: tuple[int, ...], rank: int) -> Place:
     ((0, 0, 0, 1, 1, 1), 4, ((3, 4, 5), (1, 4))),
 ])
 def test_each_rank_runs_its_hosts_ring_and_the_ring_of_its_local_position(hosts, rank, rings) -> None:
-    assert hierarchy.topology(place(hosts, rank)) == rings
-    assert hierarchy.chosen("auto", place(hosts, rank)) == rings
+    assert planner.topology(place(hosts, rank)) == rings
+    assert planner.chosen("auto", place(hosts, rank)) == rings
 
 
 @pytest.mark.parametrize(("hosts", "auto", "forced"), [
@@ -39,9 +39,9 @@ def test_each_rank_runs_its_hosts_ring_and_the_ring_of_its_local_position(hosts,
 ])
 def test_the_flat_ring_where_the_view_gives_no_hierarchy(hosts, auto, forced) -> None:
     p = place(hosts, 0) if hosts else Place(view_id=1, rank=0, size=3, addresses=("a", "b", "c"))
-    assert (hierarchy.chosen("auto", p) is not None) == auto
-    assert (hierarchy.chosen("1", p) is not None) == forced
-    assert hierarchy.chosen("0", p) is None
+    assert (planner.chosen("auto", p) is not None) == auto
+    assert (planner.chosen("1", p) is not None) == forced
+    assert planner.chosen("0", p) is None
 
 
 # The worlds below run by host always (hierarchical="1"): under "auto" with RINGSERVE_ALGORITHM=auto,

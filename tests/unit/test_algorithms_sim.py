@@ -26,6 +26,7 @@ from ringserve.worker.dataplane import routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.ops import algorithms, collectives
+from ringserve.worker.ops.planner import VIEW, Plan, Stage
 
 ALGORITHMS = (HALVING_DOUBLING, RECURSIVE_DOUBLING, TREE, RING2D)
 QUICK = (2, 3, 6, 8)  # the default run: powers of two, a fold (3, 6), a prime (3), a grid (6, 8)
@@ -66,10 +67,20 @@ def run_algorithm(algorithm: str, x: np.ndarray, op: str, chunk: int, **kw: Any)
     async def call(session: Session, rank: int) -> np.ndarray:
         buf = np.empty_like(x)
         descriptor = Descriptor("allreduce", dtype=x.dtype.name, shape=x.shape, op=op)
-        await algorithms.allreduce(session, algorithm, x, buf, op=op, name=None, chunk_bytes=chunk * x.itemsize,
-                                   descriptor=descriptor, timeout_s=T, **kw)
+        plan = algorithms.forced(session, algorithm, collectives.wire_call("allreduce", buf, kw.get("coder")),
+                                 chunk * x.itemsize)
+        await algorithms.allreduce(session, plan, x, buf, op=op, name=None, descriptor=descriptor, timeout_s=T, **kw)
         return buf
     return call
+
+
+def chunked(op: str, algorithm: str, chunk_elems: int) -> Plan:
+    """A plan of one stage by ``algorithm`` in chunks of ``chunk_elems``, as the planner makes them."""
+    return Plan(op, algorithm, (Stage("", VIEW, algorithm, chunk_elems),))
+
+
+def by_halving(op: str) -> Plan:
+    return chunked(op, HALVING_DOUBLING, 2)
 
 
 def assert_same_bytes(outs: list[np.ndarray], where: str) -> None:
@@ -89,10 +100,10 @@ async def test_every_op_and_length_reduces_exactly_and_every_rank_ends_with_the_
     await check_against_the_ring(algorithm, world, plan, seed=world, where=f"world={world}")
 
 
-Plan = list[tuple[str, Any, int, int]]  # (op, dtype, length, chunk in elements) of each call
+Calls = list[tuple[str, Any, int, int]]  # (op, dtype, length, chunk in elements) of each call
 
 
-async def check_against_the_ring(algorithm: str, world: int, plan: Plan, *, seed: int, where: str) -> None:
+async def check_against_the_ring(algorithm: str, world: int, plan: Calls, *, seed: int, where: str) -> None:
     """Runs each call of ``plan`` under ``algorithm`` and on the ring, on exact inputs: every rank
     must end with the same bytes, the ring's, and numpy's result."""
     inputs = [data(world, n, dtype, i, op) for i, (op, dtype, n, _) in enumerate(plan)]
@@ -158,13 +169,13 @@ async def test_reduce_scatter_and_allgather_by_halving_doubling_match_numpy_and_
         src = xs[rank].reshape(-1)
         buf = np.empty_like(src)
         bounds = segment_bounds(rows, world, cols)
-        await algorithms.reduce_scatter(session, src, buf, bounds, op="sum", name=None,
-                                        descriptor=Descriptor("reduce_scatter"), chunk_elems=2, timeout_s=T)
+        await algorithms.reduce_scatter(session, by_halving("reduce_scatter"), src, buf, bounds, op="sum", name=None,
+                                        descriptor=Descriptor("reduce_scatter"), timeout_s=T)
         a, b = bounds[rank]
         ring = await collectives.reduce_scatter(session, xs[rank], op="sum", name=None, chunk_bytes=16, timeout_s=T)
         values = collectives.Blocks(np.dtype(np.float32), [blocks[rank] if o == rank else None for o in range(world)])
-        await algorithms.allgather_blocks(session, values, blocks[rank].size, name=None,
-                                          descriptor=Descriptor("allgather"), chunk_elems=2, timeout_s=T)
+        await algorithms.allgather_blocks(session, by_halving("allgather"), values, blocks[rank].size, name=None,
+                                          descriptor=Descriptor("allgather"), timeout_s=T)
         gathered = [b if b is not None else np.empty(0, np.float32) for b in values.blocks]
         assert buf[a:b].tobytes() == ring.reshape(-1).tobytes()
         return buf[a:b], ring, gathered
@@ -190,8 +201,8 @@ async def test_a_tree_broadcast_from_every_root_gives_every_rank_the_roots_bytes
             if rank == root:
                 blocks[root] = payloads[root]
             values = collectives.Blocks(np.dtype(np.int64), blocks)
-            await algorithms.broadcast(session, values, root, payloads[root].size, name=None,
-                                       descriptor=Descriptor("broadcast", root=root), chunk_elems=2, timeout_s=T)
+            await algorithms.broadcast(session, chunked("broadcast", TREE, 2), values, root, payloads[root].size,
+                                       name=None, descriptor=Descriptor("broadcast", root=root), timeout_s=T)
             block = values.blocks[root]
             assert block is not None
             got.append(block)
@@ -253,7 +264,8 @@ async def test_ranks_that_disagree_on_the_algorithm_fail_with_mismatch_error_nam
                 await collectives.allreduce(session, x, op="sum", name="g", chunk_bytes=8, timeout_s=T)
             else:
                 buf = np.empty_like(x)
-                await algorithms.allreduce(session, algorithm, x, buf, op="sum", name="g", chunk_bytes=8,
+                plan = algorithms.forced(session, algorithm, collectives.wire_call("allreduce", buf, None), 8)
+                await algorithms.allreduce(session, plan, x, buf, op="sum", name="g",
                                            descriptor=Descriptor("allreduce", dtype="float32", shape=(6,), op="sum"),
                                            timeout_s=T)
         except MismatchError as exc:

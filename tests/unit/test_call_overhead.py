@@ -14,7 +14,7 @@ from ringserve.worker.dataplane import keys, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.session import subring
-from ringserve.worker.ops import hierarchy
+from ringserve.worker.ops import planner
 
 WAN = LinkCosts.of(0.020, 100e6 / 8)
 
@@ -67,7 +67,7 @@ def test_a_sub_ring_is_remembered_per_view_and_members_and_still_checked() -> No
 
 
 def test_the_rings_by_host_are_remembered_per_hosts_and_rank() -> None:
-    assert hierarchy.topology(_view(3)) == ((2, 3), (1, 3))
-    assert hierarchy.topology(_view(3)) is hierarchy.topology(_view(3))
+    assert planner.topology(_view(3)) == ((2, 3), (1, 3))
+    assert planner.topology(_view(3)) is planner.topology(_view(3))
     uneven = Place(view_id=3, rank=0, size=3, addresses=("a", "b", "c"), hosts=(0, 0, 1))
-    assert hierarchy.topology(uneven) is None
+    assert planner.topology(uneven) is None

@@ -11,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from ringserve import codecs, selection, wire
+from ringserve import codecs, wire
 from ringserve.codecs import Codec
 from ringserve.errors import InvalidArgumentError, NonFiniteError
 from ringserve.worker.dataplane.session import Session
 from ringserve.worker.dataplane.values import Coded, Raw
 
 __all__ = ["as_array", "chunk_elems", "codec_for", "non_finite_error", "reduction_values", "result_buffer",
-           "ring_chunk_elems", "scratch"]
+           "scratch"]
 
 
 def as_array(a: Any) -> np.ndarray:
@@ -35,13 +35,6 @@ def as_array(a: Any) -> np.ndarray:
 def chunk_elems(dtype: np.dtype, chunk_bytes: int) -> int:
     """How many elements of ``dtype`` make a chunk of about ``chunk_bytes`` (at least one)."""
     return max(1, chunk_bytes // dtype.itemsize)
-
-
-def ring_chunk_elems(session: Session, dtype: np.dtype, count: int, chunk_bytes: int) -> int:
-    """The chunk, in elements, of a ring allreduce of ``count`` elements of ``dtype`` over the
-    session's ring: wider between hosts (selection.ring_chunk)."""
-    nbytes = selection.ring_chunk(count * dtype.itemsize, session.place.size, chunk_bytes, apart=session.apart)
-    return chunk_elems(dtype, nbytes)
 
 
 def scratch(session: Session, dtype: np.dtype, count: int) -> np.ndarray:

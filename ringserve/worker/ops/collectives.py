@@ -1,8 +1,10 @@
 """The collectives' public side: arguments checked, descriptors made, results shaped.
 
-Each collective picks its program (programs/__init__.py, the pure schedule of ring.py's steps), the data
-its steps act on (values.py: as they are, encoded by a codec, or blocks by origin), and runs them
-with the executor (programs/executor.py), which does everything else once for all of them.
+Each collective asks for its plan once (algorithms.plan, planner.py: algorithm, stages, chunks),
+then hands it to the runner of its op (algorithms.py, hierarchy.py by host), which builds the
+programs the plan names (programs/, the pure schedules of ring.py's steps), the data their steps
+act on (values.py: as they are, encoded by a codec, or blocks by origin), and runs them with the
+executor (programs/executor.py), which does everything else once for all of them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ringserve import selection
+from ringserve.codecs import Codec
 from ringserve.errors import InvalidArgumentError
 from ringserve.ring import check_op, segment_bounds
 from ringserve.worker.dataplane import programs
@@ -21,18 +23,10 @@ from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import executor
 from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.dataplane.values import Blocks, Exchange, Raw
+from ringserve.worker.dataplane.values import Blocks, Exchange
 from ringserve.worker.ops import algorithms, hierarchy
-from ringserve.worker.ops.arguments import (
-    as_array,
-    chunk_elems,
-    codec_for,
-    non_finite_error,
-    reduction_values,
-    result_buffer,
-    ring_chunk_elems,
-    scratch,
-)
+from ringserve.worker.ops.arguments import as_array, chunk_elems, codec_for, non_finite_error, result_buffer, scratch
+from ringserve.worker.ops.planner import Call
 from ringserve.worker.ops.refusal import refuse
 
 
@@ -49,7 +43,7 @@ async def allreduce(
     residual: np.ndarray | None = None,
     check_finite: bool = False,
 ) -> np.ndarray:
-    """Allreduce (by the ring, or the algorithm algorithms.plan picks); the result goes to a new
+    """Allreduce (by the ring, or as the plan says: planner.py); the result goes to a new
     array, or into ``out`` (``out=a`` is in place).
 
     ``compression`` names a wire codec (see codecs.py) for floating point arrays; ``residual``
@@ -63,38 +57,26 @@ async def allreduce(
     buf = result_buffer(session, array, out)
     descriptor = Descriptor("allreduce", dtype=array.dtype.name, shape=array.shape, op=op,
                             codec=coder.name if coder is not None else "")
-    world = session.place.size
-    bounds = segment_bounds(buf.size, world)
-    elems = chunk_elems(buf.dtype, chunk_bytes)
     flat_residual = None if residual is None else residual.reshape(-1)
-
-    rings = hierarchy.chosen(session.hierarchical, session.place) if coder is None and world > 1 else None
-    algorithm = selection.RING
-    if rings is not None and not await algorithms.by_host(session, rings, buf.nbytes, chunk_bytes=chunk_bytes):
-        algorithm = (await algorithms.flat_plan(session, rings, buf.nbytes, chunk_bytes=chunk_bytes)).algorithm
-        rings = None
-    elif rings is None:
-        wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
-        algorithm = (await algorithms.plan(session, "allreduce", wire_bytes, chunk_bytes=chunk_bytes,
-                                           timeout_s=timeout_s, coded=coder is not None)).algorithm
-    if rings is not None:
-        key = await hierarchy.allreduce(session, rings, src, buf, op=op, name=name, descriptor=descriptor,
-                                        chunk_elems=elems, timeout_s=timeout_s)
-    elif algorithm != selection.RING:
-        key = await algorithms.allreduce(session, algorithm, src, buf, op=op, name=name, descriptor=descriptor,
-                                         chunk_bytes=chunk_bytes, timeout_s=timeout_s, coder=coder,
-                                         residual=flat_residual)
+    plan = await algorithms.plan(session, wire_call("allreduce", buf, coder), chunk_bytes)
+    if plan.by_host:
+        key = await hierarchy.allreduce(session, plan, src, buf, op=op, name=name, descriptor=descriptor,
+                                        timeout_s=timeout_s)
     else:
-        values = reduction_values(src, buf, op, world, coder, flat_residual)
-        wide = ring_chunk_elems(session, buf.dtype, buf.size, chunk_bytes)
-        program = programs.ring_reduce(ring_of(session), bounds, wide, gather=True)
-        key = await executor.run(session, name, descriptor, timeout_s, program, values)
+        key = await algorithms.allreduce(session, plan, src, buf, op=op, name=name, descriptor=descriptor,
+                                         timeout_s=timeout_s, coder=coder, residual=flat_residual)
     if (check_finite or flat_residual is not None) and buf.dtype.kind == "f" and not np.isfinite(buf).all():
         if flat_residual is not None:
             flat_residual[:] = 0  # a NaN or Inf fed back would poison every later call
         if check_finite:
             raise non_finite_error(key)
     return buf.reshape(array.shape) if out is None else out
+
+
+def wire_call(op: str, buf: np.ndarray, coder: Codec | None) -> Call:
+    """What the planner needs of a reduction of ``buf``'s elements, under ``coder`` if any."""
+    wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
+    return Call(op, buf.size, buf.dtype.itemsize, wire_bytes, coder.name if coder is not None else "")
 
 
 async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None, chunk_bytes: int, timeout_s: float,
@@ -111,39 +93,22 @@ async def reduce_scatter(session: Session, a: Any, *, op: str, name: str | None,
     bounds = segment_bounds(array.shape[0], world, math.prod(rest))
     descriptor = Descriptor("reduce_scatter", dtype=array.dtype.name, shape=array.shape, op=op,
                             codec=coder.name if coder is not None else "")
-
-    elems = chunk_elems(buf.dtype, chunk_bytes)
-    wire_bytes = coder.encoded_bytes(buf.size) if coder is not None else buf.nbytes
-    plan = await algorithms.plan(session, "reduce_scatter", wire_bytes, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                                 coded=coder is not None)
-    if plan.algorithm != selection.RING:
-        await algorithms.reduce_scatter(session, src, buf, bounds, op=op, name=name, descriptor=descriptor,
-                                        chunk_elems=elems, timeout_s=timeout_s, coder=coder)
-    else:
-        values = reduction_values(src, buf, op, world, coder, None)
-        wide = ring_chunk_elems(session, buf.dtype, buf.size, chunk_bytes)
-        program = programs.ring_reduce(ring_of(session), bounds, wide, gather=False)
-        await executor.run(session, name, descriptor, timeout_s, program, values)
+    plan = await algorithms.plan(session, wire_call("reduce_scatter", buf, coder), chunk_bytes)
+    await algorithms.reduce_scatter(session, plan, src, buf, bounds, op=op, name=name, descriptor=descriptor,
+                                    timeout_s=timeout_s, coder=coder)
     a0, b0 = bounds[rank]
     return buf[a0:b0].copy().reshape((-1, *rest))
 
 
 BARRIER = Descriptor("barrier")
+BARRIER_CALL = Call("barrier", 1, 4, 4)  # one int32, in one chunk
 
 
 async def barrier(session: Session, *, timeout_s: float) -> None:
     """An allreduce of one int32 (by the ring, or the algorithm a 4-byte allreduce runs)."""
     buf = np.zeros(1, dtype=np.int32)
-    bounds = segment_bounds(1, session.place.size)
-    algorithm = (await algorithms.plan(session, "allreduce", buf.nbytes, chunk_bytes=buf.nbytes,
-                                       timeout_s=timeout_s)).algorithm
-    if algorithm != selection.RING:
-        await algorithms.allreduce(session, algorithm, buf, buf, op="sum", name=None, descriptor=BARRIER,
-                                   chunk_bytes=buf.nbytes, timeout_s=timeout_s)
-        return
-    values = Raw(buf, buf, "sum", session.place.size)
-    program = programs.ring_reduce(ring_of(session), bounds, 1, gather=True)
-    await executor.run(session, None, BARRIER, timeout_s, program, values)
+    plan = await algorithms.plan(session, BARRIER_CALL, buf.nbytes)
+    await algorithms.allreduce(session, plan, buf, buf, op="sum", name=None, descriptor=BARRIER, timeout_s=timeout_s)
 
 
 async def broadcast_bytes(
@@ -169,17 +134,12 @@ async def broadcast_bytes(
         expect[root] = flat.size
     values = Blocks(dtype, blocks, expect=expect)
     total = flat.size if flat is not None else 0
-    elems = chunk_elems(dtype, chunk_bytes)
     # The size when every rank knows it (an array's shape is in its descriptor); else (an object)
     # a plan by latency alone, which every rank can make.
     known = flat.nbytes if flat is not None and descriptor.kind != "broadcast_object" else 0
-    plan = await algorithms.plan(session, "broadcast", known, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
-    if plan.algorithm != selection.RING:
-        await algorithms.broadcast(session, values, root, total, name=name, descriptor=descriptor, chunk_elems=elems,
-                                   timeout_s=timeout_s)
-    else:
-        program = programs.broadcast_chain(ring_of(session), root, total, elems)
-        await executor.run(session, name, descriptor, timeout_s, program, values)
+    plan = await algorithms.plan(session, Call("broadcast", itemsize=dtype.itemsize, wire_bytes=known), chunk_bytes)
+    await algorithms.broadcast(session, plan, values, root, total, name=name, descriptor=descriptor,
+                               timeout_s=timeout_s)
     out = values.blocks[root]
     assert out is not None
     return out
@@ -215,15 +175,10 @@ async def allgather_blocks(
     blocks: list[np.ndarray | None] = [None] * world
     blocks[rank] = flat
     values = Blocks(flat.dtype, blocks, row=row)
-    elems = chunk_elems(flat.dtype, chunk_bytes)
     # Each rank knows its own block only: a plan by latency alone, which every rank can make.
-    plan = await algorithms.plan(session, "allgather", 0, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
-    if plan.algorithm != selection.RING:
-        await algorithms.allgather_blocks(session, values, flat.size, name=name, descriptor=descriptor,
-                                          chunk_elems=elems, timeout_s=timeout_s)
-    else:
-        program = programs.allgather_blocks(ring_of(session), flat.size, elems)
-        await executor.run(session, name, descriptor, timeout_s, program, values)
+    plan = await algorithms.plan(session, Call("allgather", itemsize=flat.dtype.itemsize), chunk_bytes)
+    await algorithms.allgather_blocks(session, plan, values, flat.size, name=name, descriptor=descriptor,
+                                      timeout_s=timeout_s)
     return [b if b is not None else flat[:0] for b in values.blocks]
 
 

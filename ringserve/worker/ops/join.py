@@ -52,15 +52,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringserve.errors import CollectiveTimeoutError, ProtocolError, RingserveError, UsageError
-from ringserve.ring import segment_bounds
 from ringserve.worker.dataplane import keys, programs, routes
 from ringserve.worker.dataplane.descriptor import Descriptor
 from ringserve.worker.dataplane.programs import executor
 from ringserve.worker.dataplane.programs.executor import ring_of
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.dataplane.values import Raw, Values
+from ringserve.worker.dataplane.values import Values
 from ringserve.worker.ops import adasum, algorithms, collectives, refusal
-from ringserve.worker.ops.arguments import codec_for, reduction_values, ring_chunk_elems
+from ringserve.worker.ops.arguments import codec_for
 
 log = logging.getLogger("ringserve.worker")
 
@@ -128,7 +127,6 @@ def _read(text: str) -> Descriptor:
 async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_bytes: int, timeout_s: float) -> None:
     """Opens the others' collective ``key`` on this joined rank, as ``stand_in`` decides."""
     plan = stand_in(descriptor)
-    world = session.place.size
     if plan is None:
         return
     if isinstance(plan, Refuse):
@@ -136,29 +134,19 @@ async def _stand(session: Session, key: str, descriptor: Descriptor, *, chunk_by
         return
     if isinstance(plan, Along):
         buf = np.zeros(1, dtype=np.int32)
-        if routes.algorithm_of(descriptor) != "ring":  # the others' barrier runs another algorithm
-            await algorithms.allreduce(session, routes.algorithm_of(descriptor), buf, buf, op="sum", name=None,
-                                       descriptor=routes.untagged(descriptor), chunk_bytes=buf.nbytes,
-                                       timeout_s=timeout_s, key=key)
-            return
-        program = programs.ring_reduce(ring_of(session), segment_bounds(1, world), 1, gather=True)
-        await executor.run(session, None, descriptor, timeout_s, program, Raw(buf, buf, "sum", world), key=key)
+        along = algorithms.forced(session, routes.algorithm_of(descriptor), collectives.BARRIER_CALL, buf.nbytes)
+        await algorithms.allreduce(session, along, buf, buf, op="sum", name=None,
+                                   descriptor=routes.untagged(descriptor), timeout_s=timeout_s, key=key)
         return
     zeros = np.zeros(plan.shape, dtype=plan.dtype)
     if plan.op == "adasum":
         await adasum.stand_in(session, key, descriptor, zeros, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         return
     flat = zeros.reshape(-1)
-    if plan.algorithm != "ring":
-        await algorithms.allreduce(session, plan.algorithm, flat, np.empty_like(flat), op=plan.op, name=None,
-                                   descriptor=routes.untagged(descriptor), chunk_bytes=chunk_bytes,
-                                   timeout_s=timeout_s, coder=codec_for(zeros, plan.op, plan.codec, None), key=key)
-        return
-    values = reduction_values(flat, np.empty_like(flat), plan.op, world, codec_for(zeros, plan.op, plan.codec, None),
-                              None)
-    program = programs.ring_reduce(ring_of(session), segment_bounds(flat.size, world),
-                                   ring_chunk_elems(session, flat.dtype, flat.size, chunk_bytes), gather=True)
-    await executor.run(session, None, descriptor, timeout_s, program, values, key=key)
+    coder = codec_for(zeros, plan.op, plan.codec, None)
+    theirs = algorithms.forced(session, plan.algorithm, collectives.wire_call("allreduce", flat, coder), chunk_bytes)
+    await algorithms.allreduce(session, theirs, flat, np.empty_like(flat), op=plan.op, name=None,
+                               descriptor=routes.untagged(descriptor), timeout_s=timeout_s, coder=coder, key=key)
 
 
 def _arrival(block: np.ndarray, rank: int) -> tuple[int, float, dict[str, int]]:
