@@ -10,13 +10,14 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from google.protobuf import json_format
 
-from ringserve.config import CoordinatorConfig, WorkerConfig
+from ringserve.config import INSECURE_ENV, CoordinatorConfig, WorkerConfig, secured_job
 from ringserve.constants import ELASTIC_TIMEOUT_S, REMOTE_START_TIMEOUT_S
-from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError, RingserveError
+from ringserve.errors import STATE_LOST_EXIT_CODE, InvalidArgumentError, RingserveError, UsageError
 
 
 def _coordinator_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,9 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handshake-timeout-seconds", dest="handshake_timeout_s", type=float, default=None,
                    help="close a connection that has not completed its handshake in time (default 10)")
     _security_args(p, server=True)
+    p.add_argument("--make-token", default=None, metavar="PATH",
+                   help="serve with the token in PATH, made there (owner-only) if it is not there yet, for "
+                        "workers that read the same file (RINGSERVE_TOKEN_FILE; a volume they share)")
 
 
 def _security_args(p: argparse.ArgumentParser, *, server: bool) -> None:
@@ -98,11 +102,37 @@ async def _serve(config: CoordinatorConfig) -> None:
         await stop.wait()
 
 
+def standalone_config(config: CoordinatorConfig, make_token: str) -> CoordinatorConfig:
+    """A coordinator started by hand, secure by default (config.secured_job): off loopback it
+    needs a credential, and as it has no workers of its own to hand a token to, it refuses to start
+    without one rather than make one nobody knows, unless ``make_token`` names a file to make it in
+    (or keep it from, on a restart) that its workers read too.
+
+    Raises:
+        UsageError: off loopback with no token, token file, client certificates or opt-out, or
+            ``make_token`` beside a token of the user's.
+    """
+    if make_token:
+        from ringserve.security import token_file_made  # grpc: only for a coordinator that serves
+
+        if config.token or config.token_file:
+            raise UsageError("--make-token makes the job's token: give it, or a token (file), not both.")
+        return replace(config, token_file=token_file_made(make_token))
+    if secured_job(config).token != config.token:
+        raise UsageError(
+            f"A coordinator on {config.host} would take any worker that reaches it. Give it the job's token "
+            f"(RINGSERVE_TOKEN or --token-file), or --make-token PATH to make one there for the workers to "
+            f"read, or require client certificates (--tls-require-client-auth), or opt out by name with "
+            f"{INSECURE_ENV}=1."
+        )
+    return config
+
+
 def _cmd_coordinator(ns: argparse.Namespace) -> int:
     from ringserve import _malloc
     from ringserve.loop import new_event_loop
 
-    config = CoordinatorConfig.from_env(**_overrides(ns, _COORD_FIELDS))
+    config = standalone_config(CoordinatorConfig.from_env(**_overrides(ns, _COORD_FIELDS)), ns.make_token or "")
     _malloc.return_large_frees()
     loop = new_event_loop(use_uvloop=True)
     try:

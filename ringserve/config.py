@@ -6,12 +6,15 @@ import time, so several workers with different settings can live in one process.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import re
+import secrets
 import socket
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ringserve.constants import ELASTIC_TIMEOUT_S
@@ -22,6 +25,8 @@ from ringserve.selection import WIDE_CHUNKS
 MiB = 1 << 20
 
 # WorkerConfig.advertise_host value meaning "my address on the route to the coordinator".
+log = logging.getLogger("ringserve")
+
 ADVERTISE_AUTO = "auto"
 
 # The most slots a shared-memory ring has: its header page holds one state byte per slot (see
@@ -45,6 +50,57 @@ def route_host(coordinator: str) -> str:
     except (OSError, ValueError):
         found = socket.gethostbyname(socket.gethostname())
     return f"[{found}]" if ":" in found else found
+
+
+# Opts a job whose coordinator other hosts reach out of the token it would get (secured_job).
+INSECURE_ENV = "RINGSERVE_INSECURE"
+TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+TOKEN_BYTES = 24  # a token made for a job: 24 random bytes, URL-safe base64 (32 characters)
+
+
+def new_token() -> str:
+    """A token made for one job."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name, or an address, bracketed or not) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def insecure_opted(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the user opted out of the job token by name (RINGSERVE_INSECURE=1)."""
+    return (os.environ if env is None else env).get(INSECURE_ENV, "").strip().lower() in TRUE_WORDS
+
+
+def secured_job(config: CoordinatorConfig, *, insecure: bool | None = None) -> CoordinatorConfig:
+    """The coordinator settings of a job, secure by default: every launcher and engine that starts a
+    coordinator (``ringserve run``, Spark, Ray, the torch.distributed rendezvous) passes its
+    settings through here.
+
+    A coordinator bound off loopback (others can reach it) gets a token made for the job, which the
+    launcher hands its workers, unless the user gave a token or a token file, or TLS that
+    requires client certificates (the certificate then is the credential), or opted out by name:
+    ``insecure=True`` or RINGSERVE_INSECURE=1 (``insecure`` None reads the environment). TLS
+    without client certificates encrypts but lets anyone join, so it gets a token too. On
+    loopback the settings are kept as they are: only this machine reaches the port.
+    """
+    if is_loopback(config.host):
+        return config
+    if config.token or config.token_file or config.tls_require_client_auth:
+        return config
+    if (insecure_opted() if insecure is None else insecure):
+        log.warning("The coordinator on %s takes any worker that reaches it: no token, as %s asked.",
+                    config.host, INSECURE_ENV if insecure is None else "insecure=True")
+        return config
+    return replace(config, token=new_token())
 
 
 def _check_security(owner: CoordinatorConfig | WorkerConfig | ShardConfig | PSClientConfig) -> None:

@@ -26,13 +26,16 @@ error at start and never mid-training.
 from __future__ import annotations
 
 import hmac
+import os
 import pathlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import grpc
 
+from ringserve.atomic import write_atomic
+from ringserve.config import new_token
 from ringserve.errors import InvalidArgumentError, RingserveError
 
 AUTH_HEADER = "authorization"
@@ -56,6 +59,27 @@ class SecuritySettings(Protocol):
     def token(self) -> str: ...
     @property
     def token_file(self) -> str: ...
+
+
+def token_file_made(path: str) -> str:
+    """``path``, holding the job's token: the one already there (a coordinator that restarts keeps
+    its job's token), else a new one, written whole (ringserve.atomic) and readable by its owner
+    only. What ``ringserve coordinator --make-token PATH`` serves with, for workers that read the
+    same file (a volume they share, docker-compose.yml).
+
+    Raises:
+        OSError: the directory is missing or not writable.
+    """
+    existing = pathlib.Path(path)
+    if existing.is_file() and existing.read_bytes().strip():
+        return path
+
+    def secret(f: IO[bytes]) -> None:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(new_token().encode() + b"\n")
+
+    write_atomic(path, secret)
+    return path
 
 
 def _read(path: str, what: str) -> bytes:

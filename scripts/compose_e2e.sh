@@ -3,7 +3,8 @@
 # demo (examples/train_digits_elastic.py) with docker-compose and check every run from the
 # containers' own output and exit codes:
 #
-#   scale 2, 4, 8   every worker exits 0 and prints the same parameter hash, in a world of N
+#   scale 2, 4, 8   every worker exits 0 and prints the same parameter hash, in a world of N; a call
+#                   without the job's token (the coordinator made it, secure by default) is refused
 #   grow and stop   4 train; `up --scale worker=6` adds 2 at a commit; `docker stop` of one makes it
 #                   leave at its next commit (exit 0); the other 5 finish with identical parameters
 #   kill            4 train; `docker kill` of one (exit 137); the other 3 go on from their last
@@ -132,11 +133,25 @@ scenario_scale() { # N
   log "== $name: docker-compose up --scale worker=$n ($EPOCHS epochs; load $(load))"
   down
   DEMO_EPOCHS=$EPOCHS dc up -d --no-build --scale worker="$n" > "$LOGS/$name.up.log" 2>&1 || { fail "$name: up failed: $(tail -3 "$LOGS/$name.up.log")"; return; }
+  outsider "$name"
   wait_workers_exit "$WAIT_S" || fail "$name: workers still running after ${WAIT_S}s"
   save_logs "$name"
   check_finish "$name" "$n" $(for _ in $(seq "$n"); do echo 0; done)
   down
   TIMINGS+=("$name: $(since "$t0") s (load $(load) at the end)")
+}
+
+outsider() { # NAME: a call without the job's token, from inside the compose network, is refused
+  local got
+  got=$(dc exec -T coordinator python -c "import grpc
+from ringserve._proto import coordinator_pb2 as pb, coordinator_pb2_grpc as rpc
+try:
+    rpc.CoordinatorStub(grpc.insecure_channel('coordinator:50051')).Status(pb.StatusRequest(), timeout=10)
+    print('answered')
+except grpc.RpcError as e:
+    print(e.code().name)" 2>&1 | tail -1)
+  if [ "$got" = UNAUTHENTICATED ]; then pass "$1: a call without the token is refused ($got)"
+  else fail "$1: a call without the token got: $got"; fi
 }
 
 scenario_grow_stop() {

@@ -8,9 +8,10 @@ cross_rank group the workers by host).
 
 In a run that spans hosts ("networked"), workers must reach one another and the coordinator
 across the network:
-- the coordinator binds 0.0.0.0 (unless told otherwise) and, without a token or TLS of the
-  user's, requires a token made for the run, which reaches the workers only through their
-  environment (ssh's stdin for remote ones, never a command line);
+- the coordinator binds 0.0.0.0 (unless told otherwise) and, without a token or client
+  certificates of the user's (or RINGSERVE_INSECURE=1), requires a token made for the run
+  (config.secured_job), which reaches the workers only through their environment (ssh's stdin
+  for remote ones, never a command line);
 - every worker binds 0.0.0.0; a remote one advertises the address of its interface that routes
   to the coordinator (``auto``) and dials the coordinator at the launching host's address as
   its ssh connection came from it; a local one advertises that address too, learnt from the
@@ -19,16 +20,14 @@ across the network:
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import secrets
 import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO
 
-from ringserve.config import CoordinatorConfig
+from ringserve.config import CoordinatorConfig, is_loopback, secured_job
 from ringserve.constants import ELASTIC_TIMEOUT_S
 from ringserve.errors import InvalidArgumentError
 from ringserve.launch.env import free_port, slot_env, torch_env
@@ -102,21 +101,13 @@ class Placement:
     verbose: bool = False
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def networked_config(config: CoordinatorConfig) -> CoordinatorConfig:
-    """The coordinator's settings for a run over several hosts: reachable from them, and behind a
-    token made for the run unless the user gave a token or TLS."""
-    if _is_loopback(config.host):
+    """The coordinator's settings for a run over several hosts: reachable from them, and secure by
+    default (config.secured_job: a token made for the run unless the user gave one, or TLS with
+    client certificates, or opted out by name)."""
+    if is_loopback(config.host):
         config = replace(config, host=ANY_ADDRESS)
-    if not (config.token or config.token_file or config.tls_cert):
-        config = replace(config, token=secrets.token_urlsafe(24))
-    return config
+    return secured_job(config)
 
 
 class Workers:

@@ -15,7 +15,6 @@ commit. The rules are outcomes.py's.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +28,7 @@ except ImportError as exc:
     raise ImportError(f"ringserve.ray needs Ray: install it with `pip install 'ringserve[ray]'` ({exc}).") from exc
 
 from ringserve._proto import coordinator_pb2 as pb
-from ringserve.config import CoordinatorConfig
+from ringserve.config import CoordinatorConfig, is_loopback, secured_job
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError, RendezvousTimeoutError, UsageError
 from ringserve.loop import LoopThread
@@ -45,13 +44,6 @@ COORDINATOR_STOP_TIMEOUT_S = 10.0
 LEAVE_TIMEOUT_S = 10.0
 # The elastic run looks at its actors (and at replacements that are due) this often.
 POLL_S = 0.5
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _cause(error: BaseException) -> BaseException | None:
@@ -189,11 +181,14 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()  # what Ray's first remote call would do; the driver's node address comes from it
         host = ray.util.get_node_ip_address()
-        local = _is_loopback(host)
-        config = CoordinatorConfig(**{
+        local = is_loopback(host)
+        # Secure by default (config.secured_job): off loopback, a token made for the job unless
+        # settings.coordinator gives one (or a token file, or client certificates), or the driver
+        # runs with RINGSERVE_INSECURE=1.
+        config = secured_job(CoordinatorConfig(**{
             "host": host if local else "0.0.0.0", "port": 0, "min_workers": self.min_workers,
             "max_workers": self.max_workers, "http_port": self.settings.http_port, **self.settings.coordinator,
-        })
+        }))
         self._thread = LoopThread(use_uvloop=True, name="ringserve-ray-coordinator")
         try:
             self._coordinator = self._thread.run(Coordinator(config).start(), COORDINATOR_START_TIMEOUT_S)
@@ -204,8 +199,8 @@ class RayExecutor:
                 **({"RINGSERVE_ELASTIC_TIMEOUT_S": str(self.elastic_timeout)} if self.elastic else {}),
                 **self.settings.env, **(extra_env_vars or {}),
             }
-            if self.settings.coordinator.get("token"):
-                self._env.setdefault("RINGSERVE_TOKEN", str(self.settings.coordinator["token"]))
+            if config.token:  # the actors carry it in their environment, never a command line
+                self._env.setdefault("RINGSERVE_TOKEN", config.token)
             self._executable = (executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {}))
             self._place()
             log.info("RayExecutor: coordinator on %s, %d workers", address, self.num_workers)

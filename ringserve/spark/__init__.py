@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import logging
 import os
 import re
@@ -40,7 +39,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig
+from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig, insecure_opted, is_loopback, secured_job
 from ringserve.coordinator import Coordinator
 from ringserve.errors import InvalidArgumentError, RecoverableError, RingserveError, UsageError
 from ringserve.loop import LoopThread
@@ -119,22 +118,29 @@ def run(
         raise InvalidArgumentError(f"The number of processes (num_proc={num_proc}) must be greater than zero.")
     _check_local_slots(sc, num_proc)
     host = coordinator_host or sc.getConf().get("spark.driver.host") or socket.gethostname()
-    local = _is_loopback(host)
-    config = CoordinatorConfig(
+    local = is_loopback(host)
+    given = dict(env or {})
+    # Secure by default (config.secured_job): off loopback, a token made for the job unless env
+    # gives one (RINGSERVE_TOKEN or RINGSERVE_TOKEN_FILE, read here too) or RINGSERVE_INSECURE=1.
+    config = secured_job(CoordinatorConfig(
         host=host if local else "0.0.0.0",
         port=0,
         min_workers=num_proc,
         max_workers=num_proc,
         settle_s=settle_s,
-    )
+        token=given.get("RINGSERVE_TOKEN", ""),
+        token_file=given.get("RINGSERVE_TOKEN_FILE", ""),
+    ), insecure=insecure_opted(given) or None)
     task_env = {
         # On a loopback driver every executor is on this machine: keep the ring on loopback too.
         "RINGSERVE_BIND_HOST": host if local else "0.0.0.0",
         "RINGSERVE_ADVERTISE_HOST": host if local else ADVERTISE_AUTO,
     }
+    if config.token:  # made here, or the user's: the tasks carry it in their closure, never a command line
+        task_env["RINGSERVE_TOKEN"] = config.token
     if start_timeout is not None:
         task_env["RINGSERVE_RENDEZVOUS_TIMEOUT_S"] = str(start_timeout)
-    task_env.update(env or {})
+    task_env.update(given)
 
     thread = LoopThread(use_uvloop=True, name="ringserve-spark-coordinator")
     try:
@@ -203,15 +209,6 @@ def _check_local_slots(sc: Any, num_proc: int) -> None:
             f"The number of processes (num_proc={num_proc}) is more than the {slots} task slots of "
             f"the Spark master {master}: barrier mode must run every task at once."
         )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _bracket(host: str) -> str:

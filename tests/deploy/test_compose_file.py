@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 import pytest
-from _compose import COMPOSE_FILE, ROOT, dockerfile, environment, image_path, load, load_raw, variables
+from _compose import COMPOSE_FILE, ROOT, command, dockerfile, environment, image_path, load, load_raw, variables
 
 from ringserve.config import ADVERTISE_AUTO, CoordinatorConfig, ShardConfig, WorkerConfig
 
@@ -110,7 +110,22 @@ def test_workers_share_a_tmpfs_volume_at_the_shared_dir_for_their_rings(services
     assert volume["type"] == volume["device"] == "tmpfs"
     user = dockerfile().user.split(":")[0]
     assert f"uid={user}" in volume["o"], "the image's user must own the volume to make its sockets there"
-    assert "coordinator" not in [s for s in services if services[s].get("volumes")]
+    assert not [m for m in services["coordinator"].get("volumes", []) if m.startswith("rings:")]
+
+
+def test_the_job_is_secure_by_default_the_coordinator_makes_the_token_every_other_service_reads(services: dict) -> None:
+    argv = command(services["coordinator"]["command"])
+    made = argv[argv.index("--make-token") + 1]
+    folder = made.rsplit("/", 1)[0]
+    assert f"token:{folder}" in services["coordinator"]["volumes"]
+    for name in ("worker", "ps"):
+        env = environment(services[name])
+        assert env["RINGSERVE_TOKEN_FILE"] == made, name
+        assert f"token:{folder}:ro" in services[name]["volumes"], name  # read-only where it is read
+    volume = load_raw()["volumes"]["token"]["driver_opts"]
+    assert volume["type"] == "tmpfs" and "mode=0700" in volume["o"]  # never on disk, the image's user only
+    # Nothing turns it off by default.
+    assert not any("RINGSERVE_INSECURE" in environment(s) for s in services.values())
 
 
 def test_finished_workers_are_not_restarted(services: dict) -> None:

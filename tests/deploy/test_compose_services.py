@@ -5,7 +5,8 @@ interpolated (with a free port for RINGSERVE_PORT), each container's environment
 ENV plus the service's ``environment``, the service name ``coordinator`` resolves to 127.0.0.1, the
 coordinator's own health-check command is retried as compose retries it, and only then do the N
 workers start (``depends_on: service_healthy``), in the image's WORKDIR (the repository root
-here, since the Dockerfile copies the repository's files there).
+here, since the Dockerfile copies the repository's files there). Each named volume is a directory
+of the test's, and 0.0.0.0 is loopback: nothing listens beyond this machine.
 """
 
 from __future__ import annotations
@@ -43,11 +44,23 @@ def local_argv(argv: list[str]) -> list[str]:
     return [found, *argv[1:]]
 
 
-def container_env(service: Mapping[str, object], names: list[str]) -> dict[str, str]:
+def container_env(service: Mapping[str, object], names: list[str], volumes: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
     env.update(dockerfile().env)
-    env.update({k: resolve_service_names(v, names) for k, v in environment(service).items()})
-    return env
+    env.update({k: mounted(service, resolve_service_names(v, names), volumes) for k, v in environment(service).items()})
+    # A container's every interface is, here, this machine's loopback: nothing binds beyond it.
+    return {k: LOOPBACK if v == "0.0.0.0" else v for k, v in env.items()}
+
+
+def mounted(service: Mapping[str, object], value: str, volumes: Path) -> str:
+    """What a path in a container's volume is here: the named volume is a directory under
+    ``volumes``, one for every service that mounts it (as on one host)."""
+    for mount in service.get("volumes", []) or []:  # type: ignore[attr-defined]
+        name, target = str(mount).split(":")[:2]
+        if value == target or value.startswith(target + "/"):
+            (volumes / name).mkdir(parents=True, exist_ok=True)
+            return str(volumes / name) + value[len(target):]
+    return value
 
 
 @pytest.fixture
@@ -107,22 +120,21 @@ def up(processes: list[subprocess.Popen[str]], tmp_path: Path, shell: Mapping[st
     names = list(services)
     coordinator_service, worker_service = services["coordinator"], services["worker"]
 
-    coordinator_env = container_env(coordinator_service, names)
+    volumes = tmp_path / "volumes"
+    coordinator_env = container_env(coordinator_service, names, volumes)
     coordinator_log = tmp_path / "coordinator.log"
+    coordinator_argv = [mounted(coordinator_service, arg, volumes) for arg in command(coordinator_service["command"])]
     with coordinator_log.open("w") as log_file:
         coordinator = subprocess.Popen(
-            local_argv(command(coordinator_service["command"])), env=coordinator_env, cwd=ROOT,
+            local_argv(coordinator_argv), env=coordinator_env, cwd=ROOT,
             stdout=log_file, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     processes.append(coordinator)
     wait_until_healthy(coordinator_service, coordinator_env, names, coordinator)
 
-    worker_env = container_env(worker_service, names)
-    # The workers' shared volume (a tmpfs on one host): one directory for all of them here.
-    shared = worker_env.get("RINGSERVE_SHARED_DIR")
-    if shared:
-        assert f"rings:{shared}" in worker_service["volumes"]
-        (tmp_path / "rings").mkdir(exist_ok=True)
-        worker_env["RINGSERVE_SHARED_DIR"] = str(tmp_path / "rings")
+    # The workers' shared volume (a tmpfs on one host) and the token's: a directory each here.
+    worker_env = container_env(worker_service, names, volumes)
+    assert worker_env.get("RINGSERVE_SHARED_DIR") == str(volumes / "rings")
+    assert worker_env.get("RINGSERVE_TOKEN_FILE", "").startswith(str(volumes / "token"))
     assert worker_env["RINGSERVE_COORDINATOR"] == f"{LOOPBACK}:{coordinator_env['RINGSERVE_PORT']}"
     argv = command(worker_service["command"])
     return Up(coordinator, coordinator_log, local_argv(argv), worker_env, int(argv[argv.index("--epochs") + 1]))

@@ -63,6 +63,8 @@ def config_data(objects: dict[tuple[str, str], dict[str, Any]], workload: dict[s
     """The environment a workload's container gets from its ConfigMaps (every one must exist)."""
     data: dict[str, str] = {}
     for source in container(workload).get("envFrom", []):
+        if "configMapRef" not in source:
+            continue
         name = source["configMapRef"]["name"]
         assert ("ConfigMap", name) in objects, f"ConfigMap {name} is referenced but not defined"
         data.update(objects[("ConfigMap", name)]["data"])
@@ -187,3 +189,16 @@ def test_workers_pin_the_payload_lanes_port_and_name_it_on_the_container(objects
     assert worker.payload_port != 0 and worker.payload_lane == "auto"
     ports = {p["name"]: p["containerPort"] for p in container(job)["ports"]}
     assert ports == {"payload": worker.payload_port}
+
+
+def test_every_pod_takes_the_jobs_token_from_a_secret_it_cannot_start_without(objects: dict) -> None:
+    # Secure by default (docs/deploy/kubernetes.md): the Secret is the user's to make; a missing one
+    # keeps every pod from starting (CreateContainerConfigError) rather than letting it run open.
+    for kind in ("Deployment", "Job"):
+        spec = pod_spec(one(objects, kind))
+        for box in spec.get("initContainers", []) + spec["containers"]:
+            refs = [s["secretRef"] for s in box.get("envFrom", []) if "secretRef" in s]
+            assert refs == [{"name": "ringserve-token"}], (kind, box["name"])
+    for (kind, _), obj in objects.items():
+        assert kind != "Secret", "a token committed to the repository would be every job's"
+        assert "RINGSERVE_INSECURE" not in obj.get("data", {})

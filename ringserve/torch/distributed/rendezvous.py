@@ -8,7 +8,10 @@
    port (``Options.coordinator_port`` fixes it), and publishes ``host:port`` in torch's store
    (at MASTER_ADDR:MASTER_PORT) under ``ringserve/coordinator/<torchrun's restart count>``; the
    other ranks read it there and join. So the only port a job must open besides the workers' is
-   torch's own MASTER_PORT (and the coordinator's, where it is fixed).
+   torch's own MASTER_PORT (and the coordinator's, where it is fixed). Off loopback the
+   coordinator is secure by default (config.secured_job): without a token of the user's, rank 0
+   makes one and publishes it in the store beside the address (``.../token``), so exactly the
+   processes torch's rendezvous trusts can join.
 3. **``init_method="ringserve://host:port"``**: every rank joins that coordinator; the view's
    rank 0 then starts a TCPStore for torch (on a free port, announced over the ring), since torch
    wants a store too.
@@ -36,7 +39,7 @@ import numpy as np
 import torch.distributed as dist
 
 from ringserve import api
-from ringserve.config import CoordinatorConfig
+from ringserve.config import CoordinatorConfig, secured_job
 from ringserve.constants import (
     COORDINATOR_START_S,
     COORDINATOR_STOP_GRACE_S,
@@ -52,6 +55,7 @@ from ringserve.torch.distributed.settings import LOOPBACK, Settings
 log = logging.getLogger("ringserve.torch.distributed")
 
 COORDINATOR_KEY = "ringserve/coordinator"
+TOKEN_KEY = "token"  # under the coordinator's key: the token rank 0 made for the job (config.secured_job)
 FAREWELL = "ringserve.torch.distributed.farewell"
 SCHEME = "ringserve"
 
@@ -209,21 +213,28 @@ def join_world(store: dist.Store, rank: int, size: int, timeout: timedelta | Non
     local: LocalCoordinator | None = None
     coordinator = settings.coordinator
     if not coordinator:
+        key = f"{COORDINATOR_KEY}/{settings.attempt}"
         if rank == 0:
-            config = CoordinatorConfig.from_env(
+            given = CoordinatorConfig.from_env(
                 # Options.coordinator_port, else RINGSERVE_PORT, else any free port.
                 host="127.0.0.1" if host in LOOPBACK else "0.0.0.0", port=settings.coordinator_port or None,
                 min_workers=max(size, 1), max_workers=max(size, 1), settle_s=FIXED_JOB_SETTLE_S,
             )
+            config = secured_job(given)  # off loopback, a token made for the job (or the user's)
             local = LocalCoordinator(config)
             coordinator = f"{host}:{local.port}"
-            store.set(f"{COORDINATOR_KEY}/{settings.attempt}", coordinator)
+            if config.token != given.token:
+                # Made here: the other ranks learn it from the job's store, before the address.
+                store.set(f"{key}/{TOKEN_KEY}", config.token)
+                overrides["token"] = config.token
+            store.set(key, coordinator)
             log.info("rank 0 started the job's coordinator at %s", coordinator)
         else:
             limit = api.WorkerConfig.from_env(**overrides).rendezvous_timeout_s
-            key = f"{COORDINATOR_KEY}/{settings.attempt}"
             store.wait([key], timedelta(seconds=limit))
             coordinator = store.get(key).decode()
+            if store.check([f"{key}/{TOKEN_KEY}"]):
+                overrides["token"] = store.get(f"{key}/{TOKEN_KEY}").decode()
     try:
         context = _join(coordinator, overrides)
     except BaseException:
