@@ -148,7 +148,8 @@ def _check_timeline(template: str) -> None:
 def _check_shared_dir(directory: str) -> None:
     """The shared directory must be short enough for a Unix socket's path (whether it exists is
     checked where it is used: a worker's config may be built outside its container)."""
-    longest = 107 - len("/rs-0123456789abcdef.sock")  # a Unix socket's path holds 107 bytes
+    # A Unix socket's path holds 107 bytes; the ring server binds in a private folder first (fdpass.py).
+    longest = 107 - len("/.01234567/rs-0123456789abcdef.sock")
     if len(os.path.abspath(directory)) > longest:
         raise InvalidArgumentError(
             f"WorkerConfig.shared_dir ({directory!r}, RINGSERVE_SHARED_DIR) is longer than the {longest} "

@@ -90,6 +90,71 @@ async def test_a_receiver_that_never_sends_its_token_is_dropped_at_the_deadline(
         server.close()
 
 
+async def test_a_token_is_spent_once_its_ring_is_handed_over(tmp_path) -> None:
+    server = RingServer(str(tmp_path), timeout_s=5.0)
+    out = OutboundRing(slots=2, slot_bytes=64)
+    try:
+        out.serve(server)
+        token = out.offer().token
+        fd = await asyncio.to_thread(fdpass.fetch, str(tmp_path), server.name, token, 5.0)
+        assert fd is not None
+        os.close(fd)
+        # Replayed (by a process that read it, or the same receiver again): no second fd.
+        assert await asyncio.to_thread(fdpass.fetch, str(tmp_path), server.name, token, 5.0) is None
+    finally:
+        out.close()
+        server.close()
+
+
+async def test_the_socket_appears_in_the_shared_dir_already_owner_only_and_leaves_nothing_else(tmp_path) -> None:
+    import stat
+
+    server = RingServer(str(tmp_path), timeout_s=5.0)
+    try:
+        assert os.listdir(tmp_path) == [server.name]  # the private folder it was bound in is gone
+        mode = os.stat(server.path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    finally:
+        server.close()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_flood_of_held_connections_cannot_keep_a_receiver_from_its_ring(tmp_path) -> None:
+    import socket
+
+    server = RingServer(str(tmp_path), timeout_s=30.0)  # the flooders would hold on for 30 s
+    out = OutboundRing(slots=2, slot_bytes=64)
+    held: list[socket.socket] = []
+    try:
+        out.serve(server)
+        for _ in range(fdpass.MAX_PENDING * 4):  # connect, never send a token
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(server.path)
+            held.append(conn)
+            await asyncio.sleep(0)  # let the server accept it
+        await asyncio.sleep(0.1)
+        assert len(server._conns) <= fdpass.MAX_PENDING
+        fd = await asyncio.to_thread(fdpass.fetch, str(tmp_path), server.name, out.offer().token, 5.0)
+        assert fd is not None  # at once, not after the flooders' 30 s
+        os.close(fd)
+        assert sum(1 for c in held if _closed(c)) >= len(held) - fdpass.MAX_PENDING  # the oldest went first
+    finally:
+        for conn in held:
+            conn.close()
+        out.close()
+        server.close()
+
+
+def _closed(conn) -> bool:
+    conn.setblocking(False)
+    try:
+        return conn.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def test_a_shared_dir_that_is_missing_or_too_long_is_refused_naming_it(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match=r"'/no/such/dir' \(RINGSERVE_SHARED_DIR\) does not exist"):
         Worker(config=WorkerConfig(shared_dir="/no/such/dir"))

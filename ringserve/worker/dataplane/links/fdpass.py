@@ -14,7 +14,16 @@ Why the token decides: anyone who can reach the directory can connect, but only 
 read the token from the verified predecessor's HELLO (over the authenticated stream) gets a ring,
 and only that one ring. A HELLO names only a socket's file name, never a path: the receiver looks
 for it in its own ``shared_dir`` (mounted at any path), so a hostile HELLO cannot make a worker
-connect anywhere else. The socket is made mode 0600, for workers that run as one user.
+connect anywhere else. The socket is made mode 0600, for workers that run as one user: it is
+bound in a private directory (0700) and renamed into place, so it is never reachable with other
+modes, not even between bind and chmod.
+
+What a local flood cannot do: a token is compared in constant time (``hmac.compare_digest``) and
+spent when its ring is handed over (a ring goes to one receiver, once); at most ``MAX_PENDING``
+connections wait for their token at once, and a new one past that closes the one that waited
+longest (a receiver sends its token as soon as it connects, so the longest waiter is the one
+holding its connection open), and each is dropped at ``timeout_s`` anyway. A receiver that gets
+no ring falls back to the stream, and says so: the job never depends on this socket.
 
 Why a server per worker rather than a socket per ring: one file in the directory per worker, made
 when its first ring is offered and removed when it stops; its rings come and go with the views.
@@ -27,17 +36,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
+import tempfile
 
 log = logging.getLogger("ringserve.worker")
 
 TOKEN_BYTES = 16
 GRANTED, REFUSED = b"R", b"-"
+MAX_PENDING = 32  # connections waiting for their token at once (a worker has a few peers on its host)
 _NAME = re.compile(r"rs-[0-9a-f]{16}\.sock")
 
 
@@ -52,14 +65,20 @@ class RingServer:
         self._loop = asyncio.get_running_loop()
         self._conns: dict[socket.socket, asyncio.TimerHandle] = {}
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        private = tempfile.mkdtemp(prefix=".", dir=directory)  # 0700: nobody else reaches it
         try:
             listener.setblocking(False)
-            listener.bind(self.path)
-            os.chmod(self.path, stat.S_IRUSR | stat.S_IWUSR)
-            listener.listen(64)
+            staged = os.path.join(private, self.name)
+            listener.bind(staged)
+            os.chmod(staged, stat.S_IRUSR | stat.S_IWUSR)
+            os.rename(staged, self.path)  # into the shared directory already 0600
+            listener.listen(MAX_PENDING)
         except OSError:
             listener.close()
             raise
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(private)
         self._listener: socket.socket | None = listener
         self._loop.add_reader(listener.fileno(), self._accept)
 
@@ -84,6 +103,8 @@ class RingServer:
             log.info("ring server %s could not accept: %s", self.path, exc)
             return
         conn.setblocking(False)
+        while len(self._conns) >= MAX_PENDING:  # the one that waited longest goes (dicts keep order)
+            self._drop(next(iter(self._conns)))
         self._conns[conn] = self._loop.call_later(self.timeout_s, self._drop, conn)
         self._loop.add_reader(conn.fileno(), self._answer, conn, bytearray())
 
@@ -100,7 +121,8 @@ class RingServer:
         got += data
         if len(got) < TOKEN_BYTES:
             return
-        fd = self._fds.get(bytes(got))
+        token = self._spend(bytes(got))
+        fd = self._fds.pop(token) if token is not None else None
         try:
             if fd is None:
                 conn.send(REFUSED)
@@ -109,6 +131,15 @@ class RingServer:
         except OSError as exc:  # a few bytes on a fresh socket: only a gone peer fails them
             log.debug("ring server %s could not answer: %s", self.path, exc)
         self._drop(conn)
+
+    def _spend(self, got: bytes) -> bytes | None:
+        """The token on offer that ``got`` is, compared in constant time with each (a worker
+        offers a ring to each peer on its host: a handful)."""
+        found = None
+        for token in self._fds:
+            if hmac.compare_digest(token, got):
+                found = token
+        return found
 
     def _drop(self, conn: socket.socket) -> None:
         timer = self._conns.pop(conn, None)
