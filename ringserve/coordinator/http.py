@@ -17,6 +17,18 @@ first ``/?token=...``) sets. The cookie holds an HMAC of the token, never the to
 this page and nothing else. With TLS, the page is served over HTTPS with the coordinator's
 certificate, and with ``tls_require_client_auth`` a client must present a certificate the job's CA
 signed, as on gRPC. No route changes the job: nothing here calls anything but ``Status``.
+
+What the page stands against besides:
+
+- **DNS rebinding.** A page with no token (a job on loopback) answers only requests whose Host
+  is an address or ``localhost``: a hostile site whose name resolves to 127.0.0.1 sends its own
+  name, and gets 421. With a token, any name may reach the login form; the token is the check.
+- **Guessing the token.** At most ``LOGIN_FAILURES`` wrong tokens (at /login or in ``?token=``)
+  in ``LOGIN_WINDOW_S``, all clients together; past that, 429 with Retry-After until the
+  window clears. The right token still needs to be the right one.
+- **A sampler that stops.** Sampling errors are logged and retried each second; while the
+  newest sample is older than ``STALE_S``, ``/status.json`` answers 503 naming the error and
+  the age of what it last had, and the page shows that, not old figures as if they were new.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import contextlib
 import hashlib
 import hmac
 import html
+import ipaddress
 import json
 import logging
 import ssl
@@ -49,6 +62,9 @@ from ringserve.security import Security
 log = logging.getLogger("ringserve.coordinator")
 
 SAMPLE_S = 1.0
+STALE_S = 3 * SAMPLE_S  # older than this, the snapshot is not served as the job's state
+LOGIN_FAILURES = 10  # wrong tokens in LOGIN_WINDOW_S, all clients together, before 429
+LOGIN_WINDOW_S = 10.0
 # At thousands of workers the page lists the first ranks only (the counts cover every member).
 MAX_LISTED = 256
 COOKIE = "ringserve_status"
@@ -106,6 +122,9 @@ class StatusPage:
         self._ssl = server_ssl_context(config)
         self._samples: deque[statusview.Sample] = deque(maxlen=int(statusview.CHART_S / SAMPLE_S) + 1)
         self._snapshot = b"{}"
+        self._sampled_at = 0.0  # the loop's clock at the newest sample
+        self._sample_error = ""  # why the newest sampling failed ("": it did not)
+        self._failures: deque[float] = deque()  # the loop's clock at each wrong token of the window
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
         self.port = 0
@@ -140,6 +159,7 @@ class StatusPage:
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         self._sampler = asyncio.get_running_loop().create_task(self._sample(), name="ringserve-status-sampler")
+        self._sampler.add_done_callback(self._sampler_ended)
         log.info("status page on %s", self.url)
         return self
 
@@ -158,12 +178,28 @@ class StatusPage:
     async def _sample(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_S)
-            self._take_sample()
+            try:
+                self._take_sample()
+            except Exception as exc:
+                if not self._sample_error:
+                    log.warning("the status page could not sample the coordinator: %r; retrying every %g s",
+                                exc, SAMPLE_S)
+                self._sample_error = repr(exc)
+            else:
+                if self._sample_error:
+                    log.warning("the status page samples the coordinator again")
+                self._sample_error = ""
+
+    def _sampler_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._sample_error = f"the sampler stopped: {task.exception()!r}"
+            log.error("the status page's sampler stopped: %r", task.exception())
 
     def _take_sample(self) -> None:
         status = self._status(pb.StatusRequest(limit=MAX_LISTED))
         self._samples.append(statusview.sample(status))
         self._snapshot = json.dumps(statusview.snapshot(status, list(self._samples)), separators=(",", ":")).encode()
+        self._sampled_at = asyncio.get_running_loop().time()
 
     # -- access ------------------------------------------------------------------------------
 
@@ -179,13 +215,52 @@ class StatusPage:
         response.set_cookie(COOKIE, self._cookie, httponly=True, samesite="Strict", secure=self._ssl is not None,
                             path="/")
 
+    def _host_allowed(self, request: web.Request) -> bool:
+        """Without a token, only an address or localhost as the Host (no DNS rebinding)."""
+        if self._token:
+            return True
+        host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
+        host = host.strip("[]").lower()
+        if host == "localhost":
+            return True
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return True
+
+    def _guessing(self) -> float:
+        """Seconds until another wrong token is heard (0: now), as LOGIN_FAILURES allows."""
+        now = asyncio.get_running_loop().time()
+        while self._failures and self._failures[0] <= now - LOGIN_WINDOW_S:
+            self._failures.popleft()
+        if len(self._failures) < LOGIN_FAILURES:
+            return 0.0
+        return self._failures[0] + LOGIN_WINDOW_S - now
+
+    def _wrong_token(self) -> None:
+        self._failures.append(asyncio.get_running_loop().time())
+
     @web.middleware
     async def _secure(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Asks for the token where it is needed, and adds the security headers to every answer."""
+        if not self._host_allowed(request):
+            refused = web.Response(status=421, text=f"This page answers to an address or localhost, not "
+                                                    f"{request.host!r}: a job without a token is not served by name.")
+            refused.headers.update(_HEADERS)
+            return refused
         public = request.path == "/login" or request.path.startswith("/static/")
+        given = request.query.get("token", "") if not public else ""
+        if ((request.method == "POST" and request.path == "/login") or given) and (wait := self._guessing()):
+            limited = web.Response(status=429, text="Too many wrong tokens: try again later.",
+                                   headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+            limited.headers.update(_HEADERS)
+            return limited
         if not public and not self._authorized(request):
-            given = request.query.get("token", "")
-            if given and request.method == "GET" and hmac.compare_digest(given.encode(), self._token.encode()):
+            right = bool(given) and request.method == "GET" and hmac.compare_digest(given.encode(), self._token.encode())
+            if given and not right:
+                self._wrong_token()
+            if right:
                 # The token in the address works once: it becomes the cookie, and leaves the address.
                 found: web.StreamResponse = _see_other(request.path)
                 self._set_cookie(found)
@@ -205,6 +280,10 @@ class StatusPage:
         return web.Response(body=_static("index.html"), content_type="text/html", charset="utf-8")
 
     async def _json(self, request: web.Request) -> web.StreamResponse:
+        age = asyncio.get_running_loop().time() - self._sampled_at
+        if age > STALE_S:
+            why = self._sample_error or "no sample was taken"
+            return web.json_response({"error": f"the status is {age:.0f} s old: {why}"}, status=503)
         return web.Response(body=self._snapshot, content_type="application/json")
 
     async def _file(self, request: web.Request) -> web.StreamResponse:
@@ -224,6 +303,7 @@ class StatusPage:
         if not self._token:
             return _see_other("/")
         if not hmac.compare_digest(given.encode(), self._token.encode()):
+            self._wrong_token()
             return self._login_page("That is not the job token.", status=401)
         response = _see_other("/")
         self._set_cookie(response)

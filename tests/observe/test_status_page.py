@@ -17,6 +17,7 @@ import pytest
 
 from ringserve import Coordinator, CoordinatorConfig, InvalidArgumentError
 from ringserve.commits import Commit
+from ringserve.coordinator import http as http_page
 from ringserve.coordinator.http import COOKIE, cookie_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
@@ -181,6 +182,81 @@ async def test_no_route_changes_the_job(guarded: Coordinator, http: aiohttp.Clie
     async with http.get(url + "static/secrets.txt", headers=auth) as answer:
         assert answer.status == 404 and "status.js" in await answer.text()
     assert (guarded.service.views_formed, guarded.config) == before
+
+
+async def test_without_a_token_the_page_answers_only_to_an_address_or_localhost(http: aiohttp.ClientSession) -> None:
+    # DNS rebinding: a hostile site whose name resolves to 127.0.0.1 sends its own name as the Host.
+    async with Coordinator(CoordinatorConfig(http_port=0)) as coord:
+        url, port = coord.status_page.url, coord.status_page.port
+        for host, status in ((f"evil.example:{port}", 421), ("evil.example", 421), (f"127.0.0.1:{port}", 200),
+                             (f"localhost:{port}", 200), (f"[::1]:{port}", 200)):
+            async with http.get(url + "status.json", headers={"Host": host}) as answer:
+                assert answer.status == status, host
+                if status == 421:
+                    assert "views_formed" not in await answer.text()
+
+
+async def test_with_a_token_any_name_reaches_the_login_and_the_token_decides(
+        guarded: Coordinator, http: aiohttp.ClientSession) -> None:
+    url = guarded.status_page.url
+    async with http.get(url + "status.json", headers={"Host": "coordinator.example"}) as answer:
+        assert answer.status == 401
+    async with http.get(url + "status.json", headers={"Host": "coordinator.example",
+                                                      "Authorization": f"Bearer {TOKEN}"}) as answer:
+        assert answer.status == 200
+
+
+async def test_wrong_tokens_past_the_limit_get_429_until_the_window_clears(
+        guarded: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_page, "LOGIN_WINDOW_S", 1.0)
+    url = guarded.status_page.url
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+        for i in range(http_page.LOGIN_FAILURES):
+            async with browser.post(url + "login", data={"token": f"guess-{i}"}, allow_redirects=False) as answer:
+                assert answer.status == 401, i
+        for attempt in ({"data": {"token": "another"}}, {"data": {"token": TOKEN}}):
+            async with browser.post(url + "login", allow_redirects=False, **attempt) as answer:
+                assert answer.status == 429 and int(answer.headers["Retry-After"]) >= 1
+        async with browser.get(url + "?token=guess", allow_redirects=False) as answer:
+            assert answer.status == 429
+        # The job's own clients, with the token in a header, are never limited.
+        async with browser.get(url + "status.json", headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            assert answer.status == 200
+        await asyncio.sleep(1.1)
+        async with browser.post(url + "login", data={"token": TOKEN}, allow_redirects=False) as answer:
+            assert answer.status == 303
+
+
+async def test_a_sampler_that_fails_is_said_on_the_page_not_hidden_behind_old_figures(
+        http: aiohttp.ClientSession) -> None:
+    async with Coordinator(CoordinatorConfig(http_port=0)) as coord:
+        page, status = coord.status_page, coord.service.status
+        broken = {"now": False}
+
+        def sampled(request: Any) -> Any:
+            if broken["now"]:
+                raise RuntimeError("status is broken for this test")
+            return status(request)
+
+        page._status = sampled  # the coordinator's own Status, failing on demand
+        await _json(http, page.url)
+        broken["now"] = True
+        deadline = asyncio.get_running_loop().time() + http_page.STALE_S + 5
+        while True:
+            async with http.get(page.url + "status.json") as answer:
+                if answer.status == 503:
+                    error = (await answer.json())["error"]
+                    break
+            assert asyncio.get_running_loop().time() < deadline, "old figures were served as new"
+            await asyncio.sleep(0.2)
+        assert "status is broken for this test" in error and "s old" in error
+        broken["now"] = False
+
+        async def read() -> dict[str, Any]:
+            async with http.get(page.url + "status.json") as answer:
+                return dict(await answer.json()) if answer.status == 200 else {}
+
+        await _until(read, lambda got: "views_formed" in got, timeout_s=5)  # and back once it samples
 
 
 @pytest.fixture(scope="module")

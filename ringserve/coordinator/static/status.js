@@ -187,7 +187,11 @@ async function poll() {
   try {
     const answer = await fetch("/status.json", {credentials: "same-origin", cache: "no-store"});
     if (answer.status === 401) { window.location.assign("/login"); return; }
-    if (!answer.ok) throw new Error(`HTTP ${answer.status}`);
+    if (!answer.ok) {
+      let why = `HTTP ${answer.status}`;
+      try { why = (await answer.json()).error || why; } catch (_) { /* not JSON: the status code says it */ }
+      throw new Error(why);
+    }
     const s = await answer.json();
     summary(s); members(s); ring(s); chart(s); stalls(s); history(s);
     note.textContent = `updated ${new Date().toLocaleTimeString()}`;
