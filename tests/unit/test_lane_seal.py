@@ -127,6 +127,31 @@ def test_every_kind_of_damage_to_a_record_is_refused_by_name_never_passed_on(kin
         op.read(view)
 
 
+@pytest.mark.parametrize("kind", ["a bit of the ciphertext", "the tag", "a record replayed", "a record of another key"])
+def test_no_unauthenticated_byte_reaches_a_result_a_payload_lands_in(kind: str) -> None:
+    key = secrets.token_bytes(KEY_BYTES)
+    records = seal_all(Sealer(key), [b"a" * 5000, b"b" * 5000, b"c" * 5000])
+    op = opener(key, _damaged(kind, records))
+    result = memoryview(bytearray(b"r" * 5000))  # a collective's result, landed into (not the lane's own)
+    assert op.read(result, private=False) == 5000 and bytes(result) == b"a" * 5000  # verified, then copied
+    result[:] = b"r" * 5000
+    with pytest.raises(ProtocolError, match="failed its authentication"):
+        op.read(result, private=False)
+    assert bytes(result) == b"r" * 5000  # untouched: the damaged record was opened elsewhere
+
+
+def test_a_landed_read_gets_whole_records_and_the_rest_in_order() -> None:
+    key = secrets.token_bytes(KEY_BYTES)
+    payload = bytes(range(256)) * 40  # 10,240 bytes: one record
+    op = opener(key, b"".join(seal_all(Sealer(key), [payload])))
+    got = bytearray()
+    for size in (4096, 4096, 8192):
+        view = memoryview(bytearray(size))
+        n = op.read(view, private=False)
+        got += view[:n]
+    assert bytes(got) == payload
+
+
 @pytest.mark.parametrize("size", [0, RECORD + 1, 2**32 - 1])
 def test_a_record_naming_an_impossible_length_is_refused_before_anything_is_read_for_it(size: int) -> None:
     with pytest.raises(ProtocolError, match=f"names {size} bytes; a record holds 1 to {RECORD}"):

@@ -168,7 +168,7 @@ def test_the_parser_reads_a_claimed_payload_into_the_result_and_hands_on_a_read_
     stream = memoryview(len(raw).to_bytes(4, "little") + raw + payload.tobytes())
     at = 0
 
-    def read(view: memoryview, whole: bool) -> int | None:
+    def read(view: memoryview, whole: bool, landed: bool) -> int | None:
         nonlocal at
         n = min(view.nbytes, len(stream) - at, 1000 if not whole else 1 << 30)
         if n == 0:

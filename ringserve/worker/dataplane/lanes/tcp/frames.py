@@ -172,10 +172,11 @@ class FrameParser:
     lane ends (its end marker), breaks, or, with a non-blocking ``read``, has nothing more for now.
     The reader's thread runs it with blocking reads (lanes/tcp/threads.py)."""
 
-    def __init__(self, read: Callable[[memoryview, bool], int | None], buffers: LaneBuffers, max_bytes: int,
+    def __init__(self, read: Callable[[memoryview, bool, bool], int | None], buffers: LaneBuffers, max_bytes: int,
                  where: str, deliver: Callable[[Received], None], broken: Callable[[BaseException], None],
                  ended: Callable[[], None], stop: Callable[[], None] | None = None) -> None:
-        self._read = read  # (view, whole payload?) -> bytes read, 0 at the end, None: none yet
+        # (view, whole payload?, into a landed result?) -> bytes read, 0 at the end, None: none yet
+        self._read = read
         self._buffers = buffers
         self._stop = stop  # ends the lane (from the loop); None: payloads never land (laneframes.Landings)
         self._landing = False  # the payload being read is a landed one
@@ -225,7 +226,7 @@ class FrameParser:
         """
         if self._payload is not None:
             view = memoryview(self._payload)[self._got:]  # type: ignore[arg-type]
-            n = self._read(view, True)
+            n = self._read(view, True, self._landing)
             if n is None:
                 return False
             if n == 0:
@@ -240,7 +241,7 @@ class FrameParser:
             kept = self._end - self._start
             self._stage[:kept] = self._stage[self._start : self._end]
             self._start, self._end = 0, kept
-        n = self._read(self._stage[self._end : self._end + STAGED_READ], False)
+        n = self._read(self._stage[self._end : self._end + STAGED_READ], False, False)
         if n is None:
             return False
         if n == 0:

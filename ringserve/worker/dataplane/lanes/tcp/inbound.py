@@ -126,13 +126,13 @@ class InboundLane:
         def closing() -> bool:
             return self._reader is not None and self._reader.closing
 
-        def read_plain(view: memoryview, whole: bool) -> int:
+        def read_plain(view: memoryview, whole: bool, landed: bool) -> int:
             return read_into(sock, view, socket.MSG_WAITALL if whole else 0, closing)
 
         read = read_plain
         if self._key is not None:  # a TLS lane: sealed records, each read whole
-            opener = Opener(self._key, read_exactly(lambda view: read_plain(view, True)), self.where)
-            read = lambda view, whole: opener.read(view)  # noqa: E731
+            opener = Opener(self._key, read_exactly(lambda view: read_plain(view, True, False)), self.where)
+            read = lambda view, whole, landed: opener.read(view, private=not landed)  # noqa: E731
 
         def broken(exc: BaseException) -> None:
             loop.call_soon_threadsafe(self._break, exc)

@@ -116,9 +116,13 @@ class Opener:
         self._plain = memoryview(b"")  # a record that a view cannot hold is opened here: made when first needed
         self._left = memoryview(b"")  # opened bytes of the last record not handed on yet
 
-    def read(self, view: memoryview) -> int:
+    def read(self, view: memoryview, *, private: bool = True) -> int:
         """Fills the start of ``view`` with the lane's next plaintext: what is left of the last
-        record, or the next record (opened straight into ``view`` when it fits); the bytes given.
+        record, or the next record; the bytes given. A record is opened straight into ``view`` when
+        it fits and the view is ``private`` (the lane's own buffer, which nobody reads unless its
+        frame checks out); into the opener's own buffer otherwise, and copied into ``view`` only
+        once its tag verified, so that no unauthenticated byte ever reaches a result (a landed
+        payload: lanes/tcp/frames.py's Landings).
 
         Raises:
             LaneClosed: the connection ended (between records, or within one).
@@ -137,7 +141,7 @@ class Opener:
         sealed = self._sealed[:size + TAG]
         self._read_exact(sealed)
         aead, nonce = self._keys.next()
-        fits = size <= view.nbytes
+        fits = size <= view.nbytes and private
         if not fits and not self._plain.nbytes:
             self._plain = memoryview(bytearray(RECORD))
         try:
@@ -147,9 +151,10 @@ class Opener:
                                 "authentication: altered, reordered, replayed or forged.") from None
         if fits:
             return size
-        view[:] = self._plain[:view.nbytes]
-        self._left = self._plain[view.nbytes:size]
-        return view.nbytes
+        n = min(size, view.nbytes)
+        view[:n] = self._plain[:n]
+        self._left = self._plain[n:size]
+        return n
 
 
 def read_exactly(read: Callable[[memoryview], int]) -> Callable[[memoryview], None]:
