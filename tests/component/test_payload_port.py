@@ -27,7 +27,7 @@ from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanes.tcp.inbound import InboundLane, LaneBuffers
 from ringserve.worker.dataplane.lanes.tcp.outbound import OutboundLane
 from ringserve.worker.dataplane.lanes.tcp.server import LaneServer
-from ringserve.worker.dataplane.lanes.tcp.sockets import MAGIC
+from ringserve.worker.dataplane.lanes.tcp.sockets import ATTACHED, MAGIC
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -172,7 +172,7 @@ async def test_a_wrong_token_is_closed_counted_and_never_attaches_a_lane(port: P
     caplog.set_level(logging.WARNING, "ringserve.worker")
     inbound = port.dial(lane, token=bytes(16))
     await until(lambda: bool(port.fallbacks))
-    assert "closed the connection on the token" in port.fallbacks[0]
+    assert "it refused the token: a wrong or spent token" in port.fallbacks[0]  # said: not dialled again
     assert not lane.attached and not inbound.attached and port.counters.lane_refused == 1
     assert "presented a token that no lane offers" in caplog.text
     # The real holder still attaches afterwards.
@@ -245,6 +245,28 @@ async def test_half_open_connections_are_capped_and_the_oldest_makes_room(port: 
         await until(lambda: lane.attached)
     finally:
         for s in socks:
+            s.close()
+
+
+async def test_a_receiver_that_has_begun_its_hello_is_never_evicted_by_silent_connections(port: Port) -> None:
+    # A receiver speaks at once (its hello, or under TLS its ClientHello); squatters do not. Under a
+    # flood of silent connections, they go, and the receiver finishes its hello and attaches.
+    loop = asyncio.get_running_loop()
+    lane = port.offer()
+    speaker = await raw_connect(port.server.port)
+    await loop.sock_sendall(speaker, MAGIC)  # its hello begun, the token still to come
+    await until(lambda: port.server.waiting == 1)
+    await asyncio.sleep(0.05)  # the port has read its first byte
+    silent = [await raw_connect(port.server.port) for _ in range(3 * port.server.cap)]
+    try:
+        await until(lambda: port.counters.lane_refused >= 2 * port.server.cap)  # evictions made room
+        await loop.sock_sendall(speaker, lane.token)
+        async with asyncio.timeout(2):
+            assert await loop.sock_recv(speaker, 1) == ATTACHED  # not evicted: attached
+        await until(lambda: lane.attached)
+    finally:
+        speaker.close()
+        for s in silent:
             s.close()
 
 

@@ -33,10 +33,15 @@ from ringserve.errors import PeerUnavailableError, ProtocolError
 from ringserve.worker.dataplane.inbox import Received
 from ringserve.worker.dataplane.lanes.tcp.frames import POOLED_MIN, FrameParser, LaneBuffers
 from ringserve.worker.dataplane.lanes.tcp.seal import KEY_BYTES, Opener, read_exactly
-from ringserve.worker.dataplane.lanes.tcp.sockets import ATTACHED, MAGIC, LaneClosed, LaneSocket, tune
+from ringserve.worker.dataplane.lanes.tcp.sockets import ATTACHED, MAGIC, REFUSED, LaneClosed, LaneSocket, tune
 from ringserve.worker.dataplane.lanes.tcp.threads import Reader, read_into
 
 log = logging.getLogger("ringserve.worker")
+
+# A connection closed before the sender's answer is dialled again this many times in all, after
+# pauses doubling from DIAL_PAUSE_S, within the one deadline (payload_connect_timeout_s).
+DIAL_ATTEMPTS = 4
+DIAL_PAUSE_S = 0.05
 
 __all__ = ["POOLED_MIN", "InboundLane", "LaneBuffers"]
 
@@ -147,29 +152,57 @@ class InboundLane:
         FrameParser(read, self._buffers, self._max_bytes, self.where, deliver, broken, ended, stop).pump()
 
     async def _connect(self) -> LaneSocket | None:
-        """The connection once the sender answered the token; None if the lane did not attach."""
+        """The connection once the sender answered the token; None if the lane did not attach.
+
+        A connection closed before the answer (the payload port evicts waiting connections under
+        a flood: lanes/tcp/server.py) is dialled again, ``DIAL_ATTEMPTS`` times at most, within
+        the one deadline; a refused certificate or TLS that does not match is not."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
+        pause = DIAL_PAUSE_S
+        for attempt in range(1, DIAL_ATTEMPTS + 1):
+            outcome = await self._attempt(deadline)
+            if isinstance(outcome, LaneSocket):
+                self._ready.set_result(outcome)
+                return outcome
+            why, again, logged = outcome
+            if not again or attempt == DIAL_ATTEMPTS or loop.time() + pause >= deadline:
+                self._fail(why, logged=logged)
+                return None
+            log.debug("the payload lane to %s: %s; dialling again (%d of %d)", self.where, why, attempt + 1,
+                      DIAL_ATTEMPTS)
+            await asyncio.sleep(pause)
+            pause *= 2
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, deadline: float) -> LaneSocket | tuple[str, bool, bool]:
+        """One dial: the attached connection, or (why not, worth another dial?, said already?)."""
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
                 conn = await self._dial()
         except TimeoutError:
-            self._fail(f"it did not connect and take the token within {self.timeout_s:g} s "
-                       "(RINGSERVE_PAYLOAD_CONNECT_TIMEOUT_S): a firewall or a NAT drops the port")
-            return None
+            return (f"it did not connect and take the token within {self.timeout_s:g} s "
+                    "(RINGSERVE_PAYLOAD_CONNECT_TIMEOUT_S): a firewall or a NAT drops the port", False, False)
         except ssl.SSLCertVerificationError as exc:
-            self._fail(f"its TLS certificate was refused ({exc.verify_message})")
-            return None
+            return f"its TLS certificate was refused ({exc.verify_message})", False, False
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:  # closed in the handshake: evicted, perhaps
+            return f"the connection closed in the TLS handshake ({exc.reason or exc})", True, False
         except ssl.SSLError as exc:
-            self._fail(f"TLS failed ({exc.reason or exc}): the lane may not speak TLS, or refused this "
-                       "worker's certificate")
-            return None
-        except (OSError, LaneClosed) as exc:
-            self._fail(f"the connection failed ({_why(exc)})")
-            return None
+            return (f"TLS failed ({exc.reason or exc}): the lane may not speak TLS, or refused this "
+                    "worker's certificate", False, False)
+        except (OSError, LaneClosed) as exc:  # closed on us (evicted, perhaps): again; refused, unreachable: no
+            again = isinstance(exc, (LaneClosed, ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
+            return f"the connection failed ({_why(exc)})", again, False
         # The token is out: from here on the sender may write to the lane at any moment.
         answer = bytearray(len(ATTACHED) + (KEY_BYTES if conn.tls else 0))  # under TLS, with the key
-        reading = loop.create_task(conn.read_exact(memoryview(answer)))
+
+        async def read_answer() -> None:
+            await conn.read_exact(memoryview(answer)[:len(ATTACHED)])  # REFUSED is as long: said whole
+            if answer[:len(ATTACHED)] == ATTACHED and conn.tls:
+                await conn.read_exact(memoryview(answer)[len(ATTACHED):])
+
+        reading = loop.create_task(read_answer())
         late = False
         try:
             done, _ = await asyncio.wait([reading], timeout=max(0.0, deadline - loop.time()))
@@ -180,26 +213,35 @@ class InboundLane:
                                     "if the answer comes")
             await reading
         except (OSError, ssl.SSLError, LaneClosed) as exc:
-            self._fail(f"it closed the connection on the token ({exc}): a wrong or spent token, or "
-                       "not a ringserve payload lane", logged=late)
-            return None
+            self._drop_conn()
+            # Closed with no answer: evicted while it waited (dial again); an alert (a refused client
+            # certificate) or a reset on a refused hello is the port's word (do not).
+            closed = isinstance(exc, (LaneClosed, ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError))
+            return (f"it closed the connection on the token ({exc}): evicted under a flood, a refused "
+                    "certificate, or not a ringserve payload lane", closed and not late, late)
         finally:
             reading.cancel()
+        if bytes(answer[:len(ATTACHED)]) == REFUSED:
+            self._drop_conn()
+            return "it refused the token: a wrong or spent token", False, late
         if bytes(answer[:len(ATTACHED)]) != ATTACHED:
-            self._fail(f"it answered the token with {bytes(answer[:len(ATTACHED)])!r}, not a lane's answer",
-                       logged=late)
-            return None
+            self._drop_conn()
+            return f"it answered the token with {bytes(answer[:len(ATTACHED)])!r}, not a lane's answer", False, late
         if conn.tls:
             try:
                 conn.leave_tls()
             except ProtocolError as exc:
-                self._fail(str(exc), logged=late)
-                return None
+                self._drop_conn()
+                return str(exc), False, late
             self._key = bytes(answer[len(ATTACHED):])
         if late:
             self._attached_late()
-        self._ready.set_result(conn)
         return conn
+
+    def _drop_conn(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
     async def _dial(self) -> LaneSocket:
         loop = asyncio.get_running_loop()

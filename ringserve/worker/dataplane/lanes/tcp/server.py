@@ -11,7 +11,11 @@ Nothing that has not presented a valid token reaches a lane, and the port never 
 - a connection must present its token within ``hello_timeout_s`` (the peer server's
   ``peer_hello_timeout_s``, the bound on a gRPC connection's handshake too), or it is closed;
 - at most ``cap`` connections may be waiting to do so (``max_unverified_streams``); a new one past
-  it closes the oldest, so that squatters cannot keep a member out;
+  it closes the oldest that has sent nothing yet (a squatter), or, when every one has, the
+  oldest: a receiver speaks at once (its ClientHello, or its hello), so a flood of silent
+  connections cannot evict a member in the middle of its handshake, and squatters cannot keep one
+  out. A connection whose token matched is no longer waiting and is never evicted. A receiver
+  evicted all the same dials again within its deadline (lanes/tcp/inbound.py);
 - garbage, a wrong token, a token already spent, a TLS client on a plaintext lane or a plaintext
   one on a TLS lane are closed at once and counted (``Counters.lane_refused``), with the reason
   logged once per kind. The tokens are compared in constant time.
@@ -41,6 +45,7 @@ from ringserve.worker.dataplane.lanes.tcp.seal import KEY_BYTES
 from ringserve.worker.dataplane.lanes.tcp.sockets import (
     ATTACHED,
     MAGIC,
+    REFUSED,
     TLS_RECORD,
     TOKEN_BYTES,
     LaneClosed,
@@ -55,6 +60,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringserve.worker")
 
 BACKLOG = 128
+
+
+class _Waiting:
+    """A connection waiting for its token: whether it has sent anything yet."""
+
+    __slots__ = ("spoke",)
+
+    def __init__(self) -> None:
+        self.spoke = False
 
 
 def server_context(security: Security) -> ssl.SSLContext | None:
@@ -100,7 +114,7 @@ class LaneServer:
         self.counters = counters
         self._tag = tag
         self._offers: list[OutboundLane] = []
-        self._pending: dict[asyncio.Task[None], None] = {}  # admissions under way, oldest first
+        self._pending: dict[asyncio.Task[None], _Waiting] = {}  # admissions under way, oldest first
         self._said: set[str] = set()  # kinds of refusal logged already
         self._loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
@@ -155,22 +169,30 @@ class LaneServer:
                 self._said.add("congestion")
                 log.warning("%s: the payload lane keeps the host's TCP congestion control: %s refused "
                             "(%s; RINGSERVE_PAYLOAD_CONGESTION)", self._tag(), self.congestion, refused)
-            while len(self._pending) >= self.cap:  # make room: the oldest squatter goes (it closes itself)
-                oldest = next(iter(self._pending))
-                oldest.cancel()
-                del self._pending[oldest]
+            while len(self._pending) >= self.cap:  # make room: a squatter goes (it closes itself)
+                victim = self._victim()
+                victim.cancel()
+                del self._pending[victim]
                 self._refused("evicted", f"a connection to the payload port sent no token while {self.cap} "
-                              "others waited (max_unverified_streams); the oldest was closed")
-            task = self._loop.create_task(self._admit(sock), name="ringserve-lane-admit")
-            self._pending[task] = None
+                              "others waited (max_unverified_streams); the oldest silent one was closed")
+            waiting = _Waiting()
+            task = self._loop.create_task(self._admit(sock, waiting), name="ringserve-lane-admit")
+            self._pending[task] = waiting
             task.add_done_callback(self._admitted)
+
+    def _victim(self) -> asyncio.Task[None]:
+        """The connection to close to make room: the oldest that has sent nothing, else the oldest."""
+        for task, waiting in self._pending.items():
+            if not waiting.spoke:
+                return task
+        return next(iter(self._pending))
 
     def _admitted(self, task: asyncio.Task[None]) -> None:
         self._pending.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: the payload port's admission failed", self._tag(), exc_info=task.exception())
 
-    async def _admit(self, sock: socket.socket) -> None:
+    async def _admit(self, sock: socket.socket, waiting: _Waiting) -> None:
         """Reads the receiver's hello within the deadline and hands the connection to its lane;
         closes it otherwise (cancelled: evicted, or the server closes)."""
         plain = LaneSocket(sock)
@@ -178,7 +200,7 @@ class LaneServer:
         handed = False
         try:
             async with asyncio.timeout(self.hello_timeout_s):
-                conn = await self._handshake(plain)
+                conn = await self._handshake(plain, waiting)
                 if conn is None:
                     return
                 hello = bytearray(len(MAGIC) + TOKEN_BYTES)
@@ -189,8 +211,11 @@ class LaneServer:
                 lane = self._match(bytes(hello[len(MAGIC):]))
                 if lane is None:
                     self._refused("token", "a connection to the payload port presented a token that no lane offers")
+                    with contextlib.suppress(OSError, ssl.SSLError, LaneClosed):
+                        await conn.send_all(REFUSED)  # said, so that the receiver does not dial again
                     return
                 self.withdraw(lane)  # spent, even if what follows fails
+                self._pending.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # verified: not evicted
                 key = None
                 if conn.tls:  # the answer and the key of the lane's sealed records, inside the session
                     key = secrets.token_bytes(KEY_BYTES)
@@ -206,10 +231,11 @@ class LaneServer:
             if not handed:
                 (conn or plain).close()
 
-    async def _handshake(self, conn: LaneSocket) -> LaneSocket | None:
+    async def _handshake(self, conn: LaneSocket, waiting: _Waiting) -> LaneSocket | None:
         """The connection after TLS if this lane speaks it; None if refused (and closed)."""
         sock = conn.sock
         await conn.readable()
+        waiting.spoke = True
         try:
             first = sock.recv(1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):

@@ -36,7 +36,8 @@ MAGIC = b"RSLANE2\0"  # what a receiver sends first, before its token: the lane'
 # (2: a TLS lane's answer carries the key of its sealed records; a worker of version 1 is refused, and
 # its edge keeps the stream)
 TOKEN_BYTES = 16
-ATTACHED = b"A"  # the sender's answer to a good token; a bad one is closed without an answer
+ATTACHED = b"A"  # the sender's answer to a good token
+REFUSED = b"N"  # its answer to a token no lane offers (or one spent): the receiver does not dial again
 TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 PREFIX = 4  # a frame on the lane: its encoded header's length (little-endian), the header, the payload
 
