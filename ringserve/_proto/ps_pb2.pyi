@@ -220,7 +220,7 @@ class WorkerClock(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("shard", "shards", "mode", "version", "pieces", "bytes", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_refused", "lost_updates", "restored_version", "checkpoint_version", "view_id", "members", "clocks", "cpu_s", "bytes_received", "bytes_sent", "round_pushes")
+    __slots__ = ("shard", "shards", "mode", "version", "pieces", "bytes", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_refused", "lost_updates", "restored_version", "checkpoint_version", "view_id", "members", "clocks", "cpu_s", "bytes_received", "bytes_sent", "round_pushes", "checkpoint_failures", "checkpoint_error")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,8 @@ class InfoResponse(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     shard: int
     shards: int
     mode: str
@@ -261,4 +263,6 @@ class InfoResponse(_message.Message):
     bytes_received: int
     bytes_sent: int
     round_pushes: int
-    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_stale: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., view_id: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., cpu_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., round_pushes: _Optional[int] = ...) -> None: ...
+    checkpoint_failures: int
+    checkpoint_error: str
+    def __init__(self, shard: _Optional[int] = ..., shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., pieces: _Optional[int] = ..., bytes: _Optional[int] = ..., pushes_applied: _Optional[int] = ..., pushes_duplicate: _Optional[int] = ..., pushes_stale: _Optional[int] = ..., pushes_refused: _Optional[int] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., view_id: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., clocks: _Optional[_Iterable[_Union[WorkerClock, _Mapping]]] = ..., cpu_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., round_pushes: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_error: _Optional[str] = ...) -> None: ...

@@ -154,6 +154,41 @@ async def test_a_shard_killed_and_restarted_resumes_from_its_checkpoint_and_coun
         await ps.close()
 
 
+async def test_a_checkpoint_that_cannot_be_written_is_counted_said_and_written_once_the_disk_is_back(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringserve.ps.shard import checkpoint, node
+
+    monkeypatch.setattr(node, "CHECKPOINT_RETRY_S", 0.2)
+    caplog.set_level(logging.ERROR, logger="ringserve.ps")
+    ps = await start_ps_world(1, 1, shard={"checkpoint_dir": str(tmp_path), "checkpoint_updates": 2})
+    try:
+        shard = ps.shards[0]
+        blocked = checkpoint.shard_dir(str(tmp_path), 0, 1)
+        blocked.parent.mkdir(parents=True, exist_ok=True)
+        blocked.write_text("not a folder")  # the shard's checkpoint folder cannot be made: every write fails
+        await ps.each(lambda r, c: c.init(START, mode="async", optimizer=SGD, seed=True))
+        await ps.each(lambda r, c: steps(c, r, 4))
+        async with asyncio.timeout(10):
+            while shard.service.checkpoint_failures == 0:
+                await asyncio.sleep(0.02)
+        state = await info(shard)
+        assert state.checkpoint_failures >= 1 and state.checkpoint_version == 0
+        assert "version" in state.checkpoint_error and state.checkpoint_error  # why, as the shard saw it
+        assert any("could not be written" in r.getMessage() for r in caplog.records)
+        blocked.unlink()  # the disk is back: the next update after the pause writes the version it failed
+        await asyncio.sleep(0.3)
+        await ps.each(lambda r, c: steps(c, r, 1))
+        async with asyncio.timeout(10):
+            while shard.service.checkpoint_version == 0:
+                await asyncio.sleep(0.02)
+        state = await info(shard)
+        assert state.checkpoint_version >= 4 and state.checkpoint_error == ""
+        assert checkpoint.newest(str(tmp_path), 0, 1) is not None
+        assert not shard._failed.done()  # a full disk does not stop the shard: it is said, and retried
+    finally:
+        await ps.close()
+
+
 @pytest.mark.parametrize("checkpoint", [True, False])
 async def test_under_ssp_workers_go_on_past_a_restarted_shard_whose_clocks_are_behind_theirs(
         tmp_path: pathlib.Path, checkpoint: bool) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ringserve._proto import ps_pb2 as pb
-from ringserve.atomic import write_atomic
+from ringserve.atomic import fsync_directory, write_atomic
 from ringserve.ps import optim
 from ringserve.ps.jobs import Job, PieceId
 from ringserve.ps.rules import Ledger
@@ -76,8 +76,11 @@ def write(root: str, shard: int, shards: int, snap: Snapshot, keep: int) -> path
     save: Any = np.savez  # numpy's stubs take the names for its own flags
     save(buffer, **snap.arrays)
     write_atomic(path, buffer.getbuffer())
-    for old in sorted(p for p in directory.iterdir() if _NAME.match(p.name))[:-keep]:
+    stale = sorted(p for p in directory.iterdir() if _NAME.match(p.name))[:-keep]
+    for old in stale:
         old.unlink(missing_ok=True)
+    if stale:
+        fsync_directory(str(directory))  # the deletions durable too: no old file back after a crash
     return path
 
 

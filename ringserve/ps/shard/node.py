@@ -42,6 +42,7 @@ log = logging.getLogger("ringserve.ps")
 SERVICE_NAME = "ringserve.v1.ParameterServer"
 # Between attempts to register while the coordinator is not up or the index is still held.
 REGISTER_RETRY_S = 0.2
+CHECKPOINT_RETRY_S = 5.0  # a checkpoint that could not be written is tried again after this, at an update
 # The view watch is opened again after a failure this long after, doubling up to the cap.
 WATCH_RETRY_FIRST_S = 0.1
 WATCH_RETRY_MAX_S = 2.0
@@ -72,7 +73,8 @@ class Shard:
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[None] | None = None
         self._writing: asyncio.Task[None] | None = None
-        self._written = 0   # the version of the newest checkpoint written or being written
+        self._written = 0   # the version of the newest checkpoint written (once it is)
+        self._retry_at = 0.0  # the loop's clock before which a failed checkpoint is not tried again
 
     @property
     def address(self) -> str:
@@ -130,8 +132,10 @@ class Shard:
                 await task
         self._tasks.clear()
         if self._writing is not None:
-            with contextlib.suppress(Exception):
-                await self._writing
+            try:
+                await self._writing  # its own failure is counted and logged (_write); a bug is said here
+            except Exception as exc:
+                log.error("shard %d: the checkpoint under way failed: %r", self.index, exc, exc_info=exc)
         if checkpoint_last and self.config.checkpoint_dir and self.index >= 0:
             held = self.service.held()
             if held is not None and held[1].version > self._written:
@@ -252,20 +256,30 @@ class Shard:
         held = self.service.held()
         if not self.config.checkpoint_dir or held is None or self._writing is not None:
             return
-        if held[1].version - self._written >= self.config.checkpoint_updates:
-            self._writing = asyncio.get_running_loop().create_task(self._write(checkpoint.snapshot(*held)),
-                                                                   name="ringserve-shard-checkpoint")
+        loop = asyncio.get_running_loop()
+        if held[1].version - self._written >= self.config.checkpoint_updates and loop.time() >= self._retry_at:
+            self._writing = loop.create_task(self._write(checkpoint.snapshot(*held)), name="ringserve-shard-checkpoint")
+            self._writing.add_done_callback(self._done)  # a failure other than the disk's fails the shard
 
     async def _write(self, snap: checkpoint.Snapshot) -> None:
+        """Writes a checkpoint; the version counts as written only once it is (``_written``), so a
+        failed one is tried again at the next update after CHECKPOINT_RETRY_S, and at stop."""
         cfg = self.config
-        self._written = snap.version
+        service = self.service
         try:
             path = await asyncio.to_thread(checkpoint.write, cfg.checkpoint_dir, self.index, cfg.shards, snap,
                                            cfg.checkpoint_keep)
-            self.service.checkpoint_version = snap.version
-            log.info("shard %d: checkpoint of version %d written to %s", self.index, snap.version, path)
         except OSError as exc:
-            log.error("shard %d: the checkpoint of version %d could not be written: %s", self.index, snap.version, exc)
+            service.checkpoint_failures += 1
+            service.checkpoint_error = f"version {snap.version}: {exc}"
+            self._retry_at = asyncio.get_running_loop().time() + CHECKPOINT_RETRY_S
+            log.error("shard %d: the checkpoint of version %d could not be written (%s); failures so far: %d; "
+                      "tried again in %g s", self.index, snap.version, exc, service.checkpoint_failures,
+                      CHECKPOINT_RETRY_S)
+            return
         finally:
             self._writing = None
+        self._written = service.checkpoint_version = snap.version
+        service.checkpoint_error = ""
+        log.info("shard %d: checkpoint of version %d written to %s", self.index, snap.version, path)
         self._updated()  # updates that came while writing may make the next one due

@@ -54,6 +54,8 @@ class ShardService(pb_grpc.ParameterServerServicer):
         self.counts = {"pushes_applied": 0, "pushes_duplicate": 0, "pushes_stale": 0, "pushes_refused": 0,
                        "bytes_received": 0, "bytes_sent": 0}
         self.checkpoint_version = 0
+        self.checkpoint_failures = 0  # checkpoints that could not be written (node.py)
+        self.checkpoint_error = ""  # why the last one failed, while none has succeeded since
         # Set by the shard from before it serves until it holds its index and its checkpoint: any
         # answer before then would name the wrong shard, or no job where one is about to be restored.
         self.starting = False
@@ -329,7 +331,8 @@ class ShardService(pb_grpc.ParameterServerServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         await self._open(context)
         answer = pb.InfoResponse(shard=max(self.index, 0), shards=self.shards, view_id=self._view[0],
-                                 checkpoint_version=self.checkpoint_version, cpu_s=time.process_time())
+                                 checkpoint_version=self.checkpoint_version, cpu_s=time.process_time(),
+                                 checkpoint_failures=self.checkpoint_failures, checkpoint_error=self.checkpoint_error)
         for name, count in self.counts.items():
             setattr(answer, name, count)
         held = self.held()
