@@ -652,6 +652,10 @@ class ShardConfig(SecuritySettings):
         max_wait_s: the longest a pull or a push waits on the shard (for a round, a view, the
             staleness gate), whatever the caller's deadline; it then fails with DEADLINE_EXCEEDED.
         max_shard_bytes: an Init that would make this shard hold more is refused.
+        max_push_bytes: the bytes that pushes and Inits in flight hold together (their payloads,
+            and a codec's decoded values); a push past it waits for room, at most max_wait_s,
+            then fails with RESOURCE_EXHAUSTED naming it. One push larger than the budget runs
+            alone, so that no shard refuses its own model.
         max_concurrent_rpcs: calls served at once; beyond it, RESOURCE_EXHAUSTED.
         use_uvloop: run the shard's event loop on uvloop.
         tls_*, token, token_file: see SecuritySettings.
@@ -673,12 +677,14 @@ class ShardConfig(SecuritySettings):
     rpc_timeout_s: float = 5.0
     max_wait_s: float = 300.0
     max_shard_bytes: int = 16 << 30
+    max_push_bytes: int = 2 << 30
     max_concurrent_rpcs: int = 256
     use_uvloop: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "shards", "checkpoint_updates", "checkpoint_keep", "chunk_bytes", "connect_timeout_s",
-                  "register_timeout_s", "rpc_timeout_s", "max_wait_s", "max_shard_bytes", "max_concurrent_rpcs")
+                  "register_timeout_s", "rpc_timeout_s", "max_wait_s", "max_shard_bytes", "max_push_bytes",
+                  "max_concurrent_rpcs")
         _check_security(self)
         if not -1 <= self.shard_index < self.shards:
             raise InvalidArgumentError(

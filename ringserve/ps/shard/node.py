@@ -139,7 +139,7 @@ class Shard:
         if checkpoint_last and self.config.checkpoint_dir and self.index >= 0:
             held = self.service.held()
             if held is not None and held[1].version > self._written:
-                await self._write(checkpoint.snapshot(*held))
+                await self._write()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -258,14 +258,26 @@ class Shard:
             return
         loop = asyncio.get_running_loop()
         if held[1].version - self._written >= self.config.checkpoint_updates and loop.time() >= self._retry_at:
-            self._writing = loop.create_task(self._write(checkpoint.snapshot(*held)), name="ringserve-shard-checkpoint")
+            self._writing = loop.create_task(self._write(), name="ringserve-shard-checkpoint")
             self._writing.add_done_callback(self._done)  # a failure other than the disk's fails the shard
 
-    async def _write(self, snap: checkpoint.Snapshot) -> None:
-        """Writes a checkpoint; the version counts as written only once it is (``_written``), so a
-        failed one is tried again at the next update after CHECKPOINT_RETRY_S, and at stop."""
+    async def _write(self) -> None:
+        """Writes a checkpoint of the shard as it is: the snapshot taken on a thread between two
+        updates (it holds the service's ``mutating``), the file written on a thread after. The
+        version counts as written only once it is (``_written``), so a failed one is tried again
+        at the next update after CHECKPOINT_RETRY_S, and at stop."""
         cfg = self.config
         service = self.service
+        try:
+            async with service.mutating:
+                held = service.held()
+                snap = None if held is None else await asyncio.to_thread(checkpoint.snapshot, *held)
+        except BaseException:
+            self._writing = None
+            raise
+        if snap is None:
+            self._writing = None
+            return
         try:
             path = await asyncio.to_thread(checkpoint.write, cfg.checkpoint_dir, self.index, cfg.shards, snap,
                                            cfg.checkpoint_keep)

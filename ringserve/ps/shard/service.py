@@ -8,8 +8,19 @@ before it has read its checkpoint; clients wait and ask again, as for a shard th
 FAILED_PRECONDITION for an Init of another job; DEADLINE_EXCEEDED for a wait that ran out), each
 sent with verdicts.py's marker, which tells a client it is the shard's verdict and not gRPC's own
 error for a broken transport.
-Everything runs on the shard's event loop; between awaits, a push's check, decision and
-application happen at once, so no other call sees half of one.
+The event loop stays free for the lease, pulls and Info, however large the model:
+
+- **The arithmetic runs on a thread.** A push's decoding (and its NaN check), the optimizer's
+  step and a round's mean run under ``asyncio.to_thread``; only the ledger's decision and the new
+  values' installation (a reference a piece: store.py) happen on the loop.
+- **One change at a time.** Decision, arithmetic and installation of a push (or a round) hold
+  ``mutating``, a lock the checkpoint's snapshot takes too, so updates happen in the ledger's
+  order and no pull or snapshot sees half of one. The work runs to its end even when the push's
+  caller goes away (a task, shielded): a step taken is always recorded.
+- **A byte budget** (``max_push_bytes``, ``Budget``): the payloads of pushes and Inits in flight,
+  read into one buffer each as their chunks arrive, and a codec's decoded values, are counted
+  before a byte is read; past it a push waits for room, at most max_wait_s, then fails with
+  RESOURCE_EXHAUSTED naming the budget.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
+import numpy as np
 
 from ringserve._proto import ps_pb2 as pb
 from ringserve._proto import ps_pb2_grpc as pb_grpc
@@ -37,6 +49,43 @@ log = logging.getLogger("ringserve.ps")
 CODECS_BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values() if c is not None}
 
 
+class BudgetExhausted(Exception):
+    """A push or Init found no room in the byte budget within its wait."""
+
+
+class Budget:
+    """The bytes that pushes and Inits in flight hold together (``max_push_bytes``): each takes its
+    share before it reads a byte and gives it back when done. One larger than the whole budget
+    waits for the others to end, then runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0  # the most held at once (Info, tests)
+        self._room = asyncio.Event()
+
+    async def take(self, nbytes: int, wait_s: float) -> None:
+        """Takes ``nbytes``, waiting at most ``wait_s`` for room.
+
+        Raises:
+            BudgetExhausted: no room within ``wait_s``.
+        """
+        try:
+            async with asyncio.timeout(wait_s):
+                while self.held and self.held + nbytes > self.limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except TimeoutError:
+            raise BudgetExhausted(f"{nbytes} bytes found no room in {wait_s:g} s: {self.held} of the "
+                                  f"{self.limit} bytes of max_push_bytes are held by pushes in flight") from None
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+        self._room.set()
+
+
 class ShardService(pb_grpc.ParameterServerServicer):
     """One shard's state and RPCs. The shard (node.py) sets its index and incarnation, feeds it
     views, and is told of each update through ``on_update`` (to checkpoint)."""
@@ -51,6 +100,9 @@ class ShardService(pb_grpc.ParameterServerServicer):
         self._view: tuple[int, frozenset[str]] = (0, frozenset())
         self._changed = asyncio.Event()
         self._on_update = on_update
+        self.mutating = asyncio.Lock()  # one change of the store at a time; the snapshot takes it too
+        self.budget = Budget(config.max_push_bytes)
+        self._rounds: set[asyncio.Task[None]] = set()  # rounds ended by a view or an adoption
         self.counts = {"pushes_applied": 0, "pushes_duplicate": 0, "pushes_stale": 0, "pushes_refused": 0,
                        "bytes_received": 0, "bytes_sent": 0}
         self.checkpoint_version = 0
@@ -70,7 +122,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
         """Serves from a store and ledger (a fresh Init's, or a checkpoint's)."""
         self.store, self.ledger = store, ledger
         ledger.install_view(*self._view)
-        self._finish_rounds()
+        self._finish_rounds_soon()
         self._notify()
 
     def install_view(self, view_id: int, members: frozenset[str]) -> None:
@@ -79,15 +131,38 @@ class ShardService(pb_grpc.ParameterServerServicer):
             return
         self._view = (view_id, members)
         if self.ledger is not None and self.ledger.install_view(view_id, members):
-            self._finish_rounds()
+            self._finish_rounds_soon()
         self._notify()
 
-    def _finish_rounds(self) -> None:
+    def _finish_rounds_soon(self) -> None:
+        """Ends a round that is complete now, as its own change (a task: the callers are not async)."""
+        ledger = self.ledger
+        if ledger is None or not ledger.round_complete():
+            return
+
+        async def finish() -> None:
+            async with self.mutating:
+                await self._finish_rounds()
+
+        task = asyncio.get_running_loop().create_task(finish(), name="ringserve-shard-round")
+        self._rounds.add(task)
+        task.add_done_callback(self._round_done)
+
+    def _round_done(self, task: asyncio.Task[None]) -> None:
+        self._rounds.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("shard %d: ending a round failed: %r", self.index, task.exception(), exc_info=task.exception())
+
+    async def _finish_rounds(self) -> None:
+        """With ``mutating`` held: the round's mean stepped on a thread, installed, recorded."""
         ledger, store = self.ledger, self.store
         if ledger is not None and store is not None and ledger.round_complete():
-            store.finish_round(ledger.version + 1)
+            new = await asyncio.to_thread(store.round_stepped)
+            store.install(new, ledger.version + 1)
+            store.next_round()
             ledger.finish_round()
             self._on_update()
+            self._notify()
 
     async def _wait(self, ready: Callable[[], bool], context: grpc.aio.ServicerContext, waiting_for: Callable[[], str]) -> None:
         remaining = context.time_remaining()
@@ -155,13 +230,17 @@ class ShardService(pb_grpc.ParameterServerServicer):
                          f"The Init's {nbytes} bytes pass shard {self.index}'s cap of {self.config.max_shard_bytes} "
                          f"(max_shard_bytes).")
         sizes = {p.id: p.nbytes for p in job.pieces}
+        await self._take(nbytes, "Init", context)
         try:
-            payloads = await self._read(stream, sizes, context)
-            values = decode_init(job, payloads.items())
-        except InvalidArgumentError as exc:
-            await self._invalid(context, exc)
-        except TimeoutError:
-            await self._stalled(context)
+            try:
+                payloads = await self._read(stream, sizes, context)
+                values = await asyncio.to_thread(decode_init, job, payloads.items())
+            except InvalidArgumentError as exc:
+                await self._invalid(context, exc)
+            except TimeoutError:
+                await self._stalled(context)
+        finally:
+            self.budget.give(nbytes)  # the values are the store's from here, bounded by max_shard_bytes
         held = self.held()
         if held is not None:  # another Init finished while this one streamed
             return await self._keep(held[0], held[1], job, context)
@@ -180,8 +259,9 @@ class ShardService(pb_grpc.ParameterServerServicer):
         return pb.InitResponse(accepted=False, version=ledger.version)
 
     async def _read(self, stream: AsyncIterator[pb.InitMessage] | AsyncIterator[pb.PushMessage],
-                    sizes: dict[PieceId, int], context: grpc.aio.ServicerContext) -> dict[PieceId, bytes]:
-        """Reads the chunks that follow a header into one buffer per piece, each exactly its size.
+                    sizes: dict[PieceId, int], context: grpc.aio.ServicerContext) -> dict[PieceId, bytearray]:
+        """Reads the chunks that follow a header into one buffer per piece, each exactly its size
+        and made at its first chunk (the budget counted it already), handed on without a copy.
 
         Raises:
             InvalidArgumentError: a chunk of a piece not named, out of order, or past its size; a
@@ -216,7 +296,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
         if short:
             raise InvalidArgumentError(f"The stream ended before the whole of {short[0]}.")
         self.counts["bytes_received"] += sum(sizes.values())
-        return {pid: bytes(b) for pid, b in buffers.items()}
+        return buffers
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PullMessage]:
         await self._open(context)
@@ -281,38 +361,76 @@ class ShardService(pb_grpc.ParameterServerServicer):
         early = self._decide(ledger, header)
         if early.outcome in (rules.DUPLICATE, rules.STALE):
             return self._answer(early, ledger)  # the payload is not needed
+        need = sum(sizes.values()) + (4 * sum(store.entries[pid].piece.count for pid in sizes) if codec else 0)
+        await self._take(need, "push", context)
+        committing: asyncio.Future[rules.Decision | None] | None = None
         try:
-            payloads = await self._read(stream, sizes, context)
-            grads = {pid: store.decode(pid, data, codec) for pid, data in payloads.items()}
-        except InvalidArgumentError as exc:
-            await self._invalid(context, exc)
-        except TimeoutError:
-            await self._stalled(context)
-        decision = self._decide(ledger, header)
-        if decision.outcome == rules.WAIT:
-            await self._wait(lambda: self._decide(ledger, header).outcome != rules.WAIT, context,
-                             lambda: f"view {header.view_id} (it knows view {ledger.view_id})")
-            decision = self._decide(ledger, header)
-        if decision.outcome == rules.APPLY:
-            store.apply(grads, ledger.version + 1, header.group_lrs)
-            ledger.record(decision, header.worker_id, header.step)
-            self.counts["pushes_applied"] += 1
-            self._on_update()
-        elif decision.outcome == rules.ACCEPT:
-            skipped = decision.skip_to - ledger.version if decision.skip_to >= 0 else 0
-            ledger.record(decision, header.worker_id, header.step)
-            self.counts["pushes_applied"] += 1
-            if skipped:
-                log.warning("shard %d of %d: worker %s pushes round %d, %d rounds past the %d it holds: "
-                            "those rounds' updates are lost", self.index, self.shards, header.worker_id,
-                            header.step, skipped, header.step - skipped)
-            store.accumulate(grads, header.group_lrs)
-            before = ledger.version
-            self._finish_rounds()
-            if ledger.version > before:
-                decision = rules.Decision(rules.APPLY)
-        self._notify()
+            try:
+                payloads = await self._read(stream, sizes, context)
+                grads = await asyncio.to_thread(self._decoded, store, payloads, codec)
+            except InvalidArgumentError as exc:
+                await self._invalid(context, exc)
+            except TimeoutError:
+                await self._stalled(context)
+            while True:
+                if self._decide(ledger, header).outcome == rules.WAIT:
+                    await self._wait(lambda: self._decide(ledger, header).outcome != rules.WAIT, context,
+                                     lambda: f"view {header.view_id} (it knows view {ledger.view_id})")
+                # To its end even if this call is cancelled: a step taken is recorded (and the
+                # budget given back when it is done, below).
+                committing = asyncio.ensure_future(self._commit(store, ledger, header, grads))
+                decision = await asyncio.shield(committing)
+                if decision is not None:
+                    break
+                committing = None  # the view moved on while it waited for the lock: wait again
+        finally:
+            if committing is None or committing.done():
+                self.budget.give(need)
+            else:
+                committing.add_done_callback(lambda _: self.budget.give(need))
         return self._answer(decision, ledger)
+
+    async def _take(self, nbytes: int, what: str, context: grpc.aio.ServicerContext) -> None:
+        """Takes the byte budget for a push or an Init, or refuses it with RESOURCE_EXHAUSTED."""
+        try:
+            await self.budget.take(nbytes, self.config.max_wait_s)
+        except BudgetExhausted as exc:
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Shard {self.index}: the {what}'s {exc}.")
+
+    @staticmethod
+    def _decoded(store: Store, payloads: dict[PieceId, bytearray], codec: Codec | None) -> dict[PieceId, np.ndarray]:
+        """A push's pieces as values, checked for NaN and Inf (on a thread)."""
+        return {pid: store.decode(pid, data, codec) for pid, data in payloads.items()}
+
+    async def _commit(self, store: Store, ledger: rules.Ledger, header: pb.PushHeader,
+                      grads: dict[PieceId, np.ndarray]) -> rules.Decision | None:
+        """With ``mutating``: the push decided again and carried out, the arithmetic on a thread;
+        None if it must wait for a view first."""
+        async with self.mutating:
+            decision = self._decide(ledger, header)
+            if decision.outcome == rules.WAIT:
+                return None
+            if decision.outcome == rules.APPLY:
+                new = await asyncio.to_thread(store.stepped, grads, header.group_lrs)
+                store.install(new, ledger.version + 1)
+                ledger.record(decision, header.worker_id, header.step)
+                self.counts["pushes_applied"] += 1
+                self._on_update()
+            elif decision.outcome == rules.ACCEPT:
+                skipped = decision.skip_to - ledger.version if decision.skip_to >= 0 else 0
+                ledger.record(decision, header.worker_id, header.step)
+                self.counts["pushes_applied"] += 1
+                if skipped:
+                    log.warning("shard %d of %d: worker %s pushes round %d, %d rounds past the %d it holds: "
+                                "those rounds' updates are lost", self.index, self.shards, header.worker_id,
+                                header.step, skipped, header.step - skipped)
+                await asyncio.to_thread(store.accumulate, grads, header.group_lrs)
+                before = ledger.version
+                await self._finish_rounds()
+                if ledger.version > before:
+                    decision = rules.Decision(rules.APPLY)
+            self._notify()
+            return decision
 
     def _decide(self, ledger: rules.Ledger, header: pb.PushHeader) -> rules.Decision:
         return ledger.decide_push(header.worker_id, step=header.step, base_version=header.base_version,

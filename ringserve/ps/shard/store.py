@@ -10,6 +10,10 @@ decisions (rules.py) on it. Two rules keep a shard's state safe from bad input a
   push has been read and decoded, so a refused push leaves the shard as it was.
 - **New arrays, not writes.** An update makes each piece's values a new array (optim.py), so a
   pull that is still streaming the old arrays sends one consistent version, without a copy.
+- **Computed, then installed.** An update is computed (``stepped``, ``round_stepped``: the
+  optimizer's arithmetic, on a thread of the servicer's) without touching what pulls read, then
+  installed at once (``install``: a reference a piece, on the loop), so a pull never sees some
+  pieces of an update and not others.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class Store:
         return (f"Shard {self.job.shard} holds the key {spec.key!r} from elements {starts}, not from "
                 f"element {spec.start}.")
 
-    def decode(self, pid: PieceId, data: bytes, codec: Codec | None) -> np.ndarray:
+    def decode(self, pid: PieceId, data: bytes | bytearray, codec: Codec | None) -> np.ndarray:
         """A push's payload of one piece as values (float32 after a codec, else the piece's dtype).
 
         Raises:
@@ -140,11 +144,25 @@ class Store:
               *, scale: float = 1.0) -> None:
         """One optimizer step of each piece pushed, against ``scale * grad``; ``version`` is the
         shard's version after it."""
+        self.install(self.stepped(grads, group_lrs, scale=scale), version)
+
+    def stepped(self, grads: Mapping[PieceId, np.ndarray], group_lrs: Sequence[float] = (), *,
+                scale: float = 1.0) -> dict[PieceId, np.ndarray]:
+        """The new values of each piece pushed, one optimizer step against ``scale * grad``, not yet
+        installed (the optimizer state steps). May run on a thread: one update at a time."""
+        new: dict[PieceId, np.ndarray] = {}
         for pid, grad in grads.items():
             entry = self.entries[pid]
             g = grad if scale == 1.0 else grad * np.asarray(scale, dtype=grad.dtype)
             opt = self.job.groups[entry.piece.spec.group]
-            entry.values = optim.step(opt, entry.values, g, entry.state, self._lr(entry.piece, group_lrs))
+            new[pid] = optim.step(opt, entry.values, g, entry.state, self._lr(entry.piece, group_lrs))
+        return new
+
+    def install(self, new: Mapping[PieceId, np.ndarray], version: int) -> None:
+        """Makes ``new`` the pieces' values as of ``version``: at once, on the loop."""
+        for pid, values in new.items():
+            entry = self.entries[pid]
+            entry.values = values
             entry.changed = version
 
     def accumulate(self, grads: Mapping[PieceId, np.ndarray], group_lrs: Sequence[float]) -> None:
@@ -163,11 +181,19 @@ class Store:
     def finish_round(self, version: int) -> None:
         """Applies the round's mean (or sum) and starts the next; deltas (average mode) step as
         the gradient ``-delta``, so that SGD with lr 1 sets the values to the mean of the workers'."""
+        self.install(self.round_stepped(), version)
+        self.next_round()
+
+    def round_stepped(self) -> dict[PieceId, np.ndarray]:
+        """The new values the round in progress makes (``stepped`` of its mean or sum), not yet installed."""
         count = self.round_pushes
         scale = 1.0 if self.job.sum else 1.0 / max(count, 1)
         if self.job.mode == "average":
             scale = -scale
-        self.apply(self._round, version, self.round_lrs, scale=scale)
+        return self.stepped(self._round, self.round_lrs, scale=scale)
+
+    def next_round(self) -> None:
+        """Starts the next round (after the last one's values were installed)."""
         self._round = {}
         self.round_pushes = 0
         self.round_lrs = []
@@ -177,7 +203,7 @@ class Store:
         return [e for e in self.entries.values() if version is None or e.changed > version]
 
 
-def decode_init(job: Job, chunks: Iterable[tuple[PieceId, bytes]]) -> dict[PieceId, np.ndarray]:
+def decode_init(job: Job, chunks: Iterable[tuple[PieceId, bytes | bytearray]]) -> dict[PieceId, np.ndarray]:
     """The raw values of every piece of a job, from its Init's joined payloads.
 
     Raises:
