@@ -26,6 +26,7 @@ error at start and never mid-training.
 from __future__ import annotations
 
 import hmac
+import inspect
 import os
 import pathlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -135,7 +136,9 @@ class Security:
     # -- servers -----------------------------------------------------------------------------
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [TokenInterceptor(self.token)] if self.token else []
+        """The token's check (when the job has one), then the parse guard: in that order, so that an
+        unauthenticated request is never parsed."""
+        return [*([TokenInterceptor(self.token)] if self.token else []), ParseGuard()]
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Binds address with TLS when this process has a certificate; returns the bound port.
@@ -214,7 +217,7 @@ class Security:
 def _authorized(metadata: Sequence[tuple[str, str | bytes]] | None, expected: bytes) -> bool:
     for key, value in metadata or ():
         if key == AUTH_HEADER:
-            raw = value.encode() if isinstance(value, str) else value
+            raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
             return hmac.compare_digest(raw, expected)
     return False
 
@@ -253,6 +256,87 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(_deny_unary)
         return grpc.unary_unary_rpc_method_handler(_deny_unary)
+
+
+class ParseGuard(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, naming the message it is not, to a request whose bytes do not
+    parse, where grpc.aio would answer UNKNOWN ("Unexpected DecodeError"): bad input is refused by
+    name. It parses in the handler instead of before it, for every method with a protobuf request
+    (the peer stream's frames are raw bytes, parsed by the data plane, and pass untouched)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        parse = getattr(handler, "request_deserializer", None)
+        if handler is None or parse is None or not hasattr(handler, "_replace"):
+            return handler
+        method = handler_call_details.method
+        if handler.request_streaming:
+            # Streams may read through ``context.read()``: the deserializer stays, raising Unparsed,
+            # which the behavior's wrapper turns into the refusal.
+            behavior = handler.stream_unary or handler.stream_stream
+            kind = "stream_unary" if handler.stream_unary else "stream_stream"
+            checked = _raising(parse, method)
+            if inspect.isasyncgenfunction(behavior):  # grpc.aio tells the two kinds by the function
+                async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                    try:
+                        async for answer in behavior(requests, context):
+                            yield answer
+                    except Unparsed as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+                return handler._replace(request_deserializer=checked, **{kind: streaming})
+
+            async def streamed(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await behavior(requests, context)
+                except Unparsed as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+            return handler._replace(request_deserializer=checked, **{kind: streamed})
+        if handler.response_streaming:
+            streaming = handler.unary_stream
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                result = streaming(await _parsed(parse, raw, context, method), context)
+                if hasattr(result, "__aiter__"):
+                    async for answer in result:
+                        yield answer
+                else:
+                    await result
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+        unary = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await unary(await _parsed(parse, raw, context, method), context)
+
+        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+
+
+async def _parsed(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.ServicerContext, method: str) -> Any:
+    try:
+        return parse(raw)
+    except Exception as exc:  # DecodeError, or whatever a deserializer raises on bytes it cannot take
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"The request to {method} does not parse ({len(raw)} bytes): {exc}")
+
+
+class Unparsed(Exception):
+    """A streamed request whose bytes do not parse (ParseGuard refuses the call with it)."""
+
+
+def _raising(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def checked(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:
+            raise Unparsed(f"A request streamed to {method} does not parse ({len(raw)} bytes): {exc}") from None
+
+    return checked
 
 
 # -- the client side of the token on plaintext channels -----------------------------------------

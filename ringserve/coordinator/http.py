@@ -26,6 +26,10 @@ What the page stands against besides:
 - **Guessing the token.** At most ``LOGIN_FAILURES`` wrong tokens (at /login or in ``?token=``)
   in ``LOGIN_WINDOW_S``, all clients together; past that, 429 with Retry-After until the
   window clears. The right token still needs to be the right one.
+- **Slow and silent connections.** At most ``CONNECTIONS`` at once (a new one past it closes
+  the one idle longest); one that has not sent a request's headers within ``IDLE_S`` of opening
+  or of its last answer is closed (slow-loris), and a request (its body included) that is not
+  done within ``REQUEST_S`` is answered 408. aiohttp bounds the request line and headers' sizes.
 - **A sampler that stops.** Sampling errors are logged and retried each second; while the
   newest sample is older than ``STALE_S``, ``/status.json`` answers 503 naming the error and
   the age of what it last had, and the page shows that, not old figures as if they were new.
@@ -45,6 +49,7 @@ import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from typing import Any
 
 try:
     from aiohttp import web
@@ -65,6 +70,10 @@ SAMPLE_S = 1.0
 STALE_S = 3 * SAMPLE_S  # older than this, the snapshot is not served as the job's state
 LOGIN_FAILURES = 10  # wrong tokens in LOGIN_WINDOW_S, all clients together, before 429
 LOGIN_WINDOW_S = 10.0
+CONNECTIONS = 64  # connections to the page at once; a browser holds one or two
+IDLE_S = 5.0  # a connection must send a request's headers within this of opening or of its last answer
+REQUEST_S = 10.0  # a request's handling, its body included
+GUARD_S = 0.5  # how often the connections are looked at
 # At thousands of workers the page lists the first ranks only (the counts cover every member).
 MAX_LISTED = 256
 COOKIE = "ringserve_status"
@@ -84,6 +93,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def cookie_value(token: str) -> str:
     """What the cookie holds for ``token``: an HMAC that opens the page and nothing else."""
     return hmac.new(token.encode(), b"ringserve status page", hashlib.sha256).hexdigest()
+
+
+def same(given: str, expected: str) -> bool:
+    """Whether ``given`` (anything a client sent: a header, a cookie, a form field, which may hold
+    bytes that are not UTF-8, kept as surrogates) is ``expected``, in constant time."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape"))
 
 
 def _static(name: str) -> bytes:
@@ -125,6 +140,10 @@ class StatusPage:
         self._sampled_at = 0.0  # the loop's clock at the newest sample
         self._sample_error = ""  # why the newest sampling failed ("": it did not)
         self._failures: deque[float] = deque()  # the loop's clock at each wrong token of the window
+        # Per open connection (aiohttp's RequestHandler): [the loop's clock of its start or last
+        # answer, busy?]; kept to the server's connections at each look
+        self._activity: dict[Any, list[Any]] = {}
+        self._guard: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._sampler: asyncio.Task[None] | None = None
         self.port = 0
@@ -141,7 +160,7 @@ class StatusPage:
         Raises:
             OSError: the port could not be bound.
         """
-        app = web.Application(middlewares=[self._secure])
+        app = web.Application(middlewares=[self._timed, self._secure])
         app.router.add_get("/", self._index)
         app.router.add_get("/status.json", self._json)
         app.router.add_get("/static/{name}", self._file)
@@ -160,10 +179,16 @@ class StatusPage:
         self.port = int(runner.addresses[0][1])
         self._sampler = asyncio.get_running_loop().create_task(self._sample(), name="ringserve-status-sampler")
         self._sampler.add_done_callback(self._sampler_ended)
+        self._guard = asyncio.get_running_loop().create_task(self._guard_connections(), name="ringserve-status-guard")
         log.info("status page on %s", self.url)
         return self
 
     async def stop(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._guard
+            self._guard = None
         if self._sampler is not None:
             self._sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -201,15 +226,52 @@ class StatusPage:
         self._snapshot = json.dumps(statusview.snapshot(status, list(self._samples)), separators=(",", ":")).encode()
         self._sampled_at = asyncio.get_running_loop().time()
 
+    # -- connections -------------------------------------------------------------------------
+
+    async def _guard_connections(self) -> None:
+        """Closes connections that send no request in time, and the idlest past CONNECTIONS."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(GUARD_S)
+            server = self._runner.server if self._runner is not None else None
+            if server is None:
+                continue
+            now = loop.time()
+            self._activity = {h: self._activity.get(h) or [now, False] for h in server.connections}
+            idle = [(since, h) for h, (since, busy) in self._activity.items() if not busy]
+            idle.sort(key=lambda pair: pair[0])
+            over = len(server.connections) - CONNECTIONS
+            for n, (since, handler) in enumerate(idle):
+                if now - since > IDLE_S or n < over:
+                    transport = handler.transport
+                    if transport is not None:
+                        transport.close()
+
+    @web.middleware
+    async def _timed(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Marks the connection busy while a request is handled, within REQUEST_S."""
+        loop = asyncio.get_running_loop()
+        state = self._activity.setdefault(request.protocol, [loop.time(), False])
+        state[1] = True
+        try:
+            async with asyncio.timeout(REQUEST_S):
+                return await handler(request)
+        except TimeoutError:
+            refused = web.Response(status=408, text=f"The request was not done within {REQUEST_S:g} s.")
+            refused.headers.update(_HEADERS)
+            return refused
+        finally:
+            state[0], state[1] = loop.time(), False
+
     # -- access ------------------------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
         if not self._token:
             return True
         header = request.headers.get("Authorization", "")
-        if header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), self._token.encode()):
+        if header.startswith("Bearer ") and same(header[7:], self._token):
             return True
-        return hmac.compare_digest(request.cookies.get(COOKIE, "").encode(), self._cookie.encode())
+        return same(request.cookies.get(COOKIE, ""), self._cookie)
 
     def _set_cookie(self, response: web.StreamResponse) -> None:
         response.set_cookie(COOKIE, self._cookie, httponly=True, samesite="Strict", secure=self._ssl is not None,
@@ -257,7 +319,7 @@ class StatusPage:
             limited.headers.update(_HEADERS)
             return limited
         if not public and not self._authorized(request):
-            right = bool(given) and request.method == "GET" and hmac.compare_digest(given.encode(), self._token.encode())
+            right = bool(given) and request.method == "GET" and same(given, self._token)
             if given and not right:
                 self._wrong_token()
             if right:
@@ -302,7 +364,7 @@ class StatusPage:
         given = str(form.get("token", ""))
         if not self._token:
             return _see_other("/")
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
+        if not same(given, self._token):
             self._wrong_token()
             return self._login_page("That is not the job token.", status=401)
         response = _see_other("/")

@@ -227,6 +227,51 @@ async def test_wrong_tokens_past_the_limit_get_429_until_the_window_clears(
             assert answer.status == 303
 
 
+async def test_bytes_that_are_not_utf8_in_a_token_cookie_or_form_are_refused_not_a_server_error(
+        guarded: Coordinator) -> None:
+    port = guarded.status_page.port
+    for head in (b"Authorization: Bearer \xff\xfe\x80", b"Cookie: ringserve_status=\xed\xa0\x80"):
+        answer = await _raw(port, b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:60]
+    form = b"token=%FF%FE"
+    answer = await _raw(port, b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(form), form))
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:60]
+
+
+async def _raw(port: int, request: bytes, *, hold_s: float = 0.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read(-1)
+    finally:
+        writer.close()
+
+
+async def test_slow_and_silent_connections_are_closed_and_capped_while_the_page_answers(
+        http: aiohttp.ClientSession) -> None:
+    async with Coordinator(CoordinatorConfig(http_port=0)) as coord:
+        port = coord.status_page.port
+        loop = asyncio.get_running_loop()
+        slow = await asyncio.open_connection("127.0.0.1", port)
+        slow[1].write(b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # headers never end
+        started = loop.time()
+        async with asyncio.timeout(http_page.IDLE_S + 5):
+            assert await slow[0].read(-1) == b""  # closed by the page, not by us
+        assert loop.time() - started < http_page.IDLE_S + 2 * http_page.GUARD_S + 1
+        slow[1].close()
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2 * http_page.CONNECTIONS)]
+        try:
+            await asyncio.sleep(3 * http_page.GUARD_S)
+            assert len(coord.status_page._runner.server.connections) <= http_page.CONNECTIONS
+            await _json(http, coord.status_page.url)  # and it still answers
+        finally:
+            for _, writer in held:
+                writer.close()
+
+
 async def test_a_sampler_that_fails_is_said_on_the_page_not_hidden_behind_old_figures(
         http: aiohttp.ClientSession) -> None:
     async with Coordinator(CoordinatorConfig(http_port=0)) as coord:
