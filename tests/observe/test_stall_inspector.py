@@ -24,7 +24,9 @@ async def test_a_collective_some_ranks_never_submit_is_reported_naming_the_missi
             a = np.ones(8, np.float32)
             early = [asyncio.ensure_future(w.allreduce(a, op="sum", name="grad.w")) for w in workers[:2]]
             deadline = asyncio.get_running_loop().time() + 10
-            while coord.service.counts["stall_warnings"] == 0:
+            # The stall of grad.w itself: under load, the measure of the links before it (auto) may
+            # be reported first.
+            while not any("'grad.w#1'" in r.getMessage() for r in caplog.records if r.name == "ringserve.coordinator"):
                 assert asyncio.get_running_loop().time() < deadline, "no stall was reported"
                 await asyncio.sleep(0.1)
             late = await workers[2].allreduce(a, op="sum", name="grad.w")
