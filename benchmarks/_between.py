@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from _common import PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, table
 from _veth import DEVICE, SUBNET, Lan, free_port
 
 ME = str(pathlib.Path(__file__).resolve().parent / "allreduce.py")
@@ -50,9 +50,12 @@ def _ringserve(lan: Lan, world: int, sizes: list[str], out: pathlib.Path, lane: 
             flags.append(f"--{key.replace('_', '-')}")
         else:
             flags += [f"--{key.replace('_', '-')}", str(value)]
+    # Without a token of the run's, an open coordinator by name: the namespaces are the benchmark's own.
+    opened = {} if "token" in security or security.get("tls_require_client_auth") else OPEN_COORDINATOR
     coordinator = subprocess.Popen(lan.command(host0, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host", host0.address,
                                                        "--port", str(port), "--min-workers", str(world),
-                                                       "--max-workers", str(world), "--settle-seconds", "0.1", *flags]))
+                                                       "--max-workers", str(world), "--settle-seconds", "0.1", *flags],
+                                               opened))
     try:
         lan.wait_listening(host0, port, timeout_s=60)
         env = {"RINGSERVE_COORDINATOR": f"{host0.address}:{port}", "RINGSERVE_SHARED_MEMORY": "0",

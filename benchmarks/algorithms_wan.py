@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, table
 from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -133,7 +133,7 @@ def run_config(wan: Wan, args: argparse.Namespace, name: str, tmp: pathlib.Path)
             "--min-workers", str(world), "--max-workers", str(world),
             # On a loaded 2-core machine a worker's heartbeat can starve past the 5 s default, and
             # a view change mid-run measures nothing: the data plane is what is measured here.
-            "--heartbeat-timeout", str(args.heartbeat_timeout)]))
+            "--heartbeat-timeout", str(args.heartbeat_timeout)], OPEN_COORDINATOR))
         wan.wait_listening(hosts[0], port, timeout_s=60)
         env.update({"RINGSERVE_COORDINATOR": f"{hosts[0].address}:{port}",
                     "RINGSERVE_COLLECTIVE_TIMEOUT_S": str(args.timeout), "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "300"})

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, table
 from _netem import Wan, read_counters
 from allreduce import parse_size
 
@@ -62,7 +62,7 @@ def run_config(wan: Wan, args: argparse.Namespace, tmp: pathlib.Path, mode: str,
     host0 = wan.hosts[0]
     coordinator = subprocess.Popen(wan.command(host0, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host", host0.address,
                                                        "--port", str(port), "--min-workers", str(world),
-                                                       "--max-workers", str(world)]))
+                                                       "--max-workers", str(world)], OPEN_COORDINATOR))
     procs, outs = [], []
     try:
         wan.wait_listening(host0, port, timeout_s=30)

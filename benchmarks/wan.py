@@ -62,7 +62,7 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import wan_target
-from _common import PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, table
 from _netcheck import connect_rtt_ms, ring_bulk_mbit
 from _netem import DEVICE, EmulationUnavailable, Host, Wan, check_environment, interface_tx_bytes, read_counters
 from _results import save
@@ -238,7 +238,7 @@ def _run(wan: Wan, args: argparse.Namespace, config: Config, tmp: pathlib.Path) 
     host0, port, world = wan.hosts[0], next(_ports), str(len(wan.hosts))
     coordinator = subprocess.Popen(wan.command(host0, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host",
                                                        host0.address, "--port", str(port), "--min-workers", world,
-                                                       "--max-workers", world]))
+                                                       "--max-workers", world], OPEN_COORDINATOR))
     try:
         wan.wait_listening(host0, port, timeout_s=30)
         env = {"RINGSERVE_COORDINATOR": f"{host0.address}:{port}", "RINGSERVE_SHARED_MEMORY": "0"}

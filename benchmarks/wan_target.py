@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from _common import PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, table
 from _netem import Wan, interface_tx_bytes, read_counters
 
 HELD_OUT = 1024
@@ -258,7 +258,7 @@ def run_config(wan: Wan, args: argparse.Namespace, config: Config, tmp: pathlib.
                                                            str(len(wan.hosts)), "--max-workers", str(len(wan.hosts)),
                                                            # A benchmark, not a failure test: a rank starved of CPU
                                                            # on a loaded machine must not be taken for dead.
-                                                           "--heartbeat-timeout", "60"]))
+                                                           "--heartbeat-timeout", "60"], OPEN_COORDINATOR))
         wan.wait_listening(host0, port + 1, timeout_s=30)
         env = {"RINGSERVE_COORDINATOR": f"{host0.address}:{port + 1}", "RINGSERVE_SHARED_MEMORY": "0"}
     outs = [tmp / f"{config.key}.{h.index}.json" for h in wan.hosts]

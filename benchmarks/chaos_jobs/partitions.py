@@ -50,6 +50,7 @@ WORKERS = 4
 HEARTBEAT_TIMEOUT_S = 2.0  # as the campaign's other jobs
 HOLD_S = HEARTBEAT_TIMEOUT_S + 2.0  # a cut lasts this long: past the heartbeat timeout
 PORT = 29400
+TOKEN = "chaos-partitions-job-token"  # the job's: its coordinator is off loopback
 
 
 def available() -> bool:
@@ -105,17 +106,18 @@ class PartitionJob:
     def _start(self, steps: int, pause_s: float, env: dict[str, str]) -> None:
         log = self.tmp / "commits.jsonl"
         coordinator_log = self.tmp / "coordinator.log"
+        secured = {**os.environ, "RINGSERVE_TOKEN": TOKEN}  # off loopback: the job's token (secure by default)
         with coordinator_log.open("wb") as out:
             self.coordinator = subprocess.Popen(
                 ["ip", "netns", "exec", self.coordinator_ns, sys.executable, "-m", "ringserve.cli", "coordinator",
                  "--host", COORDINATOR, "--port", str(PORT), "--min-workers", "2", "--settle-seconds", "0.5",
-                 "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], stdout=out, stderr=subprocess.STDOUT)
+                 "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], stdout=out, stderr=subprocess.STDOUT, env=secured)
         deadline = time.time() + 30
         while "listening on" not in coordinator_log.read_text():
             if time.time() > deadline or self.coordinator.poll() is not None:
                 raise RuntimeError(f"the coordinator did not start: {coordinator_log.read_text()[-2000:]}")
             time.sleep(0.05)
-        common = {**os.environ, "RINGSERVE_COORDINATOR": f"{COORDINATOR}:{PORT}", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
+        common = {**secured, "RINGSERVE_COORDINATOR": f"{COORDINATOR}:{PORT}", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
                   "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "RINGSERVE_RPC_TIMEOUT_S": "1", "PYTHONUNBUFFERED": "1",
                   "RINGSERVE_SHARED_MEMORY": "0", "ELASTIC_LOG_TIMES": "1", **env}
         common.pop("RINGSERVE_HOSTNAME", None)

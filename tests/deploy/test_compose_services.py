@@ -11,12 +11,14 @@ of the test's, and 0.0.0.0 is loopback: nothing listens beyond this machine.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -120,7 +122,9 @@ def up(processes: list[subprocess.Popen[str]], tmp_path: Path, shell: Mapping[st
     names = list(services)
     coordinator_service, worker_service = services["coordinator"], services["worker"]
 
-    volumes = tmp_path / "volumes"
+    # Short, as a container's /run/... is: a Unix socket's path in the rings' volume holds 107 bytes.
+    volumes = Path(tempfile.mkdtemp(prefix="rsv-"))
+    atexit.register(shutil.rmtree, volumes, True)
     coordinator_env = container_env(coordinator_service, names, volumes)
     coordinator_log = tmp_path / "coordinator.log"
     coordinator_argv = [mounted(coordinator_service, arg, volumes) for arg in command(coordinator_service["command"])]

@@ -59,13 +59,14 @@ def test_a_worker_whose_link_goes_down_is_dropped_the_others_go_on_and_it_rejoin
 ) -> None:
     a, b = namespaces
     port = 29000 + os.getpid() % 1000
+    token = {"RINGSERVE_TOKEN": "network-cut-job-token"}  # off loopback: secure by default
     coordinator = in_ns(a, [sys.executable, "-m", "ringserve.cli", "coordinator", "--host", HOST_A, "--port", str(port),
-                            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", "2"], {})
+                            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", "2"], token)
     assert coordinator.stdout is not None
     assert "listening on" in coordinator.stdout.readline().decode()
     log = tmp_path / "commits.jsonl"
     steps = 250
-    common = {"RINGSERVE_COORDINATOR": f"{HOST_A}:{port}", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
+    common = {**token, "RINGSERVE_COORDINATOR": f"{HOST_A}:{port}", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
               "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, harness.WORKER, str(log), str(steps), "0.03"]
     workers = [in_ns(a, argv, {**common, "RINGSERVE_BIND_HOST": HOST_A, "RINGSERVE_RANK_HINT": str(i)}) for i in range(3)]

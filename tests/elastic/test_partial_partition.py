@@ -155,16 +155,17 @@ def start_job(tmp_path: Path, net: Net, steps: int, lane: str = "one-host") -> J
     port = 29500 + os.getpid() % 400
     # The coordinator's log goes to a file: nobody reads a pipe of it, which could fill and stall it.
     coordinator_log = tmp_path / "coordinator.log"
+    token = {"RINGSERVE_TOKEN": "partial-partition-job-token"}  # off loopback: secure by default
     with open(coordinator_log, "wb") as out:
         coordinator = in_ns(net.coordinator, [
             sys.executable, "-m", "ringserve.cli", "--log-level", "info", "coordinator", "--host", COORDINATOR, "--port", str(port),
-            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], {}, out)
+            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], token, out)
     deadline = time.time() + 30
     while "listening on" not in coordinator_log.read_text():
         assert time.time() < deadline and coordinator.poll() is None, coordinator_log.read_text()
         time.sleep(0.05)
     log = tmp_path / "commits.jsonl"
-    common = {"RINGSERVE_COORDINATOR": f"{COORDINATOR}:{port}", "RINGSERVE_ELASTIC_TIMEOUT_S": "90",
+    common = {**token, "RINGSERVE_COORDINATOR": f"{COORDINATOR}:{port}", "RINGSERVE_ELASTIC_TIMEOUT_S": "90",
               "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "RINGSERVE_RPC_TIMEOUT_S": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, harness.WORKER, str(log), str(steps), "0.03"]
     # The victim takes rank 1, so that the tie-break (the latest rank goes) cannot be what drops it.
