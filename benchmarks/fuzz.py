@@ -266,6 +266,23 @@ class Lingering:
             self.poll(0.1)
 
 
+def first_answer(sock: socket.socket, send: Callable[[socket.socket], None], look_s: float, deadline: float,
+                 lingering: Lingering, label: str) -> bytes | Outcome:
+    """Sends with ``send``, then the first bytes back within ``look_s`` (b"": closed); a connection
+    still open is handed to ``lingering``, which must see it closed or answered by ``deadline``."""
+    try:
+        sock.settimeout(1.0)
+        send(sock)
+        sock.settimeout(look_s)
+        return sock.recv(65536)
+    except TimeoutError:
+        lingering.add(sock, deadline, label)
+        return Outcome("left open, watched")
+    except OSError as exc:
+        sock.close()
+        return Outcome(f"reset: {type(exc).__name__}")
+
+
 def raw_exchange(connect: Callable[[], socket.socket], payload: bytes, *, slow: bool, bound_s: float,
                  lingering: Lingering, label: str) -> Outcome:
     """Sends ``payload`` (its first bytes one at a time when ``slow``); the server must then close
@@ -274,28 +291,24 @@ def raw_exchange(connect: Callable[[], socket.socket], payload: bytes, *, slow: 
         sock = connect()
     except OSError as exc:
         return Outcome(f"connect: {type(exc).__name__}")
-    started = time.monotonic()
-    try:
-        sock.settimeout(1.0)
+    def send(s: socket.socket) -> None:
+        rest = payload
         if slow:
-            for i in range(min(len(payload), 16)):
-                sock.sendall(payload[i:i + 1])
+            for i in range(min(len(rest), 16)):
+                s.sendall(rest[i:i + 1])
                 time.sleep(0.005)
-            payload = payload[16:]
-        if payload:
-            sock.sendall(payload)
-        sock.settimeout(0.005)
-        got = sock.recv(65536)
-    except TimeoutError:
-        lingering.add(sock, started + bound_s, label)
-        return Outcome("left open, watched")
-    except OSError as exc:
-        sock.close()
-        return Outcome(f"reset: {type(exc).__name__}")
+            rest = rest[16:]
+        if rest:
+            s.sendall(rest)
+
+    deadline = time.monotonic() + bound_s
+    got = first_answer(sock, send, 0.005, deadline, lingering, label)
+    if isinstance(got, Outcome):
+        return got
     if not got:
         sock.close()
         return Outcome("closed")
-    lingering.add(sock, started + bound_s, label)  # answered (a refusal byte): it closes next
+    lingering.add(sock, deadline, label)  # answered (a refusal byte): it closes next
     return Outcome("answered")
 
 
@@ -346,18 +359,9 @@ def http_exchange(host: str, port: int, request: bytes, lingering: Lingering, la
         sock = socket.create_connection((host, port), timeout=DEADLINE_S)
     except OSError as exc:
         return Outcome(f"connect: {type(exc).__name__}")
-    started = time.monotonic()
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(request)
-        sock.settimeout(0.05)
-        first = sock.recv(64)
-    except TimeoutError:
-        lingering.add(sock, started + PAGE_BOUND_S, label)
-        return Outcome("left open, watched")
-    except OSError as exc:
-        sock.close()
-        return Outcome(f"reset: {type(exc).__name__}")
+    first = first_answer(sock, lambda s: s.sendall(request), 0.05, time.monotonic() + PAGE_BOUND_S, lingering, label)
+    if isinstance(first, Outcome):
+        return first
     sock.close()
     if not first:
         return Outcome("closed")
