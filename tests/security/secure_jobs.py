@@ -4,7 +4,7 @@ namespace the test makes, where this host's address is off loopback.
     python secure_jobs.py worker          # as a worker of `ringserve run` (its environment)
     python secure_jobs.py torch           # as a rank of torchrun, on the "ringserve" backend
     python secure_jobs.py spark HOST N    # the driver of ringserve.spark.run, N tasks
-    python secure_jobs.py ray N           # the driver of a RayExecutor, N actors
+    python secure_jobs.py ray HOST N      # the driver of a RayExecutor on a node at HOST, N actors
 
 Each worker first calls the job's coordinator as an outsider would, with no token, and reports
 the answer (``refused: UNAUTHENTICATED`` where the job is secure), then joins as the launcher
@@ -84,12 +84,12 @@ def as_spark_driver(host: str, n: int) -> None:
         sc.stop()
 
 
-def as_ray_driver(n: int) -> None:
+def as_ray_driver(host: str, n: int) -> None:
     import ray
 
     from ringserve.ray import RayExecutor
 
-    ray.init(num_cpus=n, include_dashboard=False)
+    ray.init(num_cpus=n, include_dashboard=False, _node_ip_address=host)  # a node off loopback
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=n, cpus_per_worker=1)
     try:
         executor.start()
@@ -109,7 +109,7 @@ def main() -> None:
     elif mode == "spark":
         as_spark_driver(sys.argv[2], int(sys.argv[3]))
     elif mode == "ray":
-        as_ray_driver(int(sys.argv[2]))
+        as_ray_driver(sys.argv[2], int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -209,7 +209,7 @@ def test_spark_on_a_driver_off_loopback_makes_a_token_and_refuses_a_task_without
 @pytest.mark.timeout(300)
 def test_ray_on_a_node_off_loopback_makes_a_token_and_refuses_an_actor_without_it() -> None:
     pytest.importorskip("ray")
-    with off_loopback() as (ns, _):
-        results = run_in(ns, [sys.executable, str(JOBS), "ray", "2"], {"RAY_USAGE_STATS_ENABLED": "0"}, 280)
+    with off_loopback() as (ns, address):
+        results = run_in(ns, [sys.executable, str(JOBS), "ray", address, "2"], {"RAY_USAGE_STATS_ENABLED": "0"}, 280)
     assert_secure(results, 2)
     assert all(r["token_in_env"] for r in results)
