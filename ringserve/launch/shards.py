@@ -40,6 +40,9 @@ log = logging.getLogger("ringserve.ps")
 POLL_S = 0.1
 # A shard process is asked to stop (SIGTERM, it writes its last checkpoint) and killed after this.
 STOP_GRACE_S = 10.0
+# What a shard process may take to start (the interpreter and its imports) before its register_timeout_s
+# begins: 10-13 s from `ringserve run --ps 2` to both shards serving at a load average of 29 on 2 cores.
+STARTUP_S = 30.0
 # A shard process that exits within this of its start does not get restarted at once, but after it.
 RESTART_BACKOFF_S = 1.0
 
@@ -55,7 +58,7 @@ class ParameterServer:
 
     def __init__(self, coordinator: str | None = None, *, shards: int | None = None, config: ShardConfig | None = None,
                  processes: bool = True, max_restarts: int = 10, env: Mapping[str, str] | None = None,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float | None = None) -> None:
         """Args:
             coordinator: host:port of the coordinator (default: the config's).
             shards: S (default: the config's).
@@ -63,7 +66,8 @@ class ParameterServer:
             processes: one process per shard (see the module docstring), else in this process.
             max_restarts: shard processes started again in all, before the server gives up on one.
             env: the shard processes' environment (default: this process's).
-            start_timeout_s: how long start() waits for every shard to register.
+            start_timeout_s: how long start() waits for every shard to register (default: the
+                config's register_timeout_s, plus STARTUP_S for the shard processes to start).
         """
         base = config or ShardConfig.from_env()
         shards = base.shards if shards is None else shards
@@ -77,7 +81,7 @@ class ParameterServer:
         self.max_restarts = max_restarts
         self.restarts = 0
         self._env = dict(os.environ if env is None else env)
-        self._start_timeout_s = start_timeout_s
+        self._start_timeout_s = self.config.register_timeout_s + STARTUP_S if start_timeout_s is None else start_timeout_s
         self._job = uuid.uuid4().hex[:12]
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._started_at: dict[int, float] = {}

@@ -29,7 +29,7 @@ from worlds import World, coordinator_config, worker_config
 from ringserve import Coordinator, Worker
 from ringserve._proto import ps_pb2 as pb
 from ringserve._proto import ps_pb2_grpc as pb_grpc
-from ringserve.errors import InvalidArgumentError, RingserveError
+from ringserve.errors import CoordinatorUnreachableError, InvalidArgumentError, RingserveError
 from ringserve.ps import AsyncClient, Optimizer, Shard
 
 pytestmark = pytest.mark.timeout(120)
@@ -410,6 +410,53 @@ async def test_a_shard_whose_index_is_held_gives_up_within_its_register_timeout(
         async with Shard(shard_config(coord.address, 1, shard_index=0)):
             with pytest.raises(RingserveError, match=r"could not take an index within 0\.5 s"):
                 await Shard(shard_config(coord.address, 1, shard_index=0, register_timeout_s=0.5)).start()
+
+
+async def stopped_coordinator() -> tuple[asyncio.subprocess.Process, str]:
+    """A `ringserve coordinator` process, SIGSTOPped once it listens: a coordinator starved of
+    CPU, as under a load average far past the cores, that takes connections and answers none."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert proc.stdout is not None
+    async with asyncio.timeout(60):
+        while b"listening on" not in (line := await proc.stdout.readline()):
+            assert line, "the coordinator exited before it listened"
+    proc.send_signal(signal.SIGSTOP)
+    return proc, line.decode().split("listening on", 1)[1].split()[0]
+
+
+async def test_a_shard_registers_once_a_coordinator_starved_past_several_tries_answers_again() -> None:
+    proc, address = await stopped_coordinator()
+    try:
+        shard = Shard(shard_config(address, 1, connect_timeout_s=0.5, register_timeout_s=20))
+        starting = asyncio.create_task(shard.start())
+        await asyncio.sleep(2.5)  # five tries past their deadline
+        assert not starting.done()
+        proc.send_signal(signal.SIGCONT)
+        async with asyncio.timeout(15):
+            await starting
+        assert shard.index == 0
+        await shard.stop()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+async def test_a_shard_gives_up_on_a_silent_coordinator_within_its_register_timeout_naming_it() -> None:
+    proc, address = await stopped_coordinator()
+    try:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        # Each try's deadline (4 s) is longer than what is left: the last try is cut to fit.
+        with pytest.raises(CoordinatorUnreachableError, match=r"could not be reached within 1\.5 s: DEADLINE_EXCEEDED"):
+            await Shard(shard_config(address, 1, connect_timeout_s=4, register_timeout_s=1.5)).start()
+        assert loop.time() - began < 1.5 + 0.5
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
 
 
 async def test_a_shard_answers_unavailable_until_it_holds_its_index_so_clients_wait_for_it() -> None:

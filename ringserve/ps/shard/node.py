@@ -187,7 +187,9 @@ class Shard:
         deadline = loop.time() + cfg.register_timeout_s
         while True:
             try:
-                answer = await self._stub.RegisterShard(self._request(True), timeout=cfg.connect_timeout_s)
+                # No try outlives the deadline: the error comes within register_timeout_s.
+                left = max(0.05, deadline - loop.time())
+                answer = await self._stub.RegisterShard(self._request(True), timeout=min(cfg.connect_timeout_s, left))
                 break
             except grpc.aio.AioRpcError as exc:
                 retry = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS,
