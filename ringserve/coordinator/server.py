@@ -50,6 +50,10 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
     # 256 MiB in gRPC's buffers, outside every cap; parameter chunks are 1 MiB.
     options["grpc.http2.lookahead_bytes"] = 4 * PARAM_CHUNK_BYTES
     options["grpc.max_concurrent_streams"] = connection_stream_cap(config)
+    # What a coordinator receives is small: a parameter chunk is 1 MiB, everything else a few KiB.
+    # A 100 MB message under the 64 MiB send cap was read whole before it was refused, and left the
+    # process 150 MiB larger (benchmarks/hostile_memory.py).
+    options["grpc.max_receive_message_length"] = min(config.max_message_bytes, MAX_RECEIVE_BYTES)
     return [
         *options.items(),
         ("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000)),
@@ -61,6 +65,10 @@ def coordinator_server_options(config: CoordinatorConfig) -> list[tuple[str, int
         ("grpc.server.max_pending_requests", max(1000, config.max_concurrent_rpcs)),
         ("grpc.server.max_pending_requests_hard_limit", max(3000, config.max_concurrent_rpcs)),
     ]
+
+
+# The largest message a coordinator takes: four parameter chunks' worth.
+MAX_RECEIVE_BYTES = 4 * PARAM_CHUNK_BYTES
 
 
 def connection_stream_cap(config: CoordinatorConfig) -> int:

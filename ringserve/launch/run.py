@@ -98,7 +98,9 @@ def launch(
         networked = bool(discovery_script) or not all(local.values())
         if networked:
             config = networked_config(config)
-        coord = Coordinator(config)
+        # The launcher holds no tensors: a flood's freed heap goes back to the system, as for a
+        # coordinator of its own (benchmarks/hostile_memory.py).
+        coord = Coordinator(config, release_memory=True)
         thread.run(coord.start(), COORDINATOR_START_S)
         if ps_shards:
             job_env = os.environ if env is None else env
