@@ -3,12 +3,15 @@ route to the coordinator (in a container, its own address on the compose network
 
 from __future__ import annotations
 
-import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import uuid
 
-import numpy as np
 import pytest
 
-from ringserve import Coordinator, Worker, WorkerConfig
+from ringserve import WorkerConfig
 from ringserve.config import ADVERTISE_AUTO
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,15 +33,42 @@ def test_auto_is_read_from_the_environment_as_compose_sets_it() -> None:
     assert config.bind_host == "0.0.0.0" and config.advertised_host() == "127.0.0.1"
 
 
-async def test_workers_bound_to_every_interface_with_auto_advertise_reach_each_other(make_coordinator_config, make_worker_config) -> None:
-    async with Coordinator(make_coordinator_config(min_workers=3)) as coord:
-        workers = [Worker(config=make_worker_config(coord.address, bind_host="0.0.0.0", advertise_host=ADVERTISE_AUTO))
-                   for _ in range(3)]
+# Run in a network namespace this test makes, with loopback alone: workers bound to 0.0.0.0 there
+# are reachable from nowhere else.
+WORLD = """
+import asyncio
+import numpy as np
+from ringserve import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from ringserve.config import ADVERTISE_AUTO
+
+async def main():
+    async with Coordinator(CoordinatorConfig(min_workers=3, settle_s=0.2)) as coord:
+        workers = [Worker(config=WorkerConfig(coordinator=coord.address, bind_host="0.0.0.0",
+                                              advertise_host=ADVERTISE_AUTO)) for _ in range(3)]
         try:
             await asyncio.gather(*(w.start() for w in workers))
             assert all(w.address.startswith("127.0.0.1:") for w in workers), [w.address for w in workers]
-            results = await asyncio.gather(*(w.allreduce(np.full(5, w.rank, dtype=np.float32), op="sum") for w in workers))
+            results = await asyncio.gather(*(w.allreduce(np.full(5, w.rank, dtype=np.float32), op="sum")
+                                             for w in workers))
             for r in results:
                 np.testing.assert_array_equal(r, np.full(5, 3, dtype=np.float32))
         finally:
             await asyncio.gather(*(w.close() for w in workers))
+    print("EXACT")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for its namespace")
+def test_workers_bound_to_every_interface_with_auto_advertise_reach_each_other() -> None:
+    ns = f"rs-adv-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True, timeout=10)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", WORLD], env=env, capture_output=True,
+                              text=True, timeout=50)
+        assert proc.returncode == 0 and "EXACT" in proc.stdout, proc.stderr[-4000:]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
