@@ -120,7 +120,7 @@ class Store:
         return (f"Shard {self.job.shard} holds the key {spec.key!r} from elements {starts}, not from "
                 f"element {spec.start}.")
 
-    def decode(self, pid: PieceId, data: bytes | bytearray, codec: Codec | None) -> np.ndarray:
+    def decode(self, pid: PieceId, data: bytes | bytearray | np.ndarray, codec: Codec | None) -> np.ndarray:
         """A push's payload of one piece as values (float32 after a codec, else the piece's dtype).
 
         Raises:
@@ -203,7 +203,7 @@ class Store:
         return [e for e in self.entries.values() if version is None or e.changed > version]
 
 
-def decode_init(job: Job, chunks: Iterable[tuple[PieceId, bytes | bytearray]]) -> dict[PieceId, np.ndarray]:
+def decode_init(job: Job, chunks: Iterable[tuple[PieceId, bytes | bytearray | np.ndarray]]) -> dict[PieceId, np.ndarray]:
     """The raw values of every piece of a job, from its Init's joined payloads.
 
     Raises:
