@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -83,10 +84,8 @@ def raw(address: str, payloads: list[bytes], hold_s: float = 0.0) -> None:
     socks = []
     for payload in payloads:
         s = socket.create_connection((host, int(port)), timeout=5)
-        try:
+        with contextlib.suppress(OSError):
             s.sendall(payload)
-        except OSError:
-            pass
         socks.append(s)
     time.sleep(hold_s or 0.5)
     for s in socks:
@@ -107,11 +106,9 @@ async def oversized(address: str) -> None:
         stub = pb_grpc.CoordinatorStub(channel)
         blob = b"\x01" * (100 * 1000 * 1000)
         for i in range(20):
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await stub.PutParams(iter([pb.ParamChunk(key=f"big{i}", offset=0, total_bytes=len(blob), data=blob)]),
                                      timeout=30)
-            except grpc.aio.AioRpcError:
-                pass
 
 
 async def watch(address: str, count: int = 4100, hold_s: float = 10.0) -> None:
@@ -142,11 +139,9 @@ async def params(address: str, keys: int = 1200) -> None:
         stub = pb_grpc.CoordinatorStub(channel)
         blob = random.Random(1).randbytes(MiB)
         for i in range(keys):
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await stub.PutParams(iter([pb.ParamChunk(key=f"key-{i}", offset=0, total_bytes=MiB, data=blob)]),
                                      timeout=30)
-            except grpc.aio.AioRpcError:
-                pass
 
 
 def inputs_table(address: str) -> dict[str, Callable[[], Awaitable[None] | None]]:
@@ -160,6 +155,29 @@ def inputs_table(address: str) -> dict[str, Callable[[], Awaitable[None] | None]
         "watch": lambda: watch(address),
         "params": lambda: params(address),
     }
+
+
+async def measured(send: Callable[[], Awaitable[None] | None], pid: int, before: int, settle_s: float) -> tuple[float, int]:
+    """Sends one input, then waits ``settle_s``; returns the time it took and the peak RSS meanwhile."""
+    peak = before
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, rss(pid))
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample())
+    began = time.monotonic()
+    result = await asyncio.to_thread(send)  # a raw input runs there; a gRPC one is awaited here
+    if asyncio.iscoroutine(result):
+        await result
+    took = time.monotonic() - began
+    await asyncio.sleep(settle_s)
+    stop.set()
+    await sampler
+    return took, peak
 
 
 def main() -> int:
@@ -200,29 +218,9 @@ def main() -> int:
         table = inputs_table(address)
         for name in args.inputs or list(table):
             before, done_before = rss(launcher.pid), steps(directory)
-            peak = [before]
-
-            async def sample(stop: asyncio.Event) -> None:
-                while not stop.is_set():
-                    peak[0] = max(peak[0], rss(launcher.pid))
-                    await asyncio.sleep(0.1)
-
-            async def one() -> float:
-                stop = asyncio.Event()
-                sampler = asyncio.create_task(sample(stop))
-                began = time.monotonic()
-                result = await asyncio.to_thread(table[name])  # a raw input runs there; a gRPC one is awaited here
-                if asyncio.iscoroutine(result):
-                    await result
-                took = time.monotonic() - began
-                await asyncio.sleep(args.settle)
-                stop.set()
-                await sampler
-                return took
-
-            took = asyncio.run(one())
+            took, peak = asyncio.run(measured(table[name], launcher.pid, before, args.settle))
             after = rss(launcher.pid)
-            row = {"input": name, "before_mib": round(before / MiB, 1), "peak_mib": round(peak[0] / MiB, 1),
+            row = {"input": name, "before_mib": round(before / MiB, 1), "peak_mib": round(peak / MiB, 1),
                    "after_mib": round(after / MiB, 1), "seconds": round(took, 1),
                    "job_steps": steps(directory) - done_before, "job_alive": launcher.poll() is None}
             rows.append(row)

@@ -292,7 +292,7 @@ class ShardService(pb_grpc.ParameterServerServicer):
                     # Uninitialised: its pages are mapped as chunks fill them. A bytearray is zeroed
                     # whole here, on the loop: 0.2-0.5 s for a 1 GiB piece (the loop's worst lag).
                     buffers[pid] = np.empty(size, dtype=np.uint8)
-                    view = views[pid] = memoryview(buffers[pid])
+                    view = views[pid] = buffers[pid].data
                 view[got : got + len(chunk.data)] = chunk.data
                 received[pid] = got + len(chunk.data)
         short = [f"{k!r}[{s}:] ({received.get((k, s), 0)} of {n} bytes)" for (k, s), n in sizes.items()

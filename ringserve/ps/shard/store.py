@@ -130,7 +130,7 @@ class Store:
         if codec is None:
             values = np.frombuffer(data, dtype=piece.spec.dtype)
         else:
-            values = codec.decode(memoryview(data), piece.count)
+            values = codec.decode(data.data if isinstance(data, np.ndarray) else memoryview(data), piece.count)
         if not np.isfinite(values).all():
             raise InvalidArgumentError(f"The push's {piece.describe()} holds NaN or Inf; the shard refused it whole.")
         return values
