@@ -103,6 +103,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._state.view
 
     @property
+    def joins(self) -> int:
+        """Workers that have joined since this coordinator started (a rejoin under its id is not counted)."""
+        return self._state.join_seq
+
+    @property
     def mark(self) -> commits.Mark:
         """The job's committed high-water mark (see ledger.py)."""
         return self.ledger.mark

@@ -39,6 +39,10 @@ from ringserve.launch.procs import Proc
 
 FINISH_GRACE_S = 30.0
 HOST_FAILURE_LIMIT = 3  # with --restart-failed: the failure that blacklists a host
+# With --restart-failed: this many workers in a row dying the same way (exit code and last line)
+# before any worker joined the job ends the run: a command that cannot start (a python without the
+# job's packages) is not restarted until every restart is spent.
+SAME_EARLY_DEATHS = 3
 POLL_S = 0.05
 
 Key = tuple[str, int]
@@ -125,6 +129,7 @@ class _Run:
         self.host_failures: Counter[str] = Counter()
         self.finished_at: float | None = None
         self.last_failure: Outcome | None = None
+        self.early_deaths: list[tuple[int, str]] = []  # (exit code, last line) of those dead before any join
 
     def reap(self, now: float) -> Outcome | None:
         """Takes note of the workers that ended; an Outcome when the run must end now."""
@@ -146,21 +151,33 @@ class _Run:
                 self.workers.note(f"{name} lost the job's committed state (exit code {code}, StateLostError); "
                                   f"restarting nobody and ending the run")
                 return self.last_failure
-            self._failed(key, proc, code, now)
+            ended = self._failed(key, proc, code, now)
+            if ended is not None:
+                return ended
         return None
 
-    def _failed(self, key: Key, proc: Proc, code: int, now: float) -> None:
+    def _failed(self, key: Key, proc: Proc, code: int, now: float) -> Outcome | None:
         name = self.workers.name(proc)
+        if not self.workers.joined():
+            proc.join_pumps(time.monotonic() + 1.0)  # its last line, copied out
+            self.early_deaths.append((code, proc.last_line))
+            last = self.early_deaths[-SAME_EARLY_DEATHS:]
+            if len(last) == SAME_EARLY_DEATHS and len(set(last)) == 1:
+                said = f": {proc.last_line}" if proc.last_line else ""
+                self.workers.note(f"{SAME_EARLY_DEATHS} workers in a row exited with code {code} before any joined "
+                                  f"the job{said}; restarting nobody and ending the run")
+                return Outcome(code, failed_rank=proc.index, host=proc.host,
+                               reason=f"every worker died the same way before joining (exit code {code}){said}")
         self.host_failures[proc.host] += 1
         may_restart = self.finished_at is None and self.restart_failed and self.restarts_left > 0
         if may_restart and (self.blacklist is None or self.host_failures[proc.host] < HOST_FAILURE_LIMIT):
             self.restarts_left -= 1
             self.workers.note(f"{name} exited with code {code}; starting it again ({self.restarts_left} restarts left)")
-            return  # the plan fills its slot again
+            return None  # the plan fills its slot again
         if self.blacklist is None:
             self.dead.add(key)
             self.workers.note(f"{name} exited with code {code}; the others go on")
-            return
+            return None
         delay = self.blacklist.add(proc.host, now)
         others = [k for k in self.running if k[0] == proc.host and k not in self.leaving]
         until = "for good" if delay is None else f"for {delay:.0f} s"
@@ -170,6 +187,7 @@ class _Run:
         for k in others:
             self.running[k].terminate()
             self.leaving.add(k)
+        return None
 
     def apply(self, wanted: list[Key], *, announce: bool) -> None:
         """Stops the workers of slots no longer wanted (SIGTERM) and starts those of new ones."""

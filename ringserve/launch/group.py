@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO
 
@@ -116,7 +116,9 @@ class Workers:
     def __init__(self, command: Sequence[str], env: Mapping[str, str], sink: IO[bytes], *,
                  coordinator: CoordinatorConfig, port: int, placement: Placement | None,
                  networked: bool, known_local: Mapping[str, bool] | None = None,
-                 grace_s: float = TERMINATE_GRACE_S) -> None:
+                 grace_s: float = TERMINATE_GRACE_S, joined: Callable[[], bool] = lambda: True) -> None:
+        """``joined``: whether any worker has joined the job yet (the coordinator's count)."""
+        self.joined = joined
         self._command = list(command)
         self._env = dict(env)
         self._sink = sink

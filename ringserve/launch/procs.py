@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -151,7 +151,8 @@ class SshSettings:
         return [*argv, host, remote]
 
 
-def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock,
+         saw: Callable[[bytes], None] | None = None) -> None:
     """Copies a child's output line by line, each line (and each carriage-return redraw, as a
     progress bar makes) prefixed with the rank; whole lines only, so ranks never interleave.
 
@@ -169,7 +170,11 @@ def pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock)
             with lock:
                 out.write(b"".join(prefix + part for part in parts if part != b"\r"))
                 out.flush()
+            if saw is not None:
+                saw(parts[-1])
     if pending:
+        if saw is not None:
+            saw(pending)
         with lock:
             out.write(prefix + pending + b"\n")
             out.flush()
@@ -197,10 +202,22 @@ class Proc:
         self.host = host
         self.label = label  # "rank 3" or "rank 3 on host-b": the rank it started with
         self.pumps: list[threading.Thread] = []
+        self.started_at = time.monotonic()
+        self._last = b""
+
+    @property
+    def last_line(self) -> str:
+        """The last line it wrote (an error's last line, when it died of one)."""
+        return self._last.decode(errors="replace").strip()
+
+    def _saw(self, line: bytes) -> None:
+        if line.strip():
+            self._last = line
 
     def _pump(self, stream: IO[bytes] | None, sink: IO[bytes], lock: threading.Lock) -> None:
         assert stream is not None
-        thread = threading.Thread(target=pump, args=(stream, f"[{self.index}] ".encode(), sink, lock), daemon=True)
+        thread = threading.Thread(target=pump, args=(stream, f"[{self.index}] ".encode(), sink, lock, self._saw),
+                                  daemon=True)
         thread.start()
         self.pumps.append(thread)
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +24,7 @@ from ringserve.constants import (
     POLL_S,
 )
 from ringserve.coordinator import Coordinator
-from ringserve.errors import InvalidArgumentError
+from ringserve.errors import InvalidArgumentError, UsageError
 from ringserve.launch.elastic import Discovery, supervise
 from ringserve.launch.group import Outcome, Placement, Workers, networked_config
 from ringserve.launch.hosts import Blacklist, HostSpec, assign_slots
@@ -96,6 +99,8 @@ def launch(
     try:
         local = {h.name: is_local_host(h.name) for h in hosts} if placement is not None else {}
         networked = bool(discovery_script) or not all(local.values())
+        if placement is None or all(local.values()):
+            interpreter_can_import_ringserve(command, os.environ if env is None else env)
         if networked:
             config = networked_config(config)
         # The launcher holds no tensors: a flood's freed heap goes back to the system, as for a
@@ -107,9 +112,10 @@ def launch(
             # The shards' restarts follow --max-restarts too, where it is given (--restart-failed).
             shards = ParameterServer(coord.address, shards=ps_shards, config=ShardConfig.from_env(job_env),
                                      env=job_env, max_restarts=max_restarts if restart_failed else SHARD_RESTARTS).start()
+        served = coord.service
         workers = Workers(command, os.environ if env is None else env, out or sys.stdout.buffer,
                           coordinator=config, port=coord.port, placement=placement, networked=networked,
-                          known_local=local)
+                          known_local=local, joined=lambda: served.joins > 0)
         where = f" on {','.join(f'{h.name}:{h.slots}' for h in hosts)}" if placement is not None and hosts else ""
         if discovery_script:
             where = f" on the hosts {discovery_script!r} discovers"
@@ -155,6 +161,39 @@ def launch(
                 thread.stop()
                 if previous is not None:
                     signal.signal(signal.SIGTERM, previous)
+
+
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?")
+INTERPRETER_CHECK_S = 60.0
+
+
+def interpreter_can_import_ringserve(command: Sequence[str], env: Mapping[str, str]) -> None:
+    """When the command starts a python other than this launcher's, checks once that it can import
+    ringserve, before N workers find out each on its own (a virtual environment not activated:
+    ``.venv/bin/ringserve run -np 4 python train.py`` runs the system's python).
+
+    Raises:
+        UsageError: that python cannot import ringserve; the error names it and this launcher's.
+    """
+    if not command or not PYTHON_NAME.fullmatch(os.path.basename(command[0])):
+        return
+    found = shutil.which(command[0], path=env.get("PATH", os.defpath))
+    if found is None or os.path.abspath(found) == os.path.abspath(sys.executable):
+        return
+    try:
+        probe = subprocess.run([found, "-c", "import ringserve, grpc, numpy"], env=dict(env), capture_output=True, text=True, check=False,
+                               timeout=INTERPRETER_CHECK_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return  # slow, not broken: the workers will tell
+    if probe.returncode == 0:
+        return
+    lines = [line for line in probe.stderr.splitlines() if line.strip()]
+    why = lines[-1].strip() if lines else f"exit code {probe.returncode}"
+    raise UsageError(
+        f"The command's {command[0]} ({found}) cannot import ringserve and its core ({why}), so no worker could start; "
+        f"this launcher runs under {sys.executable}. Activate its virtual environment, or name that "
+        f"interpreter in the command: ringserve run -np N {sys.executable} {' '.join(command[1:]) or 'train.py'}"
+    )
 
 
 def _exit_on_sigterm() -> Any:

@@ -50,10 +50,11 @@ RESTART_BACKOFF_S = 1.0
 class ParameterServer:
     """S parameter-server shards that register with a coordinator.
 
-    Example::
-
+    Example:
+        ```python
         with ringserve.ParameterServer(coordinator="127.0.0.1:50051", shards=2) as ps:
             print(ps.addresses)          # the shards' addresses once they have registered
+        ```
     """
 
     def __init__(self, coordinator: str | None = None, *, shards: int | None = None, config: ShardConfig | None = None,
