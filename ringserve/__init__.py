@@ -1,14 +1,16 @@
 """ringserve: collective communication over gRPC.
 
-Synchronous numpy API for training scripts::
+Synchronous numpy API for training scripts:
 
-    import ringserve as rs
-    rs.init()                                   # RINGSERVE_COORDINATOR or init(coordinator=...)
-    out = rs.allreduce(a, op="average", name="grad.w")
-    evens = rs.add_process_set(range(0, rs.size(), 2))   # on every rank, alike
-    if rs.rank() % 2 == 0:
-        out = rs.allreduce(a, process_set=evens)       # over the even ranks only
-    rs.shutdown()
+```python
+import ringserve as rs
+rs.init()                                   # RINGSERVE_COORDINATOR or init(coordinator=...)
+out = rs.allreduce(a, op="average", name="grad.w")
+evens = rs.add_process_set(range(0, rs.size(), 2))   # on every rank, alike
+if rs.rank() % 2 == 0:
+    out = rs.allreduce(a, process_set=evens)       # over the even ranks only
+rs.shutdown()
+```
 
 Asyncio API: ``async with ringserve.Worker(coordinator=...) as w: await w.allreduce(a)``.
 Parameter-server mode: ``ringserve.ParameterServer`` and ``ringserve.ps`` (clients, optimizers).

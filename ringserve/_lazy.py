@@ -8,16 +8,18 @@ process or a coordinator loads only its own. The names stay where users import t
 The package keeps the same imports under ``TYPE_CHECKING``, for type checkers and readers;
 tests/unit/test_lazy_imports.py checks that the two lists agree and that every name resolves.
 
-Example (a package's ``__init__``)::
+Example (a package's ``__init__``):
 
-    from typing import TYPE_CHECKING
-    from ringserve._lazy import exports
+```python
+from typing import TYPE_CHECKING
+from ringserve._lazy import exports
 
-    if TYPE_CHECKING:
-        from ringserve.ps.client.aio import AsyncClient
+if TYPE_CHECKING:
+    from ringserve.ps.client.aio import AsyncClient
 
-    __all__ = ["AsyncClient"]
-    __getattr__, __dir__ = exports(__name__, {"AsyncClient": "ringserve.ps.client.aio"})
+__all__ = ["AsyncClient"]
+__getattr__, __dir__ = exports(__name__, {"AsyncClient": "ringserve.ps.client.aio"})
+```
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ never sees half of one and a crash leaves no stray temporary behind:
 - ``write_atomic_fs``: the same on an fsspec filesystem (HDFS, S3, ...): written under a temporary
   name, then moved over the target. Durability is the filesystem's: fsspec has no fsync.
 
-Example::
-
+Example:
+    ```python
     write_atomic("/ckpt/ckpt-1-42.pkl", data)
+    ```
 """
 
 from __future__ import annotations

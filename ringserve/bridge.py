@@ -7,10 +7,11 @@ function of ``list[np.ndarray] -> list[np.ndarray]``, and make tensors of what i
 functions are made here, once, with the binding's arguments bound (``HostRun``); the bindings keep
 only what is theirs (tensor conversion, gradients, static shapes, IndexedSlices).
 
-Example::
-
+Example:
+    ```python
     run = bridge.allreduce(op=Average, name="grad", compression=Compression.none, process_set=None)
     out = run([np.ones(4, np.float32)])
+    ```
 """
 
 from __future__ import annotations

@@ -203,7 +203,9 @@ class DiLoCoCore:
     Args:
         params: the local parameters.
         sync_every: H, inner steps between two syncs of each fragment.
-        outer_lr, outer_momentum, nesterov: the outer SGD.
+        outer_lr: the outer SGD's learning rate.
+        outer_momentum: the outer SGD's momentum.
+        nesterov: the outer SGD's Nesterov momentum.
         compression: the codec of the pseudo-gradients' allreduce ("int8", "fp16", "bf16", None).
         error_feedback: with a lossy codec, carry what each rank's encodings lost to its next sync.
         fragments: F, fragments synced in turn (Streaming DiLoCo): a count (consecutive parameters
@@ -390,14 +392,15 @@ class DiLoCo(DiLoCoCore):
     The global copy is taken at construction: the arrays must be the same on every rank then
     (broadcast them first). The knobs are DiLoCoCore's.
 
-    Example::
-
+    Example:
+        ```python
         rs.init()
         w = rs.broadcast(w0, root=0)
         opt = rs.DiLoCo([w], sync_every=50, compression="int8")
         for batch in data:
             w -= lr * grad(w, batch)     # the inner step, in place
             opt.step()                   # every 50 steps: average, outer step, adopt
+        ```
     """
 
     def __init__(self, params: Sequence[np.ndarray], **knobs: Any) -> None:

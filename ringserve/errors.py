@@ -1,36 +1,38 @@
 """The one error tree of ringserve.
 
-Errors are split by what a caller does next, as Horovod's elastic mode splits them::
+Errors are split by what a caller does next, as Horovod's elastic mode splits them:
 
-    RuntimeError
-    └── RingserveError
-        ├── RecoverableError          restore the last commit, wait for the next view, retry
-        │   ├── PeerUnavailableError  a ring neighbour stopped answering
-        │   ├── RingChangedError      the view changed under a collective (old and new view named)
-        │   ├── CollectiveTimeoutError  a collective passed its deadline
-        │   │   └── GroupTimedOutError  an op of a torch group that an earlier timeout broke
-        │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
-        │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
-        ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
-        ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
-        ├── StateLostError            every worker holding the last commit died and no durable copy
-        │                             exists: the job cannot go on without going back; never retried
-        ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
-        ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
-        ├── PayloadLaneError          RINGSERVE_PAYLOAD_LANE=tcp and an edge's TCP payload lane could
-        │                             not attach (the port and the reason named): a deployment to fix
-        ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
-        ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
-        ├── ViewInstallError          this worker could not take its place in a view; it left the world
-        ├── WorkerFailedError         a task the worker needs (heartbeat, view watch) crashed; it left
-        └── UsageError                a bug in the calling program; retrying will not help
-            ├── NotInitializedError   a collective called before init()
-            ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
-            ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
-            ├── UnsupportedError      not supported in this configuration (Adasum on a world whose
-            │                         size is not a power of two, as in Horovod)
-            ├── ProtocolError         a malformed or unexpected frame
-            └── MissingExtraError     a framework binding's extra is not installed (an ImportError)
+```python
+RuntimeError
+└── RingserveError
+    ├── RecoverableError          restore the last commit, wait for the next view, retry
+    │   ├── PeerUnavailableError  a ring neighbour stopped answering
+    │   ├── RingChangedError      the view changed under a collective (old and new view named)
+    │   ├── CollectiveTimeoutError  a collective passed its deadline
+    │   │   └── GroupTimedOutError  an op of a torch group that an earlier timeout broke
+    │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+    │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
+    ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
+    ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
+    ├── StateLostError            every worker holding the last commit died and no durable copy
+    │                             exists: the job cannot go on without going back; never retried
+    ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
+    ├── TLSHandshakeError         a server and a client could not agree on TLS (which side, why)
+    ├── PayloadLaneError          RINGSERVE_PAYLOAD_LANE=tcp and an edge's TCP payload lane could
+    │                             not attach (the port and the reason named): a deployment to fix
+    ├── ExcludedError             cut off from the coordinator, the peers went on without us: stop
+    ├── RendezvousTimeoutError    no view formed within the rendezvous deadline
+    ├── ViewInstallError          this worker could not take its place in a view; it left the world
+    ├── WorkerFailedError         a task the worker needs (heartbeat, view watch) crashed; it left
+    └── UsageError                a bug in the calling program; retrying will not help
+        ├── NotInitializedError   a collective called before init()
+        ├── InvalidArgumentError  an unknown op, a root out of range, an unsupported dtype
+        ├── MismatchError         ranks disagree on a collective's shape, dtype, op or root
+        ├── UnsupportedError      not supported in this configuration (Adasum on a world whose
+        │                         size is not a power of two, as in Horovod)
+        ├── ProtocolError         a malformed or unexpected frame
+        └── MissingExtraError     a framework binding's extra is not installed (an ImportError)
+```
 
 ``grpc.aio.AioRpcError`` is translated at the transport boundary and never reaches users.
 

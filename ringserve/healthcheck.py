@@ -8,9 +8,10 @@ The health service needs no job token (probes cannot send one), but a server tha
 certificates (mTLS) refuses a probe without one: pass ``--tls-ca``, ``--tls-cert`` and ``--tls-key``
 (or set RINGSERVE_TLS_CA, ...). With a token set (``--token-file``, RINGSERVE_TOKEN) it is sent too.
 
-Example::
-
+Example:
+    ```python
     python -m ringserve.healthcheck 127.0.0.1:50051 --service ringserve.v1.Coordinator
+    ```
 """
 
 from __future__ import annotations

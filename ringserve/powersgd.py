@@ -276,10 +276,11 @@ class PowerSGD:
     Raises:
         InvalidArgumentError: a knob out of range (named, with its value).
 
-    Example::
-
+    Example:
+        ```python
         ps = ringserve.PowerSGD(matrix_approximation_rank=4, start_powerSGD_iter=10)
         avg = ringserve.allreduce(grad_w, name="grad.w", compression=ps)   # every rank, every step
+        ```
     """
 
     def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000, *,

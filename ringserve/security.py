@@ -94,11 +94,12 @@ def _read(path: str, what: str) -> bytes:
 class Security:
     """The loaded TLS material and token of one process; no field is ever logged.
 
-    Example::
-
+    Example:
+        ```python
         security = Security.load(config)
         port = security.add_port(server, "0.0.0.0:0")
         channel = security.channel("10.0.0.7:41234", options)
+        ```
     """
 
     cert: bytes | None = field(default=None, repr=False)

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export NO_MKDOCS_2_WARNING=1
-.venv/bin/mkdocs build --strict --quiet
+.venv/bin/mkdocs build --strict
 echo "docs: site built in strict mode (site/)"
 if [ "${1:-}" != build ]; then
   .venv/bin/python tests/docs/codeblocks.py | tail -1

@@ -55,11 +55,12 @@ def _names(workers: Iterable[membership.MemberInfo]) -> str:
 class Board:
     """The status page's record of the world; see the module docstring.
 
-    Example::
-
+    Example:
+        ```python
         board = Board(started=clock())
         state, actions = membership.step(before, event, now)
         board.applied(before, event, state, actions, now)
+        ```
     """
 
     def __init__(self, started: float) -> None:

@@ -60,11 +60,12 @@ class Registered:
 class Directory:
     """Shards by index, with leases.
 
-    Example::
-
+    Example:
+        ```python
         d = Directory(lease_s=5.0)
         got = d.register("a1", "10.0.0.3:7000", shards=2, index=-1, first=True, now=0.0)
         d.entries(now=1.0)   # [(0, slot, alive)]
+        ```
     """
 
     lease_s: float

@@ -121,11 +121,12 @@ def server_ssl_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
 class StatusPage:
     """The status page of one coordinator's service, on ``config.host:config.http_port``.
 
-    Example::
-
+    Example:
+        ```python
         page = await StatusPage(service.status, config, security).start()
         print(page.url)          # http://127.0.0.1:<port>/
         await page.stop()
+        ```
     """
 
     def __init__(self, status: Callable[[pb.StatusRequest], pb.StatusResponse], config: CoordinatorConfig,

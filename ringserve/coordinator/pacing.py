@@ -10,10 +10,11 @@ a live worker then still has three beats in which to be heard before it would be
 dead. Detection does not slow down: a worker is declared dead after ``heartbeat_timeout_s`` of
 silence whatever the interval.
 
-Example::
-
+Example:
+    ```python
     heartbeat_interval(1.0, 5.0, 1000.0, workers=2000)   # 5/3 s: 1,200 beats a second
     heartbeat_interval(1.0, 5.0, 1000.0, workers=800)    # 1.0 s, as configured
+    ```
 """
 
 from __future__ import annotations

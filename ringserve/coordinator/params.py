@@ -72,8 +72,8 @@ class Upload:
     """One PutParams call's blobs, chunk by chunk, each counted against the store's cap for its
     whole declared size from its first chunk on; ``release()`` gives the reservation back.
 
-    Example::
-
+    Example:
+        ```python
         upload = Upload(store)
         try:
             for chunk in chunks:
@@ -81,6 +81,7 @@ class Upload:
             version = upload.commit()
         finally:
             upload.release()
+        ```
     """
 
     def __init__(self, store: ParamStore) -> None:

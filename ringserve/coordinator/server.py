@@ -115,10 +115,11 @@ def _add_service(service: CoordinatorService, server: grpc.aio.Server) -> None:
 class Coordinator:
     """A coordinator on its own gRPC server, in the running event loop.
 
-    Example::
-
+    Example:
+        ```python
         async with Coordinator(CoordinatorConfig(min_workers=2)) as coord:
             print(coord.address)   # 127.0.0.1:<free port>
+        ```
     """
 
     def __init__(

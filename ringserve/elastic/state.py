@@ -1,17 +1,19 @@
 """Elastic training at the numpy level: state that commits, restores and syncs, and ``run``.
 
-Horovod's shape::
+Horovod's shape:
 
-    state = ringserve.elastic.ObjectState(epoch=0, step=0, weights=w)
+```python
+state = ringserve.elastic.ObjectState(epoch=0, step=0, weights=w)
 
-    @ringserve.elastic.run
-    def train(state):
-        while state.step < 1000:
-            ...  # collectives
-            state.step += 1
-            state.commit()
+@ringserve.elastic.run
+def train(state):
+    while state.step < 1000:
+        ...  # collectives
+        state.step += 1
+        state.commit()
 
-    train(state)
+train(state)
+```
 
 When a collective fails with a recoverable error (a rank died, the ring changed), ``run``
 restores the last commit, waits for the next view, syncs the state from the new view's rank 0 (its
@@ -269,11 +271,12 @@ class State:
 class ObjectState(State):
     """Elastic state of picklable attributes, synced with broadcast_object.
 
-    Example::
-
+    Example:
+        ```python
         state = ObjectState(epoch=0, weights=np.zeros(10))
         state.epoch += 1
         state.commit()
+        ```
     """
 
     def __init__(self, **kwargs: Any) -> None:

@@ -1,17 +1,19 @@
 """ringserve.keras: Horovod's Keras API for Keras 3, on the TensorFlow and the torch backends.
 
-A script written for ``horovod.tensorflow.keras`` runs after changing its import::
+A script written for ``horovod.tensorflow.keras`` runs after changing its import:
 
-    import ringserve.keras as hvd
+```python
+import ringserve.keras as hvd
 
-    hvd.init()
-    model = keras.Sequential([...])
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    model.fit(x, y, batch_size=32, epochs=5,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                         hvd.callbacks.MetricAverageCallback()],
-              verbose=1 if hvd.rank() == 0 else 0)
+hvd.init()
+model = keras.Sequential([...])
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+model.fit(x, y, batch_size=32, epochs=5,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                     hvd.callbacks.MetricAverageCallback()],
+          verbose=1 if hvd.rank() == 0 else 0)
+```
 
 The backend is Keras's own choice (``KERAS_BACKEND=torch`` or ``tensorflow``, read when keras is
 first imported). Unlike Horovod's binding, which takes only legacy Keras 2 optimizers, any Keras 3

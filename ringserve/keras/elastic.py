@@ -1,17 +1,19 @@
-"""Elastic training for Keras, in Horovod's shape, reachable as ``hvd.elastic``::
+"""Elastic training for Keras, in Horovod's shape, reachable as ``hvd.elastic``:
 
-    import ringserve.keras as hvd
+```python
+import ringserve.keras as hvd
 
-    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    state.register_reset_callbacks([lambda: setattr(model.optimizer, "learning_rate", 0.01 * hvd.size())])
-    callbacks = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+state.register_reset_callbacks([lambda: setattr(model.optimizer, "learning_rate", 0.01 * hvd.size())])
+callbacks = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+             hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]
 
-    @hvd.elastic.run
-    def train(state):
-        model.fit(x, y, epochs=epochs - state.epoch, callbacks=callbacks)
+@hvd.elastic.run
+def train(state):
+    model.fit(x, y, epochs=epochs - state.epoch, callbacks=callbacks)
 
-    train(state)
+train(state)
+```
 
 ``run`` is ``ringserve.elastic.run`` (which also sees a ringserve error that TensorFlow reported as
 its own from inside ``model.fit``'s graph: see ringserve/graph_ops.py): on a recoverable error (a rank died) the state goes back to its

@@ -51,11 +51,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             number of passes (Horovod's default is False: the sum).
         process_set: average over this registered set's members only.
 
-    Example::
-
+    Example:
+        ```python
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
         model.compile(optimizer=opt, loss="mse")
         model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        ```
     """
 
     def __init__(

@@ -15,8 +15,8 @@ optim.py) to the gradients workers push, and serve the values workers pull, in o
   client/aio.py, with its connections to the shards in client/shards.py), and for torch
   ``ringserve.torch.ps.ParameterServerOptimizer``.
 
-Example::
-
+Example:
+    ```python
     import ringserve as rs
     from ringserve.ps import Client, Optimizer
 
@@ -24,6 +24,7 @@ Example::
     ps = Client({"w": w}, mode="sync", optimizer=Optimizer(kind="momentum", lr=0.1, momentum=0.9))
     values = ps.pull()
     ps.push({"w": grad})
+    ```
 """
 
 from typing import TYPE_CHECKING

@@ -31,10 +31,11 @@ KINDS = ("sgd", "momentum", "adam")
 class Optimizer:
     """A server-side optimizer; ``kind`` is sgd, momentum or adam.
 
-    Example::
-
+    Example:
+        ```python
         Optimizer(kind="momentum", lr=0.1, momentum=0.9)
         Optimizer(kind="adam", lr=1e-3)
+        ```
     """
 
     kind: str = "sgd"

@@ -66,13 +66,14 @@ def check_mode(mode: str, staleness: int) -> None:
 class Ledger:
     """Versions, the round in progress, and each worker's last step, on one shard.
 
-    Example::
-
+    Example:
+        ```python
         ledger = Ledger("sync")
         ledger.install_view(1, frozenset({"a", "b"}))
         d = ledger.decide_push("a", step=0, base_version=0, view_id=1)   # ACCEPT
         ledger.record(d, "a", 0)
         ledger.round_complete()                                           # False: b has not pushed
+        ```
     """
 
     mode: str

@@ -10,8 +10,8 @@
   ``TorchConfig(backend="ringserve")`` works too once the workers import the backend, which
   ``register_torch_backend`` does as Ray's worker setup hook (see train.py).
 
-Example::
-
+Example:
+    ```python
     import ringserve.ray
 
     ex = ringserve.ray.RayExecutor(ringserve.ray.RayExecutor.create_settings(timeout_s=30),
@@ -19,6 +19,7 @@ Example::
     ex.start()
     results = ex.run(train_fn, args=[cfg])
     ex.shutdown()
+    ```
 
 Ray is an optional dependency (``pip install 'ringserve[ray]'``): without it, taking RayExecutor
 (or RingserveConfig) from this package raises an ImportError that names the extra.
@@ -37,9 +38,11 @@ _FROM = {"RayExecutor": "executor", "RaySettings": "settings", "RayWorkerError":
 def register_torch_backend() -> None:
     """Registers the "ringserve" torch.distributed backend in this process.
 
-    As Ray's worker setup hook it makes Ray Train's own ``TorchConfig(backend="ringserve")`` work::
+    As Ray's worker setup hook it makes Ray Train's own ``TorchConfig(backend="ringserve")`` work:
 
-        RunConfig(worker_runtime_env={"worker_process_setup_hook": "ringserve.ray.register_torch_backend"})
+    ```python
+    RunConfig(worker_runtime_env={"worker_process_setup_hook": "ringserve.ray.register_torch_backend"})
+    ```
     """
     from ringserve.torch.distributed import register
 

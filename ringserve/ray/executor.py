@@ -54,12 +54,13 @@ def _cause(error: BaseException) -> BaseException | None:
 class RayExecutor:
     """Runs functions on ringserve workers that are Ray actors (Horovod's ``RayExecutor``).
 
-    Example::
-
+    Example:
+        ```python
         ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=4)
         ex.start()
         results = ex.run(train, args=[config])    # one per rank, in rank order
         ex.shutdown()
+        ```
 
     Args:
         settings: see RaySettings (``create_settings``).

@@ -69,11 +69,12 @@ def in_rank_order(done: list[Outcome]) -> list[Any]:
 class Elastic:
     """The elastic run's bookkeeping (see the module docstring).
 
-    Example::
-
+    Example:
+        ```python
         plan = Elastic(reset_limit=3)
         if plan.on_death(outcome):   # True: place a replacement in outcome.slot
             ...
+        ```
     """
 
     def __init__(self, reset_limit: int | None) -> None:

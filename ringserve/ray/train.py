@@ -9,8 +9,8 @@ rank 0 starts the job's coordinator in its own process and the others find it th
 (ringserve/torch/distributed/rendezvous.py). ``destroy_process_group`` at the end leaves the world
 and stops that coordinator.
 
-Example::
-
+Example:
+    ```python
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
     from ringserve.ray import RingserveConfig
@@ -18,6 +18,7 @@ Example::
     trainer = TorchTrainer(train_loop, scaling_config=ScalingConfig(num_workers=4),
                            torch_config=RingserveConfig())
     result = trainer.fit()
+    ```
 """
 
 from __future__ import annotations

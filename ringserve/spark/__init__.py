@@ -6,8 +6,8 @@ which is what a ring needs. Inside ``fn``, ``ringserve.init()`` (or ``ringserve.
 finds the coordinator through the environment that the task sets, and the task's partition id is
 its rank hint, so task ``i`` is rank ``i`` of the first view.
 
-Example::
-
+Example:
+    ```python
     from pyspark.sql import SparkSession
     import ringserve.spark
 
@@ -19,6 +19,7 @@ Example::
 
     spark = SparkSession.builder.master("local[4]").getOrCreate()
     results = ringserve.spark.run(train, args=(0.1,), num_proc=4)   # in rank order
+    ```
 
 pyspark is an optional dependency (``pip install ringserve[spark]``); importing this module does
 not import it. The executors need ringserve (and whatever ``fn`` imports) installed in the Python

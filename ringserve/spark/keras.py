@@ -1,15 +1,16 @@
 """KerasEstimator: fit a Keras 3 model on a Spark DataFrame with ringserve, in Horovod's shape.
 
-::
 
-    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(2, activation="softmax")])
-    est = ringserve.spark.keras.KerasEstimator(
-        model=model, optimizer=keras.optimizers.SGD(0.01 * 4), loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"], feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=5,
-        num_proc=4, store=ringserve.spark.Store.create("/tmp/rs-store"), validation=0.1)
-    fitted = est.fit(df)
-    pred = fitted.transform(test_df)      # adds "label__output" (the class probabilities)
+```python
+model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(2, activation="softmax")])
+est = ringserve.spark.keras.KerasEstimator(
+    model=model, optimizer=keras.optimizers.SGD(0.01 * 4), loss="sparse_categorical_crossentropy",
+    metrics=["accuracy"], feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=5,
+    num_proc=4, store=ringserve.spark.Store.create("/tmp/rs-store"), validation=0.1)
+fitted = est.fit(df)
+pred = fitted.transform(test_df)      # adds "label__output" (the class probabilities)
+```
 
 Each barrier task unpickles the model, builds the optimizer again from its config, compiles with
 ``ringserve.keras.DistributedOptimizer``, and runs ``model.fit`` on its shard with the broadcast and

@@ -2,12 +2,14 @@
 
 ``Store.create(path)`` (or ``Store(path)``) picks the filesystem by the URL's scheme with fsspec: a
 local directory or ``file://`` URL, and any scheme fsspec knows (``s3://``, ``gs://``, ``hdfs://``,
-``abfs://``, ... with that filesystem's package installed). The layout, as Horovod's::
+``abfs://``, ... with that filesystem's package installed). The layout, as Horovod's:
 
-    <prefix>/intermediate_train_data.<run_id>/   Parquet written by fit(df), read by the ranks
-    <prefix>/intermediate_val_data.<run_id>/
-    <prefix>/runs/<run_id>/checkpoint.<ext>      the model after each epoch, written by rank 0
-    <prefix>/runs/<run_id>/history.json          the per-epoch metrics
+```python
+<prefix>/intermediate_train_data.<run_id>/   Parquet written by fit(df), read by the ranks
+<prefix>/intermediate_val_data.<run_id>/
+<prefix>/runs/<run_id>/checkpoint.<ext>      the model after each epoch, written by rank 0
+<prefix>/runs/<run_id>/history.json          the per-epoch metrics
+```
 
 Spark writes the Parquet through its own (Hadoop) filesystems, so a store a Spark job writes to
 must be a URL Spark can write too: a local path (on a cluster, one every executor sees at the same
@@ -36,10 +38,11 @@ class Store:
         prefix_path: a local directory, or a URL (``file:///data/store``, ``s3://bucket/store``).
         **storage_options: passed to the fsspec filesystem (credentials, endpoints).
 
-    Example::
-
+    Example:
+        ```python
         store = ringserve.spark.Store.create("/tmp/rs-store")
         est = TorchEstimator(..., store=store)
+        ```
     """
 
     def __init__(self, prefix_path: str, **storage_options: Any) -> None:

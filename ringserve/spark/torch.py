@@ -1,14 +1,15 @@
 """TorchEstimator: fit a torch model on a Spark DataFrame with ringserve, in Horovod's shape.
 
-::
 
-    est = ringserve.spark.torch.TorchEstimator(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01 * 4), loss=torch.nn.functional.cross_entropy,
-        feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=5, num_proc=4,
-        store=ringserve.spark.Store.create("/tmp/rs-store"), validation=0.1)
-    fitted = est.fit(df)                  # a Spark ML Model
-    pred = fitted.transform(test_df)      # adds "label__output"
-    net = fitted.getModel()
+```python
+est = ringserve.spark.torch.TorchEstimator(
+    model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01 * 4), loss=torch.nn.functional.cross_entropy,
+    feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=5, num_proc=4,
+    store=ringserve.spark.Store.create("/tmp/rs-store"), validation=0.1)
+fitted = est.fit(df)                  # a Spark ML Model
+pred = fitted.transform(test_df)      # adds "label__output"
+net = fitted.getModel()
+```
 
 Each barrier task builds the optimizer again for its copy of the model (the same class, its
 param_groups' settings and state), wraps it in ``ringserve.torch.DistributedOptimizer``, takes rank

@@ -1,14 +1,16 @@
 """ringserve.tensorflow: Horovod's TensorFlow API on tf.Tensor, over ringserve's core.
 
-A script written for ``horovod.tensorflow`` runs after changing its import::
+A script written for ``horovod.tensorflow`` runs after changing its import:
 
-    import ringserve.tensorflow as hvd
+```python
+import ringserve.tensorflow as hvd
 
-    hvd.init()
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, model(x))
-    tape = hvd.DistributedGradientTape(tape)
-    grads = tape.gradient(loss, model.trainable_variables)
+hvd.init()
+with tf.GradientTape() as tape:
+    loss = loss_fn(y, model(x))
+tape = hvd.DistributedGradientTape(tape)
+grads = tape.gradient(loss, model.trainable_variables)
+```
 
 Collectives (``allreduce``, ``grouped_allreduce``, ``allgather``, ``broadcast``, ``reducescatter``)
 work eagerly and inside ``tf.function`` (as ``tf.numpy_function`` ops; see _host.py for the cost).

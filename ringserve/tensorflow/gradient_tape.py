@@ -1,23 +1,24 @@
 """``DistributedGradientTape`` and ``broadcast_variables``: custom TensorFlow training loops.
 
-::
 
-    import ringserve.tensorflow as hvd
+```python
+import ringserve.tensorflow as hvd
 
-    hvd.init()
-    opt = tf.keras.optimizers.SGD(0.01 * hvd.size())
+hvd.init()
+opt = tf.keras.optimizers.SGD(0.01 * hvd.size())
 
-    @tf.function
-    def step(x, y, first):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        if first:
-            hvd.broadcast_variables(model.variables, root_rank=0)
-            hvd.broadcast_variables(opt.variables, root_rank=0)
-        return loss
+@tf.function
+def step(x, y, first):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if first:
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+    return loss
+```
 
 The tape is wrapped, not subclassed at run time: ``gradient`` reduces what the wrapped tape
 returns, and every other attribute is the wrapped tape's.

@@ -2,11 +2,12 @@
 
 Needs the ``cryptography`` package (the ``dev`` extra); nothing in ringserve imports this module.
 
-Example::
-
+Example:
+    ```python
     ca = CertificateAuthority("job CA")
     paths = ca.issue_files(tmp_path, "node")       # node.pem, node.key; ca.pem written too
     WorkerConfig(tls_cert=paths.cert, tls_key=paths.key, tls_ca=paths.ca)
+    ```
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """ringserve.torch: a Horovod-compatible PyTorch binding.
 
-A script written for ``horovod.torch`` runs after changing only its import::
+A script written for ``horovod.torch`` runs after changing only its import:
 
-    import ringserve.torch as hvd
+```python
+import ringserve.torch as hvd
 
-    hvd.init()
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=hvd.Compression.fp16)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+hvd.init()
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.fp16)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+```
 
 Elastic training is ``hvd.elastic`` (``run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``),
 with no import besides this one. This import also registers torch.distributed's "ringserve" backend

@@ -1,11 +1,13 @@
 """Gradient compression for allreduce: none, fp16, bf16 and int8, with Horovod's interface.
 
 A compressor has Horovod's pair of static methods, which turn a tensor into the tensor to reduce
-and back::
+and back:
 
-    wire, ctx = Compression.fp16.compress(grad)
-    ...allreduce wire...
-    grad = Compression.fp16.decompress(reduced, ctx)
+```python
+wire, ctx = Compression.fp16.compress(grad)
+...allreduce wire...
+grad = Compression.fp16.decompress(reduced, ctx)
+```
 
 ringserve's own compressors also name a wire codec (``wire``, see ringserve.codecs). Its
 collectives and DistributedOptimizer then skip compress/decompress and reduce the tensor as it is,
@@ -144,10 +146,11 @@ def powersgd(rank: int | None = None, *, matrix_approximation_rank: int | None =
     Raises:
         InvalidArgumentError: both ranks given and different, or a knob out of range.
 
-    Example::
-
+    Example:
+        ```python
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=hvd.Compression.powersgd(rank=4, start_powerSGD_iter=10))
+        ```
     """
     if rank is not None and matrix_approximation_rank is not None and rank != matrix_approximation_rank:
         raise InvalidArgumentError(

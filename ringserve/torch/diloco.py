@@ -87,8 +87,8 @@ class DiLoCo(Wrapping):
     Raises:
         InvalidArgumentError: a knob out of range, or a compression that is not a wire codec.
 
-    Example::
-
+    Example:
+        ```python
         opt = hvd.DiLoCo(model, inner=torch.optim.AdamW(model.parameters(), lr=1e-3),
                          outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_every=50,
                          compression="int8", fragments=1)
@@ -96,6 +96,7 @@ class DiLoCo(Wrapping):
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
+        ```
     """
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Parameter], inner: torch.optim.Optimizer, *,

@@ -1,18 +1,20 @@
-"""Elastic training for torch, in Horovod's shape, reachable as ``hvd.elastic`` after the plain import::
+"""Elastic training for torch, in Horovod's shape, reachable as ``hvd.elastic`` after the plain import:
 
-    import ringserve.torch as hvd
+```python
+import ringserve.torch as hvd
 
-    sampler = hvd.elastic.ElasticSampler(dataset)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
-    state.register_reset_callbacks([on_world_change])
+sampler = hvd.elastic.ElasticSampler(dataset)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+state.register_reset_callbacks([on_world_change])
 
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            ...
-            state.commit()
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, epochs):
+        ...
+        state.commit()
 
-    train(state)
+train(state)
+```
 
 ``run`` is ``ringserve.elastic.run``: on a recoverable error the state goes back to its last
 commit, the wrapper waits for the next view, syncs the state from the rank holding the furthest

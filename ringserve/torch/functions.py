@@ -91,9 +91,10 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         root_rank: the rank whose values every rank takes.
         process_set: among that set's members only (root_rank is a global rank, one of them).
 
-    Example::
-
+    Example:
+        ```python
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        ```
     """
     ps = basics.resolve_set(process_set)
     if isinstance(params, Mapping):
@@ -169,9 +170,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     ``Embedding`` modules; sparse tensors in the state arrive sparse. With ``process_set``, among
     its members only.
 
-    Example::
-
+    Example:
+        ```python
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        ```
     """
     ps = basics.resolve_set(process_set)
     sparse_params = _sparse_parameters(model)

@@ -93,12 +93,13 @@ class DistributedOptimizer(Wrapping):
             allreduce in the last synchronize(), to measure how communication overlapped backward.
         skipped_steps: steps skipped for non-finite gradients (with ``check_finite``).
 
-    Example::
-
+    Example:
+        ```python
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
         loss.backward()
         opt.step()
+        ```
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, named_parameters: Any = None, compression: Any = None,

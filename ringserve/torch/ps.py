@@ -1,16 +1,18 @@
 """Training a torch model with the parameter server (ringserve.ps).
 
-A drop-in for the step of a training loop::
+A drop-in for the step of a training loop:
 
-    import ringserve.torch.ps as ps
+```python
+import ringserve.torch.ps as ps
 
-    opt = ps.ParameterServerOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                      mode="ssp", staleness=2)
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)   # a forward pre-hook puts the newest pulled values in the model
-        loss.backward()
-        opt.step()                    # pushes the gradients and starts the next pull, in the background
+opt = ps.ParameterServerOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  mode="ssp", staleness=2)
+for x, y in data:
+    opt.zero_grad()
+    loss = loss_fn(model(x), y)   # a forward pre-hook puts the newest pulled values in the model
+    loss.backward()
+    opt.step()                    # pushes the gradients and starts the next pull, in the background
+```
 
 What ``step()`` does, by mode:
 

@@ -39,8 +39,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         shuffle: shuffle the order each epoch (the same order on every rank).
         seed: the shuffle's seed; must be the same on every rank.
 
-    Example::
-
+    Example:
+        ```python
         sampler = hvd.elastic.ElasticSampler(dataset)
         loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
         state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
@@ -53,6 +53,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
                     state.sampler.record_batch(batch_idx, 32)
                     state.commit()
                 state.sampler.set_epoch(state.epoch + 1)
+        ```
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:

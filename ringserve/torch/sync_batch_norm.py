@@ -92,9 +92,10 @@ class SyncBatchNorm(_BatchNorm):
     Args and attributes are BatchNorm's: num_features, eps, momentum (None for a cumulative
     average), affine, track_running_stats.
 
-    Example::
-
+    Example:
+        ```python
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), hvd.SyncBatchNorm(16))
+        ```
     """
 
     def _check_input_dim(self, input: torch.Tensor) -> None:

@@ -65,10 +65,11 @@ def _stray(worker: Worker, view: int) -> RingChangedError:
 class Worker:
     """A ringserve worker in the running event loop.
 
-    Example::
-
+    Example:
+        ```python
         async with Worker(coordinator="127.0.0.1:50051") as w:
             total = await w.collectives.allreduce(np.ones(4), op="sum")   # or w.allreduce(...)
+        ```
 
     Args:
         coordinator: the coordinator's address (else ``config.coordinator``).

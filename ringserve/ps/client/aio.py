@@ -24,13 +24,14 @@ step), so a retried push is applied once. A shard that came back empty (no check
 again with the values this client last pulled. A call that fails on one shard cancels those to
 the others, and they end before its error reaches the caller.
 
-Example::
-
+Example:
+    ```python
     client = AsyncClient(PSClientConfig(coordinator=addr), worker_id=worker.worker_id, view=view_of(worker))
     await client.connect()
     await client.init({"w": w, "b": b}, mode="ssp", staleness=2, optimizer=Optimizer(kind="sgd", lr=0.1))
     values = await client.pull()
     await client.push({"w": grad_w, "b": grad_b})
+    ```
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def client_config(context: api.Context, **overrides: Any) -> PSClientConfig:
 class Client:
     """A worker's parameter-server client for synchronous code.
 
-    Example::
-
+    Example:
+        ```python
         import ringserve as rs
         from ringserve.ps import Client, Optimizer
 
@@ -52,6 +52,7 @@ class Client:
             values = ps.pull()
             ps.push(gradients(values, x, y))
         ps.close()
+        ```
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray] | Sequence[tuple[str, np.ndarray]], *, mode: str = "sync",

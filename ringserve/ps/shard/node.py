@@ -51,10 +51,11 @@ WATCH_RETRY_MAX_S = 2.0
 class Shard:
     """One shard on its own gRPC server, in the running event loop.
 
-    Example::
-
+    Example:
+        ```python
         async with Shard(ShardConfig(coordinator=coord.address, shards=2)) as shard:
             print(shard.index, shard.address)
+        ```
     """
 
     def __init__(self, config: ShardConfig | None = None, *, shard_id: str = "") -> None:

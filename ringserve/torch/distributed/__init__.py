@@ -1,14 +1,16 @@
 """torch.distributed's "ringserve" backend: DDP, ZeRO, FSDP2 and DCP scripts run on ringserve.
 
 Importing this module (``import ringserve.torch`` does) registers the backend and the
-``ringserve://`` rendezvous with torch::
+``ringserve://`` rendezvous with torch:
 
-    import torch.distributed as dist
-    import ringserve.torch.distributed  # noqa: F401
+```python
+import torch.distributed as dist
+import ringserve.torch.distributed  # noqa: F401
 
-    dist.init_process_group("ringserve")          # under `ringserve run` or torchrun
-    # or dist.init_process_group("ringserve", init_method="ringserve://coordinator:50051")
-    model = torch.nn.parallel.DistributedDataParallel(model)
+dist.init_process_group("ringserve")          # under `ringserve run` or torchrun
+# or dist.init_process_group("ringserve", init_method="ringserve://coordinator:50051")
+model = torch.nn.parallel.DistributedDataParallel(model)
+```
 
 How a job finds its world: rendezvous.py. Ops and how each runs on the ring: ops.py. The seam to
 ringserve's worker (new_group's sub-rings, send/recv, all_to_all): plane.py.

@@ -38,9 +38,10 @@ class Options:
         worker: WorkerConfig fields (``collective_timeout_s``, ``shared_memory``, ...) over the
             environment's, for a worker this backend starts.
 
-    Example::
-
+    Example:
+        ```python
         dist.init_process_group("ringserve", pg_options=Options(compression="bf16"))
+        ```
     """
 
     compression: str | None = None

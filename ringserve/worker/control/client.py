@@ -41,10 +41,11 @@ class HeartbeatStream:
     ``known: false`` (the coordinator ends that stream) a new one is opened at once, for the
     beats after the rejoin.
 
-    Example::
-
+    Example:
+        ```python
         beats = HeartbeatStream(pb_grpc.CoordinatorStub(channel), "10.0.0.2:50051", timeout_s=5.0)
         answer = await beats.beat(pb.HeartbeatRequest(worker_id=worker_id, view_id=view_id))
+        ```
     """
 
     def __init__(

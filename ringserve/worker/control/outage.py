@@ -7,8 +7,8 @@ job, the same line each time. ``Outage`` logs the first failure as it comes, the
 lasted, how many failures it took). What is counted is not lost: the heartbeats missed are in the
 worker's counters too.
 
-Example::
-
+Example:
+    ```python
     outage = Outage("heartbeat", every_s=5.0)
     try:
         answer = await beat()
@@ -16,6 +16,7 @@ Example::
         outage.failed(tag, exc)
     else:
         outage.ended(tag)
+    ```
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ exception made ``close()`` stop half-way with channels and the server still open
   raises what they raised: that was reported already. A task that does not end within the
   deadline (it swallows cancellation) is named in a log line, not waited for forever.
 
-Example::
-
+Example:
+    ```python
     tasks = TaskOwner(on_crash=lambda name, exc: print(name, "crashed:", exc))
     tasks.spawn(heartbeat_loop(), "heartbeat")
     ...
     await tasks.close(timeout_s=1.0)
+    ```
 """
 
 from __future__ import annotations

@@ -10,17 +10,19 @@ parsing (``Descriptor.parse``), here and nowhere else. The data plane compares t
 (one string comparison per frame); a joined rank (ops/join.py) parses the others' descriptors to
 decide how to stand in for their collectives.
 
-The encoding, a field at a time and in this order, each only when set::
+The encoding, a field at a time and in this order, each only when set:
 
-    allreduce float32 (4, 3) op=average codec=int8
-    allreduce float32 (8,) op=adasum parts=(5, 3)
-    allreduce float32 (8,) op=sum stage=cross invalid: an earlier stage of this hierarchical allreduce failed
-    allreduce float32 (1024,) op=sum algo=tree    an algorithm other than the ring (routes.py)
-    broadcast int64 (3,) root=1
-    allgather float32 (*, 17, 17)          rows: the shape after a first dimension ranks may differ in
-    message float64 x5                     count: a message's number of elements
-    grouped_reduce_scatter float32 [float32 (4, 3); int64 (5,)] op=sum
-    barrier
+```python
+allreduce float32 (4, 3) op=average codec=int8
+allreduce float32 (8,) op=adasum parts=(5, 3)
+allreduce float32 (8,) op=sum stage=cross invalid: an earlier stage of this hierarchical allreduce failed
+allreduce float32 (1024,) op=sum algo=tree    an algorithm other than the ring (routes.py)
+broadcast int64 (3,) root=1
+allgather float32 (*, 17, 17)          rows: the shape after a first dimension ranks may differ in
+message float64 x5                     count: a message's number of elements
+grouped_reduce_scatter float32 [float32 (4, 3); int64 (5,)] op=sum
+barrier
+```
 
 ``kind`` is the first word; ``invalid: ...`` (``problem``) names why a rank refuses the collective
 (see ops/refusal.py); ``algo=...`` names the algorithm when it is not the ring (routes.py), so ranks
@@ -76,12 +78,13 @@ def _shape_of(text: str | None) -> Shape | None:
 class Descriptor:
     """A collective's arguments as ranks must agree on them.
 
-    Example::
-
+    Example:
+        ```python
         >>> Descriptor("allreduce", dtype="float32", shape=(4,), op="sum").text
         'allreduce float32 (4,) op=sum'
         >>> Descriptor.parse("broadcast int64 (3,) root=1").root
         1
+        ```
     """
 
     kind: str

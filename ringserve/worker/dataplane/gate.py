@@ -48,14 +48,15 @@ class Pass:
 class StreamGate:
     """Counts the unverified peer streams of one server and verifies them.
 
-    Example::
-
+    Example:
+        ```python
         gate = StreamGate(cap=16, deadline_s=10.0)
         admitted = gate.enter()          # the oldest unverified stream may be evicted for it
         async with asyncio.timeout(gate.deadline_s) as admitted.deadline:
             ...                          # TimeoutError: too slow, or admitted.evicted
         gate.verify(admitted)            # its HELLO checked out: the deadline is lifted
         gate.leave(admitted)             # the stream ended, verified or not
+        ```
     """
 
     def __init__(self, *, cap: int, deadline_s: float) -> None:

@@ -49,9 +49,10 @@ class PlaneSource(Protocol):
 class Collectives:
     """The collectives of one worker, over its node's current plane.
 
-    Example::
-
+    Example:
+        ```python
         total = await worker.collectives.allreduce(np.ones(4), op="sum")
+        ```
 
     Args:
         node: the worker's node, which owns the planes (any ``PlaneSource``).

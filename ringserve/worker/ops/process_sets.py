@@ -44,10 +44,11 @@ class ProcessSet:
     ``add_process_set``, or by ``init(process_sets=...)`` in the torch API), and again after it
     is removed. ``mpi_comm`` is always None (ringserve does not use MPI).
 
-    Example::
-
+    Example:
+        ```python
         evens = await worker.add_process_set(range(0, worker.size, 2))
         total = await worker.allreduce(x, op="sum", process_set=evens)   # on the even ranks
+        ```
     """
 
     is_global = False

@@ -12,13 +12,14 @@ before it awaits any close, so a lease taken meanwhile, from another loop, gets 
 never one being closed (two loops once popped the cache across awaits, and a probe's channel could
 close under it).
 
-Example::
-
+Example:
+    ```python
     cache = ChannelCache(lambda address: grpc.aio.insecure_channel(address))
     lease = cache.lease("10.0.0.2:4000")
     ...  # lease.channel
     lease.release()
     await cache.sweep()   # closes the channel: no lease is left
+    ```
 """
 
 from __future__ import annotations

@@ -76,10 +76,11 @@ class Sealer:
     """The sender's end: seals plaintext into records, into a buffer of its own that the writer
     sends (lanes/tcp/threads.py). Used on one thread at a time.
 
-    Example::
-
+    Example:
+        ```python
         sealer = Sealer(key)
         n = sealer.seal(memoryview(payload), out)   # records of payload, n bytes of out
+        ```
     """
 
     def __init__(self, key: bytes, *, rekey_records: int = REKEY_RECORDS) -> None:

@@ -74,11 +74,12 @@ def congestion(sock: socket.socket, name: str) -> str:
 class LaneSocket:
     """A connected, tuned, non-blocking socket, plain or TLS; used on one event loop.
 
-    Example::
-
+    Example:
+        ```python
         conn = LaneSocket(sock)                                # plaintext
         conn.start_tls(context, server_side=True)              # then TLS, over the same fd
         await conn.handshake()
+        ```
     """
 
     def __init__(self, sock: socket.socket, *, tls: bool = False) -> None:
