@@ -69,7 +69,7 @@ class Node:
         self.address = ""
         self.security = Security()
         self.control: ControlClient | None = None
-        self.channels = ChannelCache(self.make_channel)
+        self.channels = ChannelCache(self.make_channel, lambda: self.security.call_metadata())
         self.planes = Planes(config, self.counters, self.channels, on_peer_failure=self.report, tag=lambda: self.tag)
         self.peers = PeerServicer(config, self.counters, self.planes, report=self.report, tag=lambda: self.tag)
         self.tasks = TaskOwner(on_crash=self._crashed)

@@ -196,7 +196,8 @@ class AsyncClient:
                 for chunk in self._chunks(piece, self._flat(piece.key)[piece.start : piece.stop].view(np.uint8)):
                     yield pb.InitMessage(chunk=chunk)
 
-        answer = await self._links.stub(link).Init(messages(), timeout=self.config.round_timeout_s)
+        answer = await self._links.stub(link).Init(messages(), timeout=self.config.round_timeout_s,
+                                                  metadata=self._links.security.call_metadata() or None)
         assert isinstance(answer, pb.InitResponse)
         return bool(answer.accepted)
 
@@ -389,7 +390,8 @@ class AsyncClient:
                     self.counts["bytes_sent"] += len(chunk.data)
                     yield pb.PushMessage(chunk=chunk)
 
-        answer = await self._links.stub(link).Push(messages(), timeout=self.config.round_timeout_s)
+        answer = await self._links.stub(link).Push(messages(), timeout=self.config.round_timeout_s,
+                                                  metadata=self._links.security.call_metadata() or None)
         assert isinstance(answer, pb.PushResponse)
         self._answered(link, header.seen_version, answer.incarnation)
         outcome = OUTCOMES[answer.outcome]

@@ -147,7 +147,8 @@ class ControlClient:
         self._security = security
         self._channel = security.channel(self.address, control_channel_options(64 << 20))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
-        self.heartbeats = HeartbeatStream(self._stub, self.address, config.rpc_timeout_s, metadata=security.call_metadata())
+        self._call_metadata = security.call_metadata()  # client streams send the token themselves
+        self.heartbeats = HeartbeatStream(self._stub, self.address, config.rpc_timeout_s, metadata=self._call_metadata)
 
     async def _call(self, method: str, request: object, timeout_s: float, wait_for_ready: bool = False) -> object:
         try:
@@ -271,7 +272,7 @@ class ControlClient:
 
         timeout = self._config.rpc_timeout_s + len(data) / (50 << 20)
         try:
-            response = await self._stub.PutParams(chunks(), timeout=timeout)
+            response = await self._stub.PutParams(chunks(), timeout=timeout, metadata=self._call_metadata or None)
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, timeout) from None
         version: int = response.version

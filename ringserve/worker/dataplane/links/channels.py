@@ -33,12 +33,13 @@ import grpc
 class Lease:
     """One user's hold on a channel; ``release`` gives it back (once: later calls do nothing)."""
 
-    __slots__ = ("_cache", "address", "channel")
+    __slots__ = ("_cache", "address", "channel", "metadata")
 
     def __init__(self, cache: ChannelCache, address: str, channel: grpc.aio.Channel) -> None:
         self._cache: ChannelCache | None = cache
         self.address = address
         self.channel = channel
+        self.metadata = cache.metadata()  # what a client stream on the channel sends itself (the token)
 
     def release(self) -> None:
         cache, self._cache = self._cache, None
@@ -47,10 +48,13 @@ class Lease:
 
 
 class ChannelCache:
-    """Channels by address, made by ``make`` on first lease, closed by ``sweep`` once idle."""
+    """Channels by address, made by ``make`` on first lease, closed by ``sweep`` once idle;
+    ``metadata``: what a client stream on them must send itself (Security.call_metadata)."""
 
-    def __init__(self, make: Callable[[str], grpc.aio.Channel]) -> None:
+    def __init__(self, make: Callable[[str], grpc.aio.Channel],
+                 metadata: Callable[[], tuple[tuple[str, str], ...]] = tuple) -> None:
         self._make = make
+        self.metadata = metadata
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leases: dict[str, int] = {}
         self._closed = False

@@ -342,7 +342,7 @@ class StreamLink(Link):
     async def _run(self, hello: wire.FrameHeader) -> None:
         method = self.lease.channel.stream_unary(STREAM_METHOD,
                                                  response_deserializer=peer_pb2.StreamSummary.FromString)
-        call = method()
+        call = method(metadata=self.lease.metadata or None)
         view = hello.view_id
         # A call that ends while the link is idle (keepalive found the peer silent: a partition,
         # which no FIN or RST reports) wakes the pump, so that the failure is seen, and reported,
