@@ -69,7 +69,7 @@ class Node:
         self.address = ""
         self.security = Security()
         self.control: ControlClient | None = None
-        self.channels = ChannelCache(self.make_channel, lambda: self.security.call_metadata())
+        self.channels = ChannelCache(self.make_channel, self.call_metadata)
         self.planes = Planes(config, self.counters, self.channels, on_peer_failure=self.report, tag=lambda: self.tag)
         self.peers = PeerServicer(config, self.counters, self.planes, report=self.report, tag=lambda: self.tag)
         self.tasks = TaskOwner(on_crash=self._crashed)
@@ -326,6 +326,11 @@ class Node:
         if self.pinned is not None and plane.view_id != self.pinned:
             raise RingChangedError(self.pinned, plane.view_id, "the view moved on since the elastic state was synced")
         return plane
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a client stream to a peer sends itself: the token, on a plaintext channel (the
+        security is loaded at start, after the channel cache is made)."""
+        return self.security.call_metadata()
 
     def make_channel(self, address: str) -> grpc.aio.Channel:
         """A channel to a peer, with the job's TLS and token, whose keepalive notices a silent peer
