@@ -223,7 +223,7 @@ class StatusPage:
 
     def _take_sample(self) -> None:
         status = self._status(pb.StatusRequest(limit=MAX_LISTED))
-        self._samples.append(statusview.sample(status))
+        self._samples.append(statusview.sample(status, self._samples[-1] if self._samples else None))
         self._snapshot = json.dumps(statusview.snapshot(status, list(self._samples)), separators=(",", ":")).encode()
         self._sampled_at = asyncio.get_running_loop().time()
 
