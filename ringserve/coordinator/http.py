@@ -6,9 +6,10 @@ Routes, all of them reads (GET, and HEAD), except ``POST /login``, which only se
 - ``/status.json``: the newest snapshot (statusview.py) of the coordinator's own ``Status``,
   sampled once a second by a task this server owns, so that any number of viewers cost one
   Status a second and the page never holds state of its own;
-- ``/static/<file>``: the page's script and style, shipped in the package, so the page works
+- ``/static/<file>``: the page's script, style and icon, shipped in the package, so the page works
   without the internet (no CDN); they are the same for every job and hold no data, so they are
-  served to anyone;
+  served to anyone, as is ``/favicon.ico`` (the icon, for clients that ask there without reading
+  the page's ``<link rel="icon">``);
 - ``/login``: a form for the job's token, when the job has one.
 
 Security follows the job's: with a token, ``/`` and ``/status.json`` require it, as an
@@ -77,8 +78,8 @@ GUARD_S = 0.5  # how often the connections are looked at
 # At thousands of workers the page lists the first ranks only (the counts cover every member).
 MAX_LISTED = 256
 COOKIE = "ringserve_status"
-STATIC = ("index.html", "status.js", "status.css")
-_TYPES = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
+STATIC = ("index.html", "status.js", "status.css", "favicon.svg")
+_TYPES = {"html": "text/html", "js": "text/javascript", "css": "text/css", "svg": "image/svg+xml"}
 # Everything the page loads comes from here; no inline script, no other origin.
 _HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -165,6 +166,7 @@ class StatusPage:
         app.router.add_get("/", self._index)
         app.router.add_get("/status.json", self._json)
         app.router.add_get("/static/{name}", self._file)
+        app.router.add_get("/favicon.ico", self._favicon)
         app.router.add_get("/login", self._login_form)
         app.router.add_post("/login", self._login)
         self._take_sample()
@@ -223,7 +225,7 @@ class StatusPage:
 
     def _take_sample(self) -> None:
         status = self._status(pb.StatusRequest(limit=MAX_LISTED))
-        self._samples.append(statusview.sample(status))
+        self._samples.append(statusview.sample(status, self._samples[-1] if self._samples else None))
         self._snapshot = json.dumps(statusview.snapshot(status, list(self._samples)), separators=(",", ":")).encode()
         self._sampled_at = asyncio.get_running_loop().time()
 
@@ -312,7 +314,7 @@ class StatusPage:
                                                     f"{request.host!r}: a job without a token is not served by name.")
             refused.headers.update(_HEADERS)
             return refused
-        public = request.path == "/login" or request.path.startswith("/static/")
+        public = request.path in ("/login", "/favicon.ico") or request.path.startswith("/static/")
         given = request.query.get("token", "") if not public else ""
         if ((request.method == "POST" and request.path == "/login") or given) and (wait := self._guessing()):
             limited = web.Response(status=429, text="Too many wrong tokens: try again later.",
@@ -355,6 +357,11 @@ class StatusPage:
             raise web.HTTPNotFound(text=f"No static file {name!r}: the page has {', '.join(STATIC)}.")
         return web.Response(body=_static(name), content_type=_TYPES[name.rsplit(".", 1)[1]], charset="utf-8")
 
+    async def _favicon(self, request: web.Request) -> web.StreamResponse:
+        # The SVG under the old name: browsers that draw SVG icons (Chromium, Firefox) draw it, and
+        # no client gets a 404 for the one path every browser asks for.
+        return web.Response(body=_static("favicon.svg"), content_type=_TYPES["svg"])
+
     async def _login_form(self, request: web.Request) -> web.StreamResponse:
         if not self._token:
             return _see_other("/")
@@ -376,7 +383,8 @@ class StatusPage:
         note = f'<p class="error">{html.escape(message)}</p>' if message else ""
         body = (
             '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>ringserve: sign in</title>'
-            '<link rel="stylesheet" href="/static/status.css"></head><body class="login">'
+            '<link rel="stylesheet" href="/static/status.css"><link rel="icon" href="/static/favicon.svg" '
+            'type="image/svg+xml"></head><body class="login">'
             '<form method="post" action="/login"><h1>ringserve status</h1>'
             f"{note}<label>Job token <input type=\"password\" name=\"token\" autofocus></label>"
             '<button type="submit">Open</button></form></body></html>'

@@ -5,6 +5,18 @@ last minutes of samples; from them this module derives the two things one answer
 edge's throughput and the commit and collective rates, and turns the newest answer into the JSON
 the page renders (``snapshot``). Nothing here is a second source of truth: every number is Status's,
 or a difference between two of its answers.
+
+Which edges the page draws: the links the view's traffic uses now, not every link a worker ever
+opened. A heartbeat carries each worker's links of its view with the bytes sent on each; a link
+opens on first use and stays open for the view, so the links alone are every pair that ever sent:
+the ring's pings and the agreement of the link measure (calibration.py) touch pairs that
+``auto``'s halving-doubling never uses again, and a world of 4 shows 12 links where it exchanges
+over 8. The plan itself is no better a source: ``auto`` plans per call by size (a ring for a large
+tensor, halving-doubling for a small one, by host where the hosts say so), the coordinator sees
+no call, and the union of the plans run lately is exactly the links whose bytes grew lately. So
+an edge is drawn when its link sent within ``in_use_s`` of the view's newest traffic (``in_use``).
+Measured against the newest traffic, not the clock, a stalled job keeps the edges it was using,
+each at 0 B/s, rather than losing them all: which pairs wait is what its viewer needs to see.
 """
 
 from __future__ import annotations
@@ -32,16 +44,45 @@ class Sample:
     commit: tuple[int, int] | None  # (lineage, step) of the job's mark
     collectives: int  # collectives done, summed over the members listed
     links: dict[LinkKey, int] = field(default_factory=dict)  # bytes sent per link
+    # The time (``t``) each link was last seen sending: its bytes grew since the sample before, or
+    # it appeared (a link opens on its first send).
+    sent_at: dict[LinkKey, float] = field(default_factory=dict)
 
 
-def sample(status: pb.StatusResponse) -> Sample:
-    """The sample of one answer."""
+def sample(status: pb.StatusResponse, previous: Sample | None = None) -> Sample:
+    """The sample of one answer, ``previous`` the sample before it (None: the first)."""
     links: dict[LinkKey, int] = {}
+    sent_at: dict[LinkKey, float] = {}
+    before = previous.links if previous is not None else {}
+    before_at = previous.sent_at if previous is not None else {}
     for m in status.members:
         for link in m.counters.links:
-            links[(m.member.worker_id, link.view_id, link.peer_rank)] = link.bytes_sent
+            key = (m.member.worker_id, link.view_id, link.peer_rank)
+            links[key] = link.bytes_sent
+            grew = key not in before or link.bytes_sent != before[key] or key not in before_at
+            sent_at[key] = status.uptime_s if grew else before_at[key]
     commit = (status.mark_lineage, status.mark_step) if status.HasField("mark_step") else None
-    return Sample(status.uptime_s, commit, sum(m.counters.collectives_done for m in status.members), links)
+    return Sample(status.uptime_s, commit, sum(m.counters.collectives_done for m in status.members), links, sent_at)
+
+
+def in_use_s(heartbeat_interval_s: float) -> float:
+    """How long after the view's newest traffic a link that sent still counts as used: the rate's
+    window, or three heartbeats where they are further apart (a link's bytes move only when its
+    worker's heartbeat arrives, and the coordinator stretches the interval in large worlds)."""
+    return max(EDGE_WINDOW_S, 3 * heartbeat_interval_s)
+
+
+def in_use(samples: list[Sample], keys: list[LinkKey], window_s: float) -> set[LinkKey]:
+    """Those of ``keys`` (the current view's links) that sent within ``window_s`` of the newest
+    traffic among them; all of them while no sample says when they sent."""
+    if not samples:
+        return set(keys)
+    sent_at = samples[-1].sent_at
+    known = [sent_at[k] for k in keys if k in sent_at]
+    if not known:
+        return set(keys)
+    newest = max(known)
+    return {k for k in keys if k not in sent_at or sent_at[k] >= newest - window_s - 1e-9}
 
 
 def edge_rates(samples: list[Sample], window_s: float = EDGE_WINDOW_S) -> dict[LinkKey, float | None]:
@@ -87,6 +128,9 @@ def snapshot(status: pb.StatusResponse, samples: list[Sample]) -> dict[str, Any]
     """The JSON the page renders: ``status`` (the newest answer) and what ``samples`` add to it."""
     rates = edge_rates(samples)
     view = status.view
+    used = in_use(samples, [(m.member.worker_id, link.view_id, link.peer_rank) for m in status.members
+                            for link in m.counters.links if link.view_id == view.view_id],
+                  in_use_s(status.heartbeat_interval_s))
     members: list[dict[str, Any]] = []
     edges: list[dict[str, Any]] = []
     for m in status.members:
@@ -106,7 +150,7 @@ def snapshot(status: pb.StatusResponse, samples: list[Sample]) -> dict[str, Any]
         edges.extend(
             {"from": info.rank, "to": link.peer_rank, "lane": link.lane,
              "bytes_per_s": rates.get((info.worker_id, link.view_id, link.peer_rank))}
-            for link in current
+            for link in current if (info.worker_id, link.view_id, link.peer_rank) in used
         )
     return {
         "uptime_s": round(status.uptime_s, 3),

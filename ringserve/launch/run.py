@@ -120,6 +120,8 @@ def launch(
         if discovery_script:
             where = f" on the hosts {discovery_script!r} discovers"
         workers.note(f"coordinator at {coord.address}; starting {num_proc} workers{where}")
+        if coord.status_page is not None:  # its bound port: --http-port 0 picks one
+            workers.note(f"status page on {coord.status_page.url}")
         if shards is not None:
             workers.note(f"{ps_shards} parameter-server shards at {', '.join(shards.addresses)}")
         # A shard that is down for good (its restarts spent) ends the run: the workers would

@@ -148,6 +148,10 @@ async def test_a_job_with_a_token_refuses_the_page_and_its_data_without_it(
         assert answer.status == 200 and "views_formed" in await answer.text()
     async with http.get(url + "static/status.js") as answer:  # the same file for every job: no data in it
         assert answer.status == 200
+    for path in ("favicon.ico", "static/favicon.svg"):  # the icon, asked for before any sign-in
+        async with http.get(url + path) as answer:
+            assert answer.status == 200 and answer.content_type == "image/svg+xml", path
+            assert (await answer.text()).startswith("<svg")
 
 
 async def test_the_token_given_once_becomes_a_cookie_that_holds_no_token(guarded: Coordinator) -> None:
@@ -379,24 +383,27 @@ def test_ringserve_coordinator_http_port_serves_the_page_and_says_where(tmp_path
     assert proc.returncode == 0
 
 
-def test_ringserve_run_http_port_serves_the_page_of_its_coordinator_while_the_job_runs(tmp_path: Path) -> None:
-    import socket
+def test_ringserve_run_http_port_0_says_the_url_it_bound_and_serves_the_page_while_the_job_runs(
+        tmp_path: Path) -> None:
     import subprocess
     import time
     import urllib.error
     import urllib.request
 
-    with socket.socket() as probe:  # a free port on loopback, for the launcher's fixed --http-port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     script = "import time, ringserve; ringserve.init(); time.sleep(20 if ringserve.rank() == 0 else 0); ringserve.shutdown()"
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "run", "-np", "2", "--http-port", str(port),
-                             sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "run", "-np", "2", "--http-port", "0",
+                             sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        assert proc.stdout is not None
+        said = [proc.stdout.readline() for _ in range(2)]
+        assert said[0].startswith("ringserve run: coordinator at "), said
+        assert said[1].startswith("ringserve run: status page on http://127.0.0.1:"), said
+        url = said[1].split(" on ", 1)[1].strip()
+        assert not url.endswith(":0/"), url  # the port bound, not the one asked for
         deadline = time.monotonic() + 60
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as answer:
+                with urllib.request.urlopen(url + "status.json", timeout=5) as answer:
                     if b'"view_id":1' in answer.read():
                         break
             except (urllib.error.URLError, ConnectionError):
@@ -410,3 +417,5 @@ def test_ringserve_run_http_port_serves_the_page_of_its_coordinator_while_the_jo
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()

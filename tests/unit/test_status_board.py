@@ -192,3 +192,46 @@ def test_the_snapshot_shows_every_member_with_its_lane_and_every_edge_even_of_a_
                              {"from": 1, "to": 0, "lane": "tcp lane", "bytes_per_s": 10.0}]
     assert snap["mark"] == {"step": 3, "lineage": 0} and snap["listed"] == 2 and snap["view_size"] == 2
     assert snap["history"] == [{"at_s": 1.0, "kind": "view", "view_id": 2, "text": "view 2 formed with 2 workers"}]
+
+
+def _sending(t: float, sent: dict[tuple[int, int], int]) -> pb.StatusResponse:
+    """A Status of a world of 3 at ``t`` whose links ((rank, peer): bytes sent) are ``sent``."""
+    members = [pb.MemberStatus(member=pb.Member(worker_id=f"w{rank}", rank=rank, hostname="h"),
+                               counters=pb.WorkerCounters(links=[
+                                   pb.LinkCounters(view_id=2, peer_rank=peer, lane="stream", bytes_sent=n)
+                                   for (frm, peer), n in sorted(sent.items()) if frm == rank]))
+               for rank in range(3)]
+    return pb.StatusResponse(uptime_s=t, view=pb.View(view_id=2), view_size=3, members=members,
+                             heartbeat_timeout_s=5.0, heartbeat_interval_s=0.5)
+
+
+def _drawn(statuses: list[pb.StatusResponse]) -> set[tuple[int, int]]:
+    samples: list[statusview.Sample] = []
+    for status in statuses:
+        samples.append(statusview.sample(status, samples[-1] if samples else None))
+    return {(e["from"], e["to"]) for e in statusview.snapshot(statuses[-1], samples)["edges"]}
+
+
+def test_the_edges_drawn_are_the_links_that_sent_lately_and_a_stall_keeps_them_at_zero() -> None:
+    # 0->2 and 2->0 sent once (a measure's pings), then only the ring 0->1->2->0 sends.
+    def at(t: int, ring: int, once: int = 1) -> pb.StatusResponse:
+        return _sending(float(t), {(0, 1): ring, (1, 2): ring, (2, 0): ring, (0, 2): once, (2, 1): once})
+
+    ring = {(0, 1), (1, 2), (2, 0)}
+    assert _drawn([at(1, 10)]) == ring | {(0, 2), (2, 1)}  # all new: each sent in the window
+    assert _drawn([at(t, 10 * t) for t in range(1, 6)]) == ring | {(0, 2), (2, 1)}  # within 5 s
+    assert _drawn([at(t, 10 * t) for t in range(1, 9)]) == ring
+    stalled = [at(t, 10 * min(t, 8)) for t in range(1, 40)]  # no byte moves after t = 8
+    assert _drawn(stalled) == ring
+    assert {e["bytes_per_s"] for e in statusview.snapshot(stalled[-1], [statusview.sample(stalled[-2]),
+                                                                        statusview.sample(stalled[-1])])["edges"]} == {0.0}
+    assert len(statusview.snapshot(at(9, 90), [])["edges"]) == 5  # no samples: every link of the view
+
+
+def test_an_edge_stays_drawn_between_heartbeats_further_apart_than_the_rate_window() -> None:
+    assert statusview.in_use_s(0.5) == statusview.EDGE_WINDOW_S and statusview.in_use_s(4.0) == 12.0
+    # 1->0's worker is heard every 7 s: its bytes last moved 6 s before the newest traffic.
+    slow = [_sending(float(t), {(0, 1): 10 * t, (1, 0): 10 * (t // 7 * 7)}) for t in range(1, 14)]
+    for status in slow:
+        status.heartbeat_interval_s = 4.0
+    assert _drawn(slow) == {(0, 1), (1, 0)}
