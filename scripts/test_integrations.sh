@@ -14,5 +14,5 @@ constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 .venv/bin/pip freeze --exclude-editable --disable-pip-version-check > "$constraints"
 DS_BUILD_OPS=0 .venv/bin/pip install --quiet --disable-pip-version-check -c "$constraints" \
-  -e ".[lightning,hugging-face]"
+  -e ".[lightning,hugging-face,deepspeed]"
 exec .venv/bin/python -m pytest -p no:cacheprovider -m integrations tests/integrations "$@"
