@@ -9,10 +9,6 @@ A module whose framework is not installed is not collected; every test carries t
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 _NEEDS = {
     "test_lightning.py": ("lightning",),
