@@ -1,8 +1,9 @@
 """What TorchEstimator and KerasEstimator share: the checks made before any task starts, the one
-write of the DataFrame to Parquet in the store, the barrier run, and transform.
+write of the DataFrame to Parquet in the store, and the barrier run (the fitted model and its
+transform are in ``model.py``).
 
-A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and how to load the
-final checkpoint and predict); everything else is here. The per-task part reads only the store and
+A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and the ``Scorer``
+that loads the final checkpoint and predicts); everything else is here. The per-task part reads only the store and
 the Parquet footers, so ``fit_on_parquet`` runs on data written earlier without Spark writing again.
 """
 
