@@ -107,10 +107,11 @@ def add_predictions(df: Any, predict: Predict, *, feature_cols: list[str], featu
 class EstimatorModel(Model, MLWritable, MLReadable):
     """A trained model as a Spark ML Transformer: ``transform(df)`` adds ``<label>__output`` columns.
 
-    ``getModel()`` is the trained model, ``getHistory()`` the per-epoch metrics averaged over the
-    ranks, ``getRunId()`` the run (with its checkpoint in the store). ``write().save(path)`` and
-    ``EstimatorModel.load(path)`` (also ``TorchModel.load``/``KerasModel.load``) are Spark ML's
-    persistence; the model can be a stage of a ``PipelineModel``.
+    As Horovod's: ``getModel()`` is the trained model, ``getHistory()`` the per-epoch metrics averaged
+    over the ranks, ``getRunId()`` the run (with its checkpoint in the store), and
+    ``getFeatureColumns()``, ``getLabelColumns()`` and ``getOutputCols()`` the columns.
+    ``write().save(path)`` and ``EstimatorModel.load(path)`` (also ``TorchModel.load`` and
+    ``KerasModel.load``) are Spark ML's persistence; the model can be a stage of a ``PipelineModel``.
 
     Example:
         ```python
@@ -150,10 +151,10 @@ class EstimatorModel(Model, MLWritable, MLReadable):
     def getRunId(self) -> str:
         return self._run_id
 
-    def getFeatureCols(self) -> list[str]:
+    def getFeatureColumns(self) -> list[str]:
         return list(self._feature_cols)
 
-    def getLabelCols(self) -> list[str]:
+    def getLabelColumns(self) -> list[str]:
         return list(self._label_cols)
 
     def getOutputCols(self) -> list[str]:

@@ -32,6 +32,13 @@ class ManyInputs(torch.nn.Module):
         return self.net(torch.cat(flat, dim=1)).squeeze(1)
 
 
+class TwoOutputs(torch.nn.Module):
+    """``model(dense) -> (sum of the row, the row doubled)``: an output for each of two labels."""
+
+    def forward(self, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return dense.sum(1), dense * 2
+
+
 def frame(spark: Any, rows: int, partitions: int = 1) -> Any:
     """Rows made on the executors from their id: the raw columns the assemblers read (x1..x3 for
     "assembled", s0..s3, mostly zeros, for "sparse"), a dense vector (array_to_vector, with no size
@@ -81,14 +88,19 @@ def local_predictions(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
     return out.numpy().astype(np.float64)
 
 
-def untrained_model() -> Any:
-    """The estimator's fitted-model class around ManyInputs' first weights, as ``fit`` builds it from
-    a checkpoint (no ranks: the transform and persistence tests need no training)."""
+def model_from(net: torch.nn.Module, features: dict[str, int], labels: list[str]) -> Any:
+    """The estimator's fitted-model class around ``net``, as ``fit`` builds it from a checkpoint."""
     from ringserve.spark.model import EstimatorModel
     from ringserve.spark.torch import TorchScorer
 
     buf = io.BytesIO()
-    torch.save(ManyInputs(), buf)
+    torch.save(net, buf)
     return EstimatorModel(checkpoint=buf.getvalue(), scorer=TorchScorer(None), history={"loss": [1.0]},
-                          run_id="run-untrained", feature_cols=list(FEATURES),
-                          feature_shapes=[(n,) if n else () for n in FEATURES.values()], label_cols=["label"])
+                          run_id="run-untrained", feature_cols=list(features),
+                          feature_shapes=[(n,) if n else () for n in features.values()], label_cols=labels)
+
+
+def untrained_model() -> Any:
+    """The estimator's fitted-model class around ManyInputs' first weights, as ``fit`` builds it from
+    a checkpoint (no ranks: the transform and persistence tests need no training)."""
+    return model_from(ManyInputs(), FEATURES, ["label"])

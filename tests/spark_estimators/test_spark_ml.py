@@ -39,9 +39,13 @@ def pipeline() -> Any:
     return PipelineModel(stages=[*ml_models.assemblers(), ml_models.untrained_model()])
 
 
+def by_id(rows: list[Any]) -> list[Any]:
+    """Rows in id order, sorted here: a Spark orderBy would sample, running the model twice."""
+    return sorted(rows, key=lambda r: r["id"])
+
+
 def predictions(model: Any, df: Any) -> np.ndarray:
-    rows = model.transform(df).select("id", "label__output").orderBy("id").collect()
-    return np.array([r["label__output"] for r in rows])
+    return np.array([r["label__output"] for r in by_id(model.transform(df).select("id", "label__output").collect())])
 
 
 def test_transform_gives_the_models_own_predictions_and_keeps_every_column(spark_ml: Any, pipeline: Any) -> None:
@@ -50,7 +54,7 @@ def test_transform_gives_the_models_own_predictions_and_keeps_every_column(spark
     df = ml_models.frame(spark_ml, ROWS)
     out = pipeline.transform(df)
     assert out.columns == [*df.columns, "assembled", "sparse", "label__output"]
-    got = out.orderBy("id").collect()
+    got = by_id(out.collect())
     stage = pipeline.stages[-1]
     want = ml_models.local_predictions(stage.getModel(), np.arange(ROWS))
     np.testing.assert_allclose([r["label__output"] for r in got], want, rtol=1e-6, atol=1e-7)
@@ -58,10 +62,22 @@ def test_transform_gives_the_models_own_predictions_and_keeps_every_column(spark
     # serialize), dense and sparse ones both.
     assert {type(r["sparse"]) for r in got} == {DenseVector, SparseVector}
     np.testing.assert_array_equal(np.stack([r["dense"].toArray() for r in got]),
-                                  np.stack([r["dense"].toArray() for r in df.orderBy("id").collect()]))
+                                  np.stack([r["dense"].toArray() for r in by_id(df.collect())]))
     # The stage's predict on arrays here is what transform runs on each batch there.
     feats = {k: v.astype(np.float32) for k, v in ml_models.local_features(np.arange(ROWS)).items()}
     np.testing.assert_allclose(stage.predict(feats)[0], want, rtol=1e-6, atol=1e-7)
+
+
+def test_several_labels_get_a_column_each_from_one_run_of_the_model(
+        spark_ml: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    stage = ml_models.model_from(ml_models.TwoOutputs(), {"dense": 3}, ["total", "twice"])
+    out = stage.transform(ml_models.frame(spark_ml, 8))
+    out.explain()
+    assert capsys.readouterr().out.count("ArrowEvalPython") == 1
+    rows = by_id(out.collect())
+    dense = np.stack([r["dense"].toArray() for r in rows])
+    np.testing.assert_allclose([r["total__output"] for r in rows], dense.sum(1), rtol=1e-6)
+    np.testing.assert_allclose(np.stack([r["twice__output"] for r in rows]), dense * 2, rtol=1e-6)
 
 
 def test_the_stage_and_the_pipeline_model_save_and_load_with_identical_predictions(
@@ -80,7 +96,7 @@ def test_the_stage_and_the_pipeline_model_save_and_load_with_identical_predictio
     stage.write().overwrite().save(str(tmp_path / "stage"))
     loaded = TorchModel.load(str(tmp_path / "stage"))
     assert (loaded.uid, loaded.getHistory(), loaded.getRunId()) == (stage.uid, stage.getHistory(), stage.getRunId())
-    assert loaded.getFeatureCols() == list(ml_models.FEATURES) and loaded.getOutputCols() == ["label__output"]
+    assert loaded.getFeatureColumns() == list(ml_models.FEATURES) and loaded.getOutputCols() == ["label__output"]
     assembled = PipelineModel(stages=pipeline.stages[:-1]).transform(df)
     np.testing.assert_array_equal(predictions(loaded, assembled), before)
     with pytest.raises(InvalidArgumentError, match="not a ringserve estimator's model"):

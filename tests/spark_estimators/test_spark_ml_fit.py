@@ -39,11 +39,11 @@ def test_a_pipeline_fits_the_estimator_after_vector_assemblers_and_saves_and_loa
     trained = stage.getModel()
     assert not torch.equal(trained.net[0].weight, ml_models.ManyInputs().net[0].weight)
 
-    rows = fitted.transform(df).select("id", "label__output").orderBy("id").collect()
+    rows = sorted(fitted.transform(df).select("id", "label__output").collect(), key=lambda r: r["id"])
     got = np.array([r["label__output"] for r in rows])
     np.testing.assert_allclose(got, ml_models.local_predictions(trained, np.arange(ROWS)), rtol=1e-6, atol=1e-7)
 
     fitted.write().save(str(tmp_path / "pipeline"))
     again = PipelineModel.load(str(tmp_path / "pipeline"))
-    rows = again.transform(df).select("id", "label__output").orderBy("id").collect()
+    rows = sorted(again.transform(df).select("id", "label__output").collect(), key=lambda r: r["id"])
     np.testing.assert_array_equal([r["label__output"] for r in rows], got)

@@ -1,6 +1,6 @@
 """``transform`` on a DataFrame larger than the driver's memory: transform_beyond_memory.py in a process
-of its own (a 512 MiB JVM heap, which in local mode holds the executors too) on 6M rows made on the
-executors, at least 624 MB of doubles. Minutes on two busy cores, so marked ``slow``:
+of its own (a 512 MiB JVM heap, which in local mode holds the executors too) on 8M rows made on the
+executors, at least 832 MB of doubles. Minutes on two busy cores, so marked ``slow``:
 ``pytest -m slow tests/spark_estimators/test_spark_ml_memory.py``.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-ROWS = 6_000_000
+ROWS = 8_000_000
 HERE = Path(__file__).resolve().parent
 
 

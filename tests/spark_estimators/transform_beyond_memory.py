@@ -7,7 +7,7 @@ the whole job lives in that heap, and a transform that held the data anywhere in
 the executors (``spark.range``), go through the assemblers and the model in Arrow batches, and
 only a count, a sum and a max come back, compared with the model run here on the same ids in
 chunks. Prints one JSON line: the rows, the heap, the data's lower bound in bytes, the aggregates,
-the local ones, the seconds and this process's peak RSS.
+the local ones, the seconds, and this process's peak RSS by the end of the Spark job.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main(rows: int) -> None:
         out = pipeline.transform(ml_models.frame(spark, rows, partitions=8)).agg(
             F.count("*").alias("n"), F.sum("label__output").alias("total"), F.max("label__output").alias("top")).first()
         seconds = time.monotonic() - start
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the local check below
     finally:
         spark.stop()
     model = pipeline.stages[-1].getModel()
@@ -50,7 +51,7 @@ def main(rows: int) -> None:
     # 13 doubles a row (x1..x3, s0..s3, dense's 3, arr's 2, num, label) is a lower bound of the data.
     print(json.dumps({"rows": out["n"], "heap": heap, "data_bytes_at_least": rows * 13 * 8, "total": out["total"],
                       "top": out["top"], "local_total": total, "local_top": top, "seconds": round(seconds, 1),
-                      "driver_python_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "driver_python_peak_rss": peak_rss}))
 
 
 if __name__ == "__main__":
