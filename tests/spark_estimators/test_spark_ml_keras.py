@@ -1,12 +1,14 @@
 """The Keras model of the estimator on Spark ML's inputs (no ranks: built from a ``.keras`` checkpoint
-as ``fit`` builds it): transform after VectorAssemblers, on dense and sparse vectors, an array and a
-number as five inputs, gives the Keras model's own predictions, and the PipelineModel saves and loads
+as ``fit`` builds it): transform after VectorAssemblers, on dense and sparse vectors and an array as
+four inputs, gives the Keras model's own predictions, and the PipelineModel saves and loads
 with identical ones. Keras loads in each Python worker, so marked ``slow``:
 ``pytest -m slow tests/spark_estimators/test_spark_ml_keras.py``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +21,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROWS = 64
 
 
+@pytest.fixture
+def no_tests_tensorflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without tensorflow installed, the tests/tensorflow folder on sys.path (pytest puts tests/ there)
+    is found as a namespace package named tensorflow, and Keras, taking it for tensorflow, fails to
+    save a model. Take tests/ off sys.path while the test runs."""
+    tests = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p) != tests])
+    found = sys.modules.get("tensorflow")
+    if found is not None and getattr(found, "__file__", None) is None:
+        monkeypatch.delitem(sys.modules, "tensorflow")
+
+
+@pytest.mark.usefixtures("no_tests_tensorflow")
 def test_a_keras_stage_transforms_vectors_and_arrays_and_saves_and_loads(spark_ml: Any, tmp_path: Path) -> None:
     keras = pytest.importorskip("keras")
     from pyspark.ml import PipelineModel
 
     from ringserve.spark.keras import KerasModel, KerasScorer
 
-    inputs = [keras.Input((n,) if n else (), name=c) for c, n in ml_models.FEATURES.items()]
-    flat = [keras.layers.Reshape((1,))(x) if not n else x for x, n in zip(inputs, ml_models.FEATURES.values(),
-                                                                          strict=True)]
-    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()(flat))
+    features = {c: n for c, n in ml_models.FEATURES.items() if n}  # numbers: test_spark_ml.py, with torch
+    inputs = [keras.Input((n,), name=f"in_{c}") for c, n in features.items()]
+    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(hidden))
     model.save(tmp_path / "model.keras")
     stage = KerasModel(checkpoint=(tmp_path / "model.keras").read_bytes(), scorer=KerasScorer(None, str(keras.backend.backend())),
-                       history={}, run_id="run-keras", feature_cols=list(ml_models.FEATURES),
-                       feature_shapes=[(n,) if n else () for n in ml_models.FEATURES.values()], label_cols=["label"])
+                       history={}, run_id="run-keras", feature_cols=list(features),
+                       feature_shapes=[(n,) for n in features.values()], label_cols=["label"])
     pipeline = PipelineModel(stages=[*ml_models.assemblers(), stage])
     df = ml_models.frame(spark_ml, ROWS)
 
@@ -43,7 +57,7 @@ def test_a_keras_stage_transforms_vectors_and_arrays_and_saves_and_loads(spark_m
 
     got = predictions(pipeline)
     feats = ml_models.local_features(np.arange(ROWS))
-    want = model.predict([feats[c].astype(np.float32) for c in ml_models.FEATURES], verbose=0)
+    want = model.predict([feats[c].astype(np.float32) for c in features], verbose=0)
     assert got.shape == (ROWS, 2)  # two values a row: an array column
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     pipeline.write().save(str(tmp_path / "pipeline"))
