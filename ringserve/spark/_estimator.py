@@ -2,9 +2,10 @@
 write of the DataFrame to Parquet in the store, and the barrier run (the fitted model and its
 transform are in ``model.py``).
 
-A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and the ``Scorer``
-that loads the final checkpoint and predicts); everything else is here. The per-task part reads only the store and
-the Parquet footers, so ``fit_on_parquet`` runs on data written earlier without Spark writing again.
+A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and the
+``Scorer`` that loads the final checkpoint and predicts); everything else is here. The per-task
+part reads only the store and the Parquet footers, so ``fit_on_parquet`` runs on data written
+earlier without Spark writing again.
 """
 
 from __future__ import annotations
