@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,25 @@ def _session(**conf: str) -> Iterator[Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+def no_tests_tensorflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without tensorflow installed, the tests/tensorflow folder on sys.path (pytest puts tests/ there)
+    is found as a namespace package named tensorflow, and Keras, taking it for tensorflow, fails to
+    save a model (``module 'tensorflow' has no attribute 'TensorShape'``). Take tests/ off sys.path,
+    and forget that package, in sys.modules and in Keras' lazy handle on tensorflow, for the test."""
+    tests = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p) != tests])
+    found = sys.modules.get("tensorflow")
+    if found is not None and getattr(found, "__file__", None) is None:
+        monkeypatch.delitem(sys.modules, "tensorflow")
+    from keras.src.utils import module_utils
+
+    lazy = module_utils.tensorflow
+    if lazy.module is not None and getattr(lazy.module, "__file__", None) is None:
+        monkeypatch.setattr(lazy, "module", None)
+        monkeypatch.setattr(lazy, "_available", None)
 
 
 @pytest.fixture(scope="module")

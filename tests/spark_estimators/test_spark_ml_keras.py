@@ -7,8 +7,6 @@ with identical ones. Keras loads in each Python worker, so marked ``slow``:
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +17,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROWS = 64
-
-
-@pytest.fixture
-def no_tests_tensorflow(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without tensorflow installed, the tests/tensorflow folder on sys.path (pytest puts tests/ there)
-    is found as a namespace package named tensorflow, and Keras, taking it for tensorflow, fails to
-    save a model. Take tests/ off sys.path while the test runs."""
-    tests = str(Path(__file__).resolve().parents[1])
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p) != tests])
-    found = sys.modules.get("tensorflow")
-    if found is not None and getattr(found, "__file__", None) is None:
-        monkeypatch.delitem(sys.modules, "tensorflow")
 
 
 @pytest.mark.usefixtures("no_tests_tensorflow")
