@@ -1,9 +1,11 @@
 """What TorchEstimator and KerasEstimator share: the checks made before any task starts, the one
-write of the DataFrame to Parquet in the store, the barrier run, and transform.
+write of the DataFrame to Parquet in the store, and the barrier run (the fitted model and its
+transform are in ``model.py``).
 
-A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and how to load the
-final checkpoint and predict); everything else is here. The per-task part reads only the store and
-the Parquet footers, so ``fit_on_parquet`` runs on data written earlier without Spark writing again.
+A framework module gives a ``Trainer`` (what each barrier task runs on its shard, and the
+``Scorer`` that loads the final checkpoint and predicts); everything else is here. The per-task
+part reads only the store and the Parquet footers, so ``fit_on_parquet`` runs on data written
+earlier without Spark writing again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,16 +23,17 @@ import numpy as np
 from ringserve.bindings import require
 from ringserve.errors import InvalidArgumentError, RingserveError
 from ringserve.spark import data as datasets
+from ringserve.spark.columns import check_dataframe, check_uniform, column_kind
+from ringserve.spark.model import EstimatorModel, Scorer
 from ringserve.spark.store import Store
 
 require("pyspark", "spark")
 require("pyarrow", "spark")
 
-from pyspark.ml import Estimator, Model  # noqa: E402
+from pyspark.ml import Estimator  # noqa: E402
 
 log = logging.getLogger("ringserve.spark")
 
-Predict = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 VAL_COLUMN = "__ringserve_validation"
 
 
@@ -63,16 +66,14 @@ class TrainSpec:
 
 
 class Trainer(Protocol):
-    """The framework's part: train on this rank's shard, load the final model, predict with it."""
+    """The framework's part: train on this rank's shard; its Scorer loads the final model and predicts."""
 
     checkpoint_ext: str
 
     def train(self, spec: TrainSpec, rank_data: dict[str, np.ndarray],
               val_data: dict[str, np.ndarray] | None) -> tuple[dict[str, list[float]], str]: ...
 
-    def load(self, blob: bytes) -> Any: ...
-
-    def predictor(self, model: Any, spec: TrainSpec) -> Predict: ...
+    def scorer(self) -> Scorer: ...
 
 
 def weights_digest(arrays: list[np.ndarray]) -> str:
@@ -166,42 +167,14 @@ class EstimatorParams:
         return self.store if isinstance(self.store, Store) else Store.create(self.store)
 
 
-def check_dataframe(df: Any, columns: list[str], validation: float | str | None) -> list[str]:
-    """Checks that the columns exist and are numeric; returns the feature columns that are ML vectors.
-
-    Raises:
-        InvalidArgumentError: a missing column (with the DataFrame's columns), or one whose type is
-            not a number, an array of numbers or an ML vector.
-    """
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import types as T
-
-    wanted = columns + ([validation] if isinstance(validation, str) else [])
-    missing = [c for c in wanted if c not in df.columns]
-    if missing:
-        raise InvalidArgumentError(f"The DataFrame has no column {', '.join(map(repr, missing))} "
-                                   f"(its columns: {df.columns}).")
-    vectors = []
-    for name in columns:
-        t = df.schema[name].dataType
-        numeric = isinstance(t, T.NumericType | T.BooleanType) and not isinstance(t, T.DecimalType)
-        if isinstance(t, VectorUDT):
-            vectors.append(name)
-        elif not numeric and not (isinstance(t, T.ArrayType) and isinstance(t.elementType, T.NumericType)):
-            raise InvalidArgumentError(
-                f"The column {name!r} is {t.simpleString()}, not numeric: features and labels must be numbers, "
-                "arrays of numbers or ML vectors.")
-    if isinstance(validation, str):
-        t = df.schema[validation].dataType
-        if not isinstance(t, T.BooleanType | T.IntegerType | T.LongType | T.ShortType | T.ByteType):
-            raise InvalidArgumentError(
-                f"The validation column {validation!r} is {t.simpleString()}; it must be boolean (or 0/1).")
-    return vectors
-
-
 def write_parquet(df: Any, store: Store, run_id: str, columns: list[str], vectors: list[str],
                   validation: float | str | None, num_proc: int, seed: int) -> tuple[str, str | None]:
-    """Writes the DataFrame's columns once, to the store's train (and validation) Parquet."""
+    """Writes the DataFrame's columns once, to the store's train (and validation) Parquet, then
+    checks the array columns there (a pass over those columns of the Parquet alone).
+
+    Raises:
+        InvalidArgumentError: an array or vector column with nulls, or with rows of different lengths.
+    """
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
@@ -217,91 +190,14 @@ def write_parquet(df: Any, store: Store, run_id: str, columns: list[str], vector
         val_path = store.get_val_data_path(run_id)
         marked.where(F.col(VAL_COLUMN)).drop(VAL_COLUMN).write.mode("overwrite").parquet(store.spark_url(val_path))
     train.repartition(num_proc).write.mode("overwrite").parquet(store.spark_url(train_path))
+    arrays = [c for c in columns if column_kind(df, c) != "number"]
+    for path in [train_path] + ([val_path] if val_path else []):
+        check_uniform(df.sparkSession.read.parquet(store.spark_url(path)), arrays)
     return train_path, val_path
 
 
 def new_run_id() -> str:
     return f"run-{uuid.uuid4().hex[:12]}"
-
-
-def output_columns(label_cols: list[str]) -> list[str]:
-    """Horovod's names of the predictions: ``<label>__output``."""
-    return [f"{c}__output" for c in label_cols]
-
-
-def add_predictions(df: Any, predict: Predict, feature_cols: list[str], label_cols: list[str],
-                    widths: list[int]) -> Any:
-    """``df`` with a ``<label>__output`` column per label: a double, or an array of doubles when the
-    model gives more than one value per row (class probabilities)."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
-
-    check_dataframe(df, feature_cols, None)
-    inputs = {}
-    for name in feature_cols:
-        if isinstance(df.schema[name].dataType, VectorUDT):
-            temp = f"__ringserve_{name}"
-            df = df.withColumn(temp, vector_to_array(F.col(name), "float32"))
-            inputs[name] = temp
-        else:
-            inputs[name] = name
-    outputs = output_columns(label_cols)
-    schema = T.StructType(list(df.schema.fields) + [
-        T.StructField(o, T.DoubleType() if w == 1 else T.ArrayType(T.DoubleType())) for o, w in zip(outputs, widths, strict=True)])
-
-    def predict_batches(frames: Iterator[Any]) -> Iterator[Any]:
-        for frame in frames:
-            feats = {name: _column_array(frame[col]) for name, col in inputs.items()}
-            for out_name, raw, width in zip(outputs, predict(feats), widths, strict=True):
-                out = np.asarray(raw, dtype=np.float64).reshape(len(frame), -1)
-                frame[out_name] = out[:, 0] if width == 1 else list(out)
-            yield frame
-
-    temps = [t for n, t in inputs.items() if t != n]
-    return df.mapInPandas(predict_batches, schema).drop(*temps)
-
-
-def _column_array(series: Any) -> np.ndarray:
-    values = series.to_numpy()
-    if values.dtype == object:
-        return np.stack([np.asarray(v, dtype=np.float32) for v in values]) if len(values) else np.zeros((0, 0))
-    return np.asarray(values)
-
-
-class EstimatorModel(Model):
-    """A trained model as a Spark ML Transformer: ``transform(df)`` adds ``<label>__output`` columns.
-
-    Attributes reach the trained model (``getModel()``), the per-epoch metrics averaged over the
-    ranks (``getHistory()``) and the run (``getRunId()``, with its checkpoint in the store).
-    """
-
-    def __init__(self, *, model: Any, history: dict[str, list[float]], run_id: str, feature_cols: list[str],
-                 label_cols: list[str], predict: Predict, widths: list[int]) -> None:
-        super().__init__()
-        self._model = model
-        self._history = history
-        self._run_id = run_id
-        self._feature_cols = feature_cols
-        self._label_cols = label_cols
-        self._predict = predict
-        self._widths = widths
-
-    def getModel(self) -> Any:
-        return self._model
-
-    def getHistory(self) -> dict[str, list[float]]:
-        return self._history
-
-    def getRunId(self) -> str:
-        return self._run_id
-
-    def getOutputCols(self) -> list[str]:
-        return output_columns(self._label_cols)
-
-    def _transform(self, dataset: Any) -> Any:
-        return add_predictions(dataset, self._predict, self._feature_cols, self._label_cols, self._widths)
 
 
 class EstimatorBase(Estimator):
@@ -372,10 +268,9 @@ class EstimatorBase(Estimator):
         if len(digests) != 1:
             raise RingserveError(f"The ranks of run {run_id} ended with {len(digests)} different sets of weights; "
                                  "they must be identical (please report this).")
-        model = trainer.load(store.read(store.get_checkpoint_path(run_id, trainer.checkpoint_ext)))
-        predict = trainer.predictor(model, spec)
-        probe = {c.name: np.zeros((1, *c.shape), dtype=np.float32) for c in (train.columns[n] for n in p.feature_cols)}
-        widths = [int(np.asarray(o).reshape(1, -1).shape[1]) for o in predict(probe)]
+        scorer = trainer.scorer()
+        checkpoint = store.read(store.get_checkpoint_path(run_id, trainer.checkpoint_ext))
+        shapes = [train.columns[n].shape for n in p.feature_cols]
         log.info("ringserve.spark: run %s trained on %d ranks, weights %s", run_id, num_proc, next(iter(digests))[:12])
-        return EstimatorModel(model=model, history=results[0]["history"], run_id=run_id,
-                              feature_cols=p.feature_cols, label_cols=p.label_cols, predict=predict, widths=widths)
+        return EstimatorModel(checkpoint=checkpoint, scorer=scorer, history=results[0]["history"], run_id=run_id,
+                              feature_cols=p.feature_cols, feature_shapes=shapes, label_cols=p.label_cols)

@@ -29,14 +29,8 @@ import numpy as np
 
 from ringserve.bindings import require
 from ringserve.errors import InvalidArgumentError
-from ringserve.spark._estimator import (
-    EstimatorBase,
-    EstimatorModel,
-    EstimatorParams,
-    Predict,
-    TrainSpec,
-    weights_digest,
-)
+from ringserve.spark._estimator import EstimatorBase, EstimatorParams, TrainSpec, weights_digest
+from ringserve.spark.model import EstimatorModel, Predict
 from ringserve.spark.store import Store
 
 keras = require("keras", "keras")
@@ -153,11 +147,21 @@ class KerasTrainer:
         logs = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         return logs, weights_digest([np.asarray(w) for w in model.get_weights()])
 
+    def scorer(self) -> KerasScorer:
+        return KerasScorer(self.custom_objects, self.backend)
+
+
+class KerasScorer:
+    """Loads a ``.keras`` checkpoint and predicts, with the custom objects and the driver's backend."""
+
+    def __init__(self, custom_objects: dict[str, Any] | None, backend: str) -> None:
+        self.custom_objects, self.backend = custom_objects, backend
+
     def load(self, blob: bytes) -> Any:
         return _load_model(blob, self.custom_objects)
 
-    def predictor(self, model: Any, spec: TrainSpec) -> Predict:
-        blob, custom, backend, features = _model_bytes(model), self.custom_objects, self.backend, list(spec.feature_cols)
+    def predictor(self, model: Any, feature_cols: list[str]) -> Predict:
+        blob, custom, backend, features = _model_bytes(model), self.custom_objects, self.backend, list(feature_cols)
         loaded: list[Any] = []
 
         def predict(batch: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -32,14 +32,8 @@ import numpy as np
 
 from ringserve.bindings import require
 from ringserve.errors import InvalidArgumentError
-from ringserve.spark._estimator import (
-    EstimatorBase,
-    EstimatorModel,
-    EstimatorParams,
-    Predict,
-    TrainSpec,
-    weights_digest,
-)
+from ringserve.spark._estimator import EstimatorBase, EstimatorParams, TrainSpec, weights_digest
+from ringserve.spark.model import EstimatorModel, Predict
 from ringserve.spark.store import Store
 
 torch = require("torch", "torch")
@@ -181,11 +175,21 @@ class TorchTrainer:
             averaged = [float(v) for v in hvd.allreduce(values, name="ringserve.spark.metrics")]
         return {k: v for k, v in zip(keys, averaged, strict=True) if k != "__rows"}
 
+    def scorer(self) -> TorchScorer:
+        return TorchScorer(self.input_shapes)
+
+
+class TorchScorer:
+    """Loads a ``torch.save`` checkpoint and predicts, with the estimator's ``input_shapes``."""
+
+    def __init__(self, input_shapes: list[list[int]] | None) -> None:
+        self.input_shapes = input_shapes
+
     def load(self, blob: bytes) -> Any:
         return torch.load(io.BytesIO(blob), weights_only=False)
 
-    def predictor(self, model: Any, spec: TrainSpec) -> Predict:
-        shapes, features = self.input_shapes, list(spec.feature_cols)
+    def predictor(self, model: Any, feature_cols: list[str]) -> Predict:
+        shapes, features = self.input_shapes, list(feature_cols)
 
         def predict(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
             inputs = []

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+@pytest.mark.usefixtures("no_tests_tensorflow")
 def test_keras_estimator_matches_one_process_within_a_point(spark: Any, tmp_path: Path) -> None:
     import keras_spark_estimator
 
