@@ -50,26 +50,24 @@ def trainer_gloo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("launcher", ["ringserve-run", "accelerate-launch"])
-def test_an_accelerator_on_ringserve_trains_to_the_parameters_it_gets_on_gloo(
-        accelerate_gloo: Path, tmp_path: Path, launcher: str) -> None:
-    command = (ringserve_run(2, "accelerate_job.py", str(tmp_path), "ringserve") if launcher == "ringserve-run"
-               else _accelerate_launch("accelerate_job.py", tmp_path, "ringserve"))
-    log = launch(command, tmp_path, timeout_s=240)
-    assert "trained 6 steps on 2 ranks over ringserve (DistributedType.MULTI_CPU)" in log, log[-3000:]
-    assert compare(tmp_path, accelerate_gloo) <= ATOL
+# The job, its gloo run (a fixture), its steps, and what its log says of the backend.
+CASES = {
+    "accelerator": ("accelerate_job.py", "accelerate_gloo", "trained 6 steps on 2 ranks over ringserve (DistributedType.MULTI_CPU)"),
+    "trainer": ("transformers_job.py", "trainer_gloo", "trained 4 steps on 2 ranks over ringserve"),
+}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("launcher", ["ringserve-run", "accelerate-launch"])
-def test_the_transformers_trainer_on_ringserve_trains_to_the_parameters_it_gets_on_gloo(
-        trainer_gloo: Path, tmp_path: Path, launcher: str) -> None:
-    command = (ringserve_run(2, "transformers_job.py", str(tmp_path), "ringserve") if launcher == "ringserve-run"
-               else _accelerate_launch("transformers_job.py", tmp_path, "ringserve"))
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_accelerator_and_the_transformers_trainer_on_ringserve_train_to_the_parameters_they_get_on_gloo(
+        request: pytest.FixtureRequest, tmp_path: Path, case: str, launcher: str) -> None:
+    job, gloo, said = CASES[case]
+    command = (ringserve_run(2, job, str(tmp_path), "ringserve") if launcher == "ringserve-run"
+               else _accelerate_launch(job, tmp_path, "ringserve"))
     log = launch(command, tmp_path, timeout_s=240)
-    assert "trained 4 steps on 2 ranks over ringserve" in log, log[-3000:]
-    assert compare(tmp_path, trainer_gloo) <= ATOL
+    assert said in log, log[-3000:]
+    assert compare(tmp_path, request.getfixturevalue(gloo)) <= ATOL
 
 
 @pytest.mark.timeout(120)
