@@ -28,6 +28,11 @@ What is kept from TLS, and how:
 - **Limits on one key**: a new key is derived from the last (HMAC-SHA256) every ``REKEY_RECORDS``
   records, at most 64 GiB, well within AES-GCM's bound per key (TLS 1.3 rekeys at 2^24.5 records
   of 16 KiB, about 380 GiB).
+
+``cryptography`` is imported by the first key (``_Keys``), not with this module: every worker
+imports the lane, and only a TLS job's lanes seal. Loaded, it maps 6.3 MB of libraries into the
+process (1.5 MB of it private), a sixth of what a numpy worker's imports cost beyond numpy
+(docs/ops/worker-memory.md).
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Callable
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from typing import TYPE_CHECKING
 
 from ringserve.errors import ProtocolError
 from ringserve.worker.dataplane.lanes.tcp.sockets import LaneClosed
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 KEY_BYTES = 16  # AES-128-GCM: TLS 1.3's mandatory suite (TLS_AES_128_GCM_SHA256) and ALTS's records; measured
 # here through ``cryptography``, 3.8 GiB/s a core against AES-256's 3.2
@@ -57,6 +63,12 @@ class _Keys:
     def __init__(self, key: bytes, rekey_records: int) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"A payload lane's key is {KEY_BYTES} bytes, not {len(key)}.")
+        # Here, not at the top: a TLS lane's first key loads cryptography (see the module's docstring).
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._cipher = AESGCM
+        self.invalid_tag: type[Exception] = InvalidTag  # what a record that fails its tag raises
         self._key = key
         self._aead = AESGCM(key)
         self._rekey = rekey_records
@@ -66,7 +78,7 @@ class _Keys:
         """The cipher and nonce of the next record."""
         if self.records and self.records % self._rekey == 0:
             self._key = hmac.new(self._key, b"ringserve lane rekey", hashlib.sha256).digest()[:KEY_BYTES]
-            self._aead = AESGCM(self._key)
+            self._aead = self._cipher(self._key)
         nonce = self.records.to_bytes(12, "little")
         self.records += 1
         return self._aead, nonce
@@ -147,7 +159,7 @@ class Opener:
             self._plain = memoryview(bytearray(RECORD))
         try:
             aead.decrypt_into(nonce, sealed, bytes(self._length), view[:size] if fits else self._plain[:size])
-        except InvalidTag:
+        except self._keys.invalid_tag:
             raise ProtocolError(f"A sealed record on the payload lane from {self._where} failed its "
                                 "authentication: altered, reordered, replayed or forged.") from None
         if fits:
