@@ -6,6 +6,7 @@ so that the /proc/<pid>/fd path is crossed for real.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import subprocess
@@ -165,3 +166,58 @@ def test_a_ring_is_shared_across_processes_through_proc() -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+def shmem_kib() -> int:
+    """Shared-memory pages mapped by this process (both ends of a ring that it holds)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_an_idle_ring_gives_its_pages_back_in_both_ends_but_never_while_a_slot_is_read() -> None:
+    out = OutboundRing(slots=4, slot_bytes=4 << 20)
+    try:
+        inbound = InboundRing.attach(out.offer())
+        assert inbound is not None
+        payload = np.full(1 << 20, 7, dtype=np.float32)  # 4 MiB: a slot each
+        before = shmem_kib()
+        slots = [out.put(payload) for _ in range(3)]
+        views = [np.frombuffer(inbound.payload(frame_for(s, payload.nbytes)), dtype=np.float32) for s in slots]
+        assert all((v == 7).all() for v in views)  # read here: the receiver's mapping holds the pages too
+        assert shmem_kib() - before >= 12 << 10
+        del views[1:]
+        assert out.release() == 0  # slot 0 is still read: nothing goes
+        views.clear()
+        assert out.release() == 3 * (4 << 20)
+        assert shmem_kib() - before < 1 << 10
+        assert out.release() == 0  # nothing written since
+        slot = out.put(np.arange(8, dtype=np.float32))  # a given-back slot is written and read as before
+        np.testing.assert_array_equal(np.frombuffer(inbound.payload(frame_for(slot, 32)), dtype=np.float32),
+                                      np.arange(8, dtype=np.float32))
+    finally:
+        out.close()
+
+
+def test_the_pages_go_after_the_ring_was_idle_for_release_after_s_not_while_payloads_keep_coming() -> None:
+    async def scenario() -> tuple[int, int, int]:
+        out = OutboundRing(slots=2, slot_bytes=1 << 20, release_after_s=0.05)
+        try:
+            inbound = InboundRing.attach(out.offer())
+            assert inbound is not None
+            for _ in range(15):  # 0.3 s of traffic, a payload every 20 ms, each read and dropped
+                slot = out.put(np.ones(1 << 18, dtype=np.float32))
+                inbound.payload(frame_for(slot, 1 << 20))
+                await asyncio.sleep(0.02)
+            busy = out.released_bytes
+            await asyncio.sleep(0.25)  # idle: released within twice release_after_s
+            idle = out.released_bytes
+            out.put(np.ones(4, dtype=np.float32))  # arms the timer again, which close() cancels
+        finally:
+            out.close()
+        await asyncio.sleep(0.15)  # a timer that outlived close() would release a closed ring here
+        return busy, idle, out.released_bytes
+
+    busy, idle, after_close = asyncio.run(scenario())
+    assert busy == 0
+    assert idle == 1 << 20
+    assert after_close == idle

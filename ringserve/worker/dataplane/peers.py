@@ -169,6 +169,9 @@ class PeerServicer:
                         self.counters.frames_rejected += 1
                         continue
                     plane.on_frame(Received(header, payload, raw), sender)
+                    # Not held here until the next frame: a view of the last payload would keep its
+                    # slot of the shared ring in use, and an idle ring would never give its pages back.
+                    del payload
                 if clean and lane is not None:  # the BYE counts once the lane has brought every frame
                     clean = await lane.finished(self.config.drain_timeout_s)
                     frames += lane.frames

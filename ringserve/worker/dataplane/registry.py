@@ -173,7 +173,8 @@ class Planes:
         if not cfg.shared_memory or not shared.supported():
             return None
         try:
-            ring = OutboundRing(cfg.shared_slots, cfg.frame_bytes)  # room for a wide frame (selection.ring_chunk)
+            # Room for a wide frame (selection.ring_chunk); its pages go back when idle (links/shared.py).
+            ring = OutboundRing(cfg.shared_slots, cfg.frame_bytes, release_after_s=cfg.shared_release_s)
         except OSError as exc:  # no memfd (a seccomp profile), or out of fds
             log.info("%s: no shared-memory ring (%s); payloads travel over the stream", self._tag(), exc)
             return None
