@@ -64,19 +64,18 @@ def read_self() -> dict[str, float]:
 
 
 def mapping_kind(path: str) -> str:
-    """The group a mapping of /proc/self/smaps is summed in."""
+    """The group a mapping of /proc/self/smaps is summed in: a package of site-packages (grpc,
+    numpy, cryptography), a shared library without its version, or the kind of anonymous memory."""
     if not path:
-        return "anonymous (malloc arenas, thread stacks, pools)"
+        return "anonymous (malloc arenas, thread stacks, the result pool)"
     if path.startswith("/memfd:") or path.startswith("/dev/shm"):
         return "shared memory (memfd rings)"
     if path.startswith("["):
         return path
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1].split("/", 1)[0]
     name = os.path.basename(path)
-    for marker in ("cygrpc", "numpy", "libpython", "python3", "uvloop", "libc.so", "libstdc++", "_pb2", "protobuf",
-                   "libcrypto", "libssl", "zstd", "lz4"):
-        if marker in name or marker in path:
-            return marker
-    return "other files" if "/" in path else path
+    return name.split(".so", 1)[0] + ".so" if ".so" in name else name
 
 
 def read_mappings() -> dict[str, dict[str, float]]:
@@ -117,7 +116,8 @@ def worker(args: argparse.Namespace) -> int:
     rank, world = rs.rank(), rs.size()
     started = time.perf_counter()
     for step in range(args.steps):
-        for label, size in SIZES.items():
+        for label in args.sizes:
+            size = SIZES[label]
             grad = np.full(size // 4, rank + step, dtype=np.float32)
             out = rs.allreduce(grad, op="sum", name=f"grad.{label}")
             expected = world * step + world * (world - 1) / 2
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="loop steps, each an allreduce of every size")
     parser.add_argument("--mappings", action="store_true", help="sum /proc/self/smaps by mapping at the end")
     parser.add_argument("--tracemalloc", action="store_true", help="the largest Python allocations after the loop")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="the allreduces of each step")
     parser.add_argument("--idle", type=float, default=0.0, help="measure again after this many idle seconds")
     parser.add_argument("--numpy-only", action="store_true", help="the same loop without ringserve (the baseline)")
     parser.add_argument("--json", type=Path, help="write every worker's report here")
@@ -213,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     extra = [flag for flag, on in (("--mappings", args.mappings), ("--tracemalloc", args.tracemalloc),
                                    ("--numpy-only", args.numpy_only)) if on]
-    extra += ["--idle", str(args.idle)]
+    extra += ["--idle", str(args.idle), "--sizes", *args.sizes]
     with tempfile.TemporaryDirectory() as out:
         reports = run_job(args.np_, args.steps, Path(out), extra)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
-    print(f"{args.np_} workers{' (numpy only)' if args.numpy_only else ''}, {args.steps} steps of 4K + 1M + 16M allreduces; median (largest) over workers")
+    print(f"{args.np_} workers{' (numpy only)' if args.numpy_only else ''}, {args.steps} steps of "
+          f"{' + '.join(args.sizes)} allreduces; median (largest) over workers")
     print(f"{'stage':6} {'RSS MiB':>14} {'peak MiB':>14} {'PSS MiB':>14} {'USS MiB':>14} {'shared MiB':>14} "
           f"{'threads':>9} {'fds':>7}")
     for stage in [s for s in STAGES if s in reports[0]["stages"]]:
