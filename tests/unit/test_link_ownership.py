@@ -185,3 +185,24 @@ async def test_a_plane_and_its_link_are_freed_when_dropped_without_waiting_for_t
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+async def test_room_wakes_every_sender_waiting_on_a_link_so_none_sleeps_while_it_has_room() -> None:
+    a, b, link = pair(window=1)
+    link.pause()
+    link.send(data_header(0), np.zeros(1000, dtype=np.uint8))
+    await asyncio.sleep(0.05)  # held by the paused pump
+    link.send(data_header(1), np.zeros(1000, dtype=np.uint8))
+    assert not link.has_room
+    # The first waits for a frame to two links (a tree's chunk to both children): once woken it
+    # finds the other full and sends nothing here. The second has a frame for this link only.
+    first = asyncio.ensure_future(link.room())
+    second = asyncio.ensure_future(link.room())
+    await asyncio.sleep(0.05)
+    assert not first.done() and not second.done()
+    link.resume()
+    await asyncio.wait_for(first, 1)
+    await asyncio.sleep(0.05)  # frame 1 has left too: the link is idle, no frame will leave it again
+    assert link.has_room
+    await asyncio.wait_for(second, 1)  # woken by the same frame leaving, not by one that never comes
+    await shut([a, b])

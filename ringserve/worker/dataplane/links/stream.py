@@ -79,7 +79,7 @@ class Link:
         self.tcp = tcp
         if tcp is not None:
             tcp.window = window
-            tcp.on_room = self._let_one_in
+            tcp.on_room = self._let_in
             tcp.on_failure = self._fail
             tcp.spared = lambda: lane is not None and lane.attached  # the shared ring won: no TCP lane needed
         self.window = window
@@ -257,16 +257,24 @@ class Link:
         frame, data = self._frames.popleft()
         if data:
             self._queued -= 1
-            self._let_one_in()
+            self._let_in()
         return frame
 
-    def _let_one_in(self) -> None:
-        """A DATA frame left the queue (or the TCP lane's): the first sender waiting for room may go."""
+    def _let_in(self) -> None:
+        """A DATA frame left the queue (or the TCP lane's): every sender waiting for room looks again.
+
+        Every one, not the first only: a sender may wait on this link for a frame it sends to
+        several (a tree's chunk to both children), and, woken, find another of them full and wait
+        there instead, sending nothing here. Had it taken the only wake-up, a sender behind it
+        would sleep while this link had room, and with no frame left to leave the link, for good:
+        a double binary tree runs four programs on a rank, two of which may send on one link, and
+        between 8 hosts over the TCP lane a 4 MiB allreduce hung that way in most runs. A sender
+        woken for nothing checks ``has_room`` and waits again (executor.py's ``_room``).
+        """
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                break
 
     def _fail(self, exc: BaseException, why: str = "") -> None:
         self._on_failure(exc, why)
