@@ -6,7 +6,10 @@ driver.
 Only paired ratios mean anything on a machine shared with other work: each round runs every
 setting once, one after the other, in an order rotated each round, with fresh processes, and a
 cell's ratio is the median [range] over the rounds of one setting's time over the other's in the
-same round. The load average at each round's start is reported with them.
+same round. The load average at each round's start is reported with them. Beside it, the ratio
+of the best times over the rounds: load only adds time, so under heavy load (the ratios of two
+identical plans ranged 0.2 to 2.7 at a load average of 15 on 2 cores) the best of many rounds is
+the steadier figure of what each plan costs.
 
 A named algorithm runs flat (RINGSERVE_HIERARCHICAL=0): with several ranks per host, ``ring`` is
 the flat ring, the one every rank can fall back to; ``auto`` chooses by host or flat itself.
@@ -222,6 +225,7 @@ def main(args: argparse.Namespace) -> None:
                     row[f"{a}_ran"] = ", ".join(sorted(ran[a][s]))
                     if a != base:
                         row[f"{a}_ratio"] = _spread([t[s] / b[s] for t, b in zip(times[a], times[base], strict=True)])
+                        row[f"{a}_best"] = f"{min(t[s] for t in times[a]) / min(b[s] for b in times[base]):.2f}"
                 rows.append(row)
     columns = [("world", "world"), ("hosts", "hosts x ranks each"), ("size", "size")]
     for a in algorithms:
@@ -229,6 +233,7 @@ def main(args: argparse.Namespace) -> None:
     for a in algorithms:
         if a != base:
             columns.append((f"{a}_ratio", f"{a} / {base}, median [range]"))
+            columns.append((f"{a}_best", f"{a} / {base}, best of rounds"))
     for a in algorithms:
         if a != "ring":
             columns.append((f"{a}_ran", f"{a} ran (counters)"))
