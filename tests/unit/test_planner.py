@@ -107,6 +107,20 @@ def test_auto_runs_flat_where_by_host_does_not_pay_and_a_codec_never_by_host() -
     assert coded.algorithm != RECURSIVE_DOUBLING  # left out under a codec (selection.candidates)
 
 
+@pytest.mark.parametrize("hosts", [(0, 0), (0, 1), (0, 0, 0, 0), (0, 1, 2, 3)])
+def test_where_auto_runs_the_ring_it_runs_the_ring_settings_plan_exactly(hosts: tuple[int, ...]) -> None:
+    # So that a benchmark's auto / ring is 1 in those cells but for noise (docs/benchmarks/allreduce.md).
+    links = selection.planned(selection.Measured(0.3e-3, 3e-9), hosts=hosts, n=len(hosts))
+    ringed = 0
+    for size in (1, 4096, 65536, MIB, 16 * MIB, 64 * MIB + 12):
+        for rank in range(len(hosts)):
+            auto = planner.plan(floats(size), view(hosts, rank), links, 2 * MIB)
+            if auto.algorithm == RING:
+                ringed += 1
+                assert auto == planner.plan(floats(size), view(hosts, rank, "ring", "0"), None, 2 * MIB)
+    assert ringed
+
+
 def test_the_other_ops_plan_as_the_cost_model_says() -> None:
     pow2 = view(tuple(range(8)))
     rs = planner.plan(Call("reduce_scatter", 1024, 4, 4096), pow2, WAN, CHUNK)
