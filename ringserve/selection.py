@@ -68,8 +68,8 @@ WIDE_CHUNKS = 4
 @dataclass(frozen=True)
 class LinkCosts:
     """The cost of one hop: ``latency_s`` + bytes * ``seconds_per_byte``, + ``frame_s`` a frame;
-    and of reducing what arrives: ``reduce_s`` a byte (0 in figures given or measured: the classes'
-    figures carry it, see REDUCE_S)."""
+    and of reducing what arrives: ``reduce_s`` a byte (0 in figures given or measured, which
+    describe links; the classes' figures carry it: REDUCE_IN_PLACE_S, REDUCE_RECEIVED_S)."""
 
     latency_s: float
     seconds_per_byte: float
