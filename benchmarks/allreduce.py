@@ -5,6 +5,8 @@
     python benchmarks/allreduce.py --worlds 2 --sizes 1M 64M --tls --no-gloo   # TLS overhead only
     sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --rounds 5     # each rank a host (netns)
     sudo .venv/bin/python benchmarks/allreduce.py --between-hosts --tls --worlds 2 --sizes 64M --no-gloo
+    python benchmarks/allreduce.py --algorithms auto ring --rounds 5             # auto against the ring
+    sudo .venv/bin/python benchmarks/allreduce.py --algorithms auto ring --between-hosts --worlds 8 --per-host 2
 
 For each world and size it prints seconds per op, algorithm bandwidth (S / t), bus bandwidth
 (algbw x 2(N-1)/N), the ratios to gloo, the bytes each ringserve worker sent over the ring optimum
@@ -30,6 +32,12 @@ lane (``RINGSERVE_PAYLOAD_LANE=tcp``: a lane that failed to attach would fail th
 time the stream) and ringserve stream-only (``off``), and reports per size the median over the
 rounds of each one's bus bandwidth ratio to the same round's gloo, with the range. With ``--tls``
 it adds the lane under mTLS with a token, and its time over the plaintext lane's of the same round.
+
+``--algorithms auto ring`` runs ringserve alone under each setting of RINGSERVE_ALGORITHM named
+(a named one flat), in ``--rounds`` interleaved rounds, on one host or ``--between-hosts``, with
+``--per-host`` ranks on each host, and reports per cell each one's time, the algorithms each ran
+(the workers' counters) and each one's time over the ring's in the same round, median [range]
+(_versus.py). It is how ``auto`` is checked never to lose to the ring (docs/design/algorithms.md).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import PYTHON, free_port, peak_rss_bytes, read_json, rss_bytes, run_ranks, table
 from _results import save
+
+from ringserve.selection import SETTINGS as ALGORITHMS
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -231,7 +241,12 @@ def main() -> None:
     p.add_argument("--between-hosts", action="store_true",
                    help="each rank in a network namespace of its own, on an unlimited bridge (needs root)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of a --between-hosts run")
-    p.add_argument("--role", choices=["main", "ringserve", "gloo"], default="main")
+    p.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=[], metavar="SETTING",
+                   help="ringserve alone under each of these RINGSERVE_ALGORITHM settings, interleaved; "
+                        "report each one's time over the ring's")
+    p.add_argument("--per-host", type=int, default=1, help="ranks on each host, under --algorithms")
+    p.add_argument("--role", choices=["main", "ringserve", "gloo", "host"], default="main")
+    p.add_argument("--ranks", default="", help=argparse.SUPPRESS)
     p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
@@ -243,6 +258,10 @@ def main() -> None:
         return worker_ringserve(args)
     if args.role == "gloo":
         return worker_gloo(args)
+    if args.role == "host" or args.algorithms:
+        import _versus
+
+        return _versus.host(args) if args.role == "host" else _versus.main(args)
     if args.between_hosts:
         from _between import main as between_hosts
 

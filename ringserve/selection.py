@@ -1,20 +1,22 @@
 """Which algorithm a collective runs: a cost model and a choice, pure (no sockets, no loop).
 
-The model is the alpha-beta model of the literature (Thakur, Rabenseifner and Gropp, 2005): a
-message of ``m`` bytes between two ranks costs ``alpha + m * beta`` seconds, and each frame costs
-a fixed ``frame_s`` of software on top (the executor's, the codec's, the link's). Each rank sends
-on one link at a time, so the bytes a rank sends add up. For an allreduce of ``S`` bytes over
+The model is the alpha-beta-gamma model of the literature (Thakur, Rabenseifner and Gropp, 2005):
+a message of ``m`` bytes between two ranks costs ``alpha + m * beta`` seconds, each frame costs a
+fixed ``frame_s`` of software on top (the executor's, the codec's, the link's), and each byte a
+rank reduces costs ``gamma`` (``reduce_s``: the add, and, off shared memory, reading the received
+bytes out of a buffer of their own). Each rank sends on one link at a time, so the bytes a rank
+sends add up. For an allreduce of ``S`` bytes over
 ``n`` ranks (``p`` the largest power of two in n, ``D`` the depth of the trees, R x C the grid):
 
-=====================  ===========================================  ===============================
-algorithm              latency                                      bytes each rank sends
-=====================  ===========================================  ===============================
-ring                   2 (n - 1) alpha (hidden behind large steps)  2 (n - 1) / n S
-halving_doubling       2 log2(p) alpha (+ 2 alpha to fold)          2 (p - 1) / p S (+ 2 S to fold)
-recursive_doubling     log2(p) alpha (+ 2 alpha to fold)            log2(p) S (+ 2 S to fold)
-tree (double binary)   2 D alpha, plus the pipeline's fill          about 2 S, in chunks
-ring2d                 2 (C - 1 + R - 1) alpha                      2 (C - 1) / C S + 2 (R - 1) / (R C) S
-=====================  ===========================================  ===============================
+=====================  ===========================================  =====================================  ===================
+algorithm              latency                                      bytes each rank sends                  bytes it reduces
+=====================  ===========================================  =====================================  ===================
+ring                   2 (n - 1) alpha (hidden behind large steps)  2 (n - 1) / n S                        (n - 1) / n S
+halving_doubling       2 log2(p) alpha (+ 2 alpha to fold)          2 (p - 1) / p S (+ 2 S to fold)        (p - 1) / p S (+ S)
+recursive_doubling     log2(p) alpha (+ 2 alpha to fold)            log2(p) S (+ 2 S to fold)              log2(p) S (+ S)
+tree (double binary)   2 D alpha, plus the pipeline's fill          about 2 S, in chunks                   about S
+ring2d                 2 (C - 1 + R - 1) alpha                      2 (C - 1) / C S + 2 (R - 1) / (R C) S  (n - 1) / n S
+=====================  ===========================================  =====================================  ===================
 
 ``choose`` predicts each algorithm that can run the call and takes the fastest: recursive doubling
 for small vectors (fewest steps), halving-doubling for power-of-two worlds once the vector is
@@ -65,15 +67,18 @@ WIDE_CHUNKS = 4
 
 @dataclass(frozen=True)
 class LinkCosts:
-    """The cost of one hop: ``latency_s`` + bytes * ``seconds_per_byte``, + ``frame_s`` a frame."""
+    """The cost of one hop: ``latency_s`` + bytes * ``seconds_per_byte``, + ``frame_s`` a frame;
+    and of reducing what arrives: ``reduce_s`` a byte (0 in figures given or measured, which
+    describe links; the classes' figures carry it: REDUCE_IN_PLACE_S, REDUCE_RECEIVED_S)."""
 
     latency_s: float
     seconds_per_byte: float
     frame_s: float = FRAME_S
+    reduce_s: float = 0.0
 
     @classmethod
-    def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S) -> LinkCosts:
-        return cls(latency_s, 1.0 / bytes_per_s, frame_s)
+    def of(cls, latency_s: float, bytes_per_s: float, frame_s: float = FRAME_S, reduce_s: float = 0.0) -> LinkCosts:
+        return cls(latency_s, 1.0 / bytes_per_s, frame_s, reduce_s)
 
 
 @dataclass(frozen=True)
@@ -83,15 +88,27 @@ class Measured(LinkCosts):
     (``planned``), never by their value."""
 
 
+# The time per byte a rank reduces, by where the received bytes lie (gamma in the model). On one
+# host they lie in a shared-memory slot and are added in place: np.add of float32 measured 0.04-0.05
+# ns a byte here, and recursive doubling over 2 ranks, which reduces S where the ring reduces S / 2,
+# took 0.78x the ring's best time at 1 MiB and 1.02x at 4 MiB (0.05 ns makes 4 MiB the tie). Between
+# hosts a lane or the stream first reads them into a buffer of their own: there the same recursive
+# doubling took 1.24x the ring's best time at 1 MiB and 1.13x at 4 MiB over veth, where the model
+# without gamma put it at 0.90x and 0.99x; 0.25 ns a byte explains 4 MiB (2026-12-06, 16
+# interleaved rounds each, benchmarks/allreduce.py --algorithms auto ring; docs/design/algorithms.md).
+REDUCE_IN_PLACE_S = 0.05e-9
+REDUCE_RECEIVED_S = 0.25e-9
 # The classes of a ring's links, and the figures auto plans each by. LAN: 50 us and 10 Gbit/s (the
 # LAN of docs/design/algorithms.md's tables); WAN: 20 ms and 100 Mbit/s (the simulator's and the WAN
-# benchmark's). One host plans as a LAN: on it a hop's cost is the software's, as between hosts.
+# benchmark's). One host plans by a LAN's hop (on it a hop's cost is the software's, as between
+# hosts), but reduces in place.
 HOST = "host"
 LAN = "lan"
 WAN = "wan"
-LAN_LINKS = LinkCosts.of(50e-6, 10e9 / 8)
-WAN_LINKS = LinkCosts.of(0.020, 100e6 / 8)
-CLASS_LINKS = {HOST: LAN_LINKS, LAN: LAN_LINKS, WAN: WAN_LINKS}
+HOST_LINKS = LinkCosts.of(50e-6, 10e9 / 8, reduce_s=REDUCE_IN_PLACE_S)
+LAN_LINKS = LinkCosts.of(50e-6, 10e9 / 8, reduce_s=REDUCE_RECEIVED_S)
+WAN_LINKS = LinkCosts.of(0.020, 100e6 / 8, reduce_s=REDUCE_RECEIVED_S)
+CLASS_LINKS = {HOST: HOST_LINKS, LAN: LAN_LINKS, WAN: WAN_LINKS}
 # LinkCosts across hosts measured at least this one way are a WAN's (a round trip of 16 ms): see planned.
 WAN_LATENCY_S = 8e-3
 
@@ -154,20 +171,21 @@ def _ring_step(segment: float, links: LinkCosts, chunk_bytes: int, least_frames:
 
 def predict(algorithm: str, nbytes: int, n: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The predicted time of an allreduce of ``nbytes`` over ``n`` ranks under ``algorithm``."""
-    a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
+    a, b, f, g = links.latency_s, links.seconds_per_byte, links.frame_s, links.reduce_s
     s = float(nbytes)
     if n <= 1:
         return Plan(algorithm, chunk_bytes, 0.0)
     p = power_below(n)
-    fold = 0.0 if p == n else 2 * (a + s * b + f * _frames(s, chunk_bytes))
+    fold = 0.0 if p == n else 2 * (a + s * b + f * _frames(s, chunk_bytes)) + s * g
     if algorithm == RING:
-        t = 2 * (n - 1) * _ring_step(s / n, links, chunk_bytes)
+        t = 2 * (n - 1) * _ring_step(s / n, links, chunk_bytes) + (n - 1) / n * s * g
     elif algorithm == HALVING_DOUBLING:
         k = p.bit_length() - 1
-        t = 2 * k * a + 2 * (p - 1) / p * s * b + f * 2 * (_frames(s / p, chunk_bytes) * (p - 1)) + fold
+        t = (2 * k * a + 2 * (p - 1) / p * s * b + f * 2 * (_frames(s / p, chunk_bytes) * (p - 1))
+             + (p - 1) / p * s * g + fold)
     elif algorithm == RECURSIVE_DOUBLING:
         k = p.bit_length() - 1
-        t = k * (a + s * b + f * _frames(s, chunk_bytes)) + fold
+        t = k * (a + s * b + f * _frames(s, chunk_bytes) + s * g) + fold
     elif algorithm == TREE:
         return _tree(s, n, links, chunk_bytes)
     elif algorithm == RING2D:
@@ -176,7 +194,7 @@ def predict(algorithm: str, nbytes: int, n: int, links: LinkCosts, chunk_bytes: 
             return predict(RING, nbytes, n, links, chunk_bytes)
         # A row step moves a segment in frames of its tiles: at least one a row.
         t = 2 * (cols - 1) * _ring_step(s / cols, links, chunk_bytes, rows) + 2 * (rows - 1) * _ring_step(
-            s / n, links, chunk_bytes)
+            s / n, links, chunk_bytes) + (n - 1) / n * s * g
     else:
         raise ValueError(f"No cost model for the algorithm {algorithm!r}.")
     return Plan(algorithm, chunk_bytes, t)
@@ -211,13 +229,14 @@ def _tree(s: float, n: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The double binary tree, pipelined: each tree carries S/2 in chunks of ``t`` bytes. The
     first chunk climbs and comes down 2D hops; after it, a node inside one tree and a leaf of the
     other sends 4 chunks per chunk of each half (one up in each tree, two down), so the pipeline
-    runs at one chunk per 4 t beta."""
+    runs at one chunk per 4 t beta. A node inside one tree reduces its two children's halves: S
+    in all."""
     a, b, f = links.latency_s, links.seconds_per_byte, links.frame_s
     depth = max(tree_depth(n), 1)
     chunk = tree_chunk(int(s), n, chunk_bytes)
     per = min(chunk, max(s / 2, 1.0))
     count = _frames(s / 2, chunk)
-    t = 2 * depth * (a + per * b + f) + (count - 1) * (4 * per * b + 4 * f)
+    t = 2 * depth * (a + per * b + f) + (count - 1) * (4 * per * b + 4 * f) + s * links.reduce_s
     return Plan(TREE, chunk, t)
 
 
@@ -299,13 +318,26 @@ def by_host(nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes: 
     return cross < BY_HOST_MARGIN * flat
 
 
+def _over_hosts(links: LinkCosts, local: int) -> LinkCosts:
+    """The figures a ring of hosts of ``local`` ranks each is planned by (by_host, across_hosts,
+    flat_plan): each rank's share of its host's uplink, and no cost per byte reduced.
+
+    Gamma is left out here because these plans count the stages within a host as free, and
+    measured, that omission outweighs gamma. Over 2 hosts of 4 ranks (veth, 2026-12-06), recursive
+    doubling across hosts as one program (host_doubling: the leaders reduce the whole vector) took
+    0.85x the flat ring at 16 MiB; gamma made the model take the three stages instead (by its cross
+    stage alone, within 3% of recursive doubling), whose two rings within each host add 2 (L - 1)
+    steps, and those took 1.48x the ring (median of 6 rounds; best 1.05x). Until the local stages are
+    in the model, plans by host stay as they were measured."""
+    return LinkCosts(links.latency_s, links.seconds_per_byte * local, links.frame_s)
+
+
 @functools.lru_cache(maxsize=PLANS_KEPT)
 def across_hosts(setting: str, nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes: int) -> Plan:
     """The plan of a by-host allreduce's stage across ``hosts`` hosts, each of whose ``local`` ranks
     carries 1/local of ``nbytes`` over the uplink they share, by the whole view's link figures (so
     that every rank, whichever ring across hosts it is in, plans alike: worker/ops/hierarchy.py)."""
-    shared = LinkCosts(links.latency_s, links.seconds_per_byte * local, links.frame_s)
-    return choose(setting, "allreduce", -(-nbytes // local), hosts, shared, chunk_bytes)
+    return choose(setting, "allreduce", -(-nbytes // local), hosts, _over_hosts(links, local), chunk_bytes)
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
@@ -317,9 +349,8 @@ def flat_plan(nbytes: int, local: int, hosts: int, links: LinkCosts, chunk_bytes
     the ring at 64 MiB over 8 hosts of 2, and took 1.3x to 2.4x its time (docs/design/algorithms.md).
     """
     n = local * hosts
-    shared = LinkCosts(links.latency_s, links.seconds_per_byte * local, links.frame_s)
-    ring = predict(RING, nbytes, n, links, chunk_bytes)
-    other = choose(AUTO, "allreduce", nbytes, n, shared, chunk_bytes)
+    ring = predict(RING, nbytes, n, _over_hosts(links, 1), chunk_bytes)
+    other = choose(AUTO, "allreduce", nbytes, n, _over_hosts(links, local), chunk_bytes)
     return ring if ring.seconds <= other.seconds else other
 
 
