@@ -1,0 +1,405 @@
+"""Hundreds of real workers in one job: N worker processes on H emulated hosts, one coordinator.
+
+    sudo .venv/bin/python benchmarks/scale.py --workers 16 --hosts 4                  # a minute
+    sudo .venv/bin/python benchmarks/scale.py --workers 256 --hosts 32 --steady-s 600 --churn \\
+        --json benchmarks/results/scale-256.json                                      # the full run
+
+Each host is a network namespace on one bridge (_veth.py), and sees a boot id of its own (a file
+bind-mounted over /proc/sys/kernel/random/boot_id in each worker's mount namespace), so that its
+workers pass payloads to each other through shared memory, as on one machine, and to other hosts
+over the TCP payload lane, as between machines (shared memory needs the same boot id: see
+ringserve/worker/dataplane/links/shared.py). Each host's workers have its hostname, so ``auto``
+plans by host. The coordinator has a namespace of its own, and a job token (``--make-token``).
+
+Every worker (scale_worker.py) runs an elastic numpy loop: per step one allreduce of each of
+``--sizes`` under ``auto``, every element checked exactly against the sum computed locally, and a
+commit. The harness reports:
+
+- the time to the first full view: from the launch, and from the last worker's import of
+  ringserve (what the coordinator and the ring take once every process is ready);
+- per size, the time of an allreduce in the steady phase (the median over steps of the slowest
+  rank's time), and what ``auto`` ran;
+- the coordinator's CPU (a fraction of one core) over the steady phase;
+- each worker's peak RSS and PSS (shared pages divided among the processes that map them),
+  threads and file descriptors, sampled every few seconds (median and largest);
+- wrong results, and false failures: views formed in the steady phase, where nothing was killed;
+- with ``--churn``: 10% of the workers SIGKILLed at once, then as many started at once, then one
+  host's namespace cut off the bridge; for each, the time from the fault to the new view and to
+  the first step completed in it, and whether every sum stayed exact.
+
+Needs root and iproute2 (``ip netns``). The namespaces are deleted at the end; a run killed with
+SIGKILL leaves them (``ip netns list | grep rsl-``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from _common import PYTHON, table
+from _veth import DEVICE, Host, Lan, free_port
+
+WORKER = str(pathlib.Path(__file__).resolve().parent / "scale_worker.py")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+SAMPLE_S = 5.0  # how often the workers' memory, threads and descriptors are read
+SIZES = (4 << 10, 1 << 20, 16 << 20)
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Proc:
+    """One worker process: its host and its event file."""
+
+    index: int
+    host: Host
+    out: pathlib.Path
+    popen: subprocess.Popen[bytes]
+
+
+@dataclass
+class Peaks:
+    """The largest figures sampled from one process."""
+
+    rss: int = 0
+    pss: int = 0
+    threads: int = 0
+    fds: int = 0
+
+
+def read_proc(pid: int) -> Peaks | None:
+    """A process's RSS, PSS (bytes), threads and open descriptors now; None once it is gone."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        rollup = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = {line.split(":")[0]: line.split(":")[1].split() for line in status.splitlines() if ":" in line}
+    pss = next((int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0)
+    return Peaks(int(fields["VmRSS"][0]) << 10, pss << 10, int(fields["Threads"][0]), fds)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU so far."""
+    parts = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Job:
+    """The job's namespaces, coordinator and workers."""
+
+    lan: Lan
+    workers: int
+    sizes: list[int]
+    tmp: pathlib.Path
+    heartbeat_timeout_s: float
+    min_workers: int
+    procs: list[Proc] = field(default_factory=list)
+    peaks: dict[int, Peaks] = field(default_factory=dict)
+    coordinator: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.lan.hosts[:-1]
+
+    @property
+    def stop(self) -> pathlib.Path:
+        return self.tmp / "stop"
+
+    def start_coordinator(self) -> None:
+        host, port = self.lan.hosts[-1], free_port()
+        self.address = f"{host.address}:{port}"
+        token = self.tmp / "token"
+        log = open(self.tmp / "coordinator.log", "wb")  # noqa: SIM115 (closed with the process)
+        self.coordinator = subprocess.Popen(
+            self.lan.command(host, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host", host.address, "--port", str(port),
+                                    "--min-workers", str(self.min_workers), "--max-workers", str(self.workers),
+                                    "--settle-seconds", "1", "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                                    "--make-token", str(token)]),
+            stdout=log, stderr=subprocess.STDOUT)
+        self.lan.wait_listening(host, port, timeout_s=120)
+
+    def start_worker(self, host: Host) -> Proc:
+        index = len(self.procs)
+        boot = self.tmp / f"boot-{host.index}"
+        if not boot.exists():
+            boot.write_text(f"{host.index:08d}-5ca1-4e00-8000-{os.urandom(6).hex()}\n")
+        out = self.tmp / f"worker-{index}.jsonl"
+        log = open(self.tmp / f"worker-{index}.log", "wb")  # noqa: SIM115 (closed with the process)
+        env = {"RINGSERVE_COORDINATOR": self.address, "RINGSERVE_TOKEN_FILE": str(self.tmp / "token"),
+               "RINGSERVE_BIND_HOST": host.address, "RINGSERVE_HOSTNAME": f"h{host.index}",
+               "RINGSERVE_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
+               "RINGSERVE_RANK_HINT": str(index), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        # The bind mount lives in the mount namespace `ip netns exec` makes for this process alone.
+        script = f'mount --bind {boot} {BOOT_ID} && exec "$@"'
+        argv = ["sh", "-c", script, "sh", PYTHON, WORKER, str(out), str(self.stop), *map(str, self.sizes)]
+        popen = subprocess.Popen(self.lan.command(host, argv, env), stdout=log, stderr=subprocess.STDOUT)
+        proc = Proc(index, host, out, popen)
+        self.procs.append(proc)
+        return proc
+
+    def live(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen.poll() is None]
+
+    def sample(self) -> None:
+        for p in self.live():
+            now = read_proc(p.popen.pid)
+            if now is None:
+                continue
+            top = self.peaks.setdefault(p.index, Peaks())
+            top.rss, top.pss = max(top.rss, now.rss), max(top.pss, now.pss)
+            top.threads, top.fds = max(top.threads, now.threads), max(top.fds, now.fds)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        for p in self.procs:
+            if p.out.exists():
+                for line in p.out.read_text().splitlines():
+                    if line.endswith("}"):
+                        yield {**json.loads(line), "index": p.index}
+
+    def wait_for(self, what: str, test: Any, timeout_s: float) -> dict[str, Any]:
+        """Samples until an event passes ``test``; returns the first such (earliest), or raises."""
+        say(f"waiting for {what}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = sorted((e for e in self.events() if test(e)), key=lambda e: e["t"])
+            if found:
+                return found[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout_s:g} s")
+            self.sample()
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.terminate()
+            try:
+                self.coordinator.wait(10)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(10)
+
+
+def views(job: Job) -> dict[int, tuple[float, int]]:
+    """Each view any worker computed in: (when the first worker saw it, its size)."""
+    found: dict[int, tuple[float, int]] = {}
+    for e in job.events():
+        if e["kind"] == "view" and (e["view"] not in found or e["t"] < found[e["view"]][0]):
+            found[e["view"]] = (e["t"], e["size"])
+    return found
+
+
+def first_op_in(job: Job, view: int) -> float:
+    """When the first step in ``view`` completed: the earliest timed allreduce recorded in it
+    (records start with the second step of a view)."""
+    return min((e["t"] for e in job.events() if e["kind"] == "op" and e["view"] == view), default=float("nan"))
+
+
+def after(job: Job, what: str, since: float, size: int, timeout_s: float) -> dict[str, float]:
+    """Waits for a view of ``size`` formed after ``since`` and a step done in it; their delays."""
+    seen = job.wait_for(what, lambda e: e["kind"] == "view" and e["t"] > since and e["size"] == size, timeout_s)
+    job.wait_for(f"a step in the view after {what}", lambda e: e["kind"] == "op" and e["view"] == seen["view"], timeout_s)
+    return {"view_s": seen["t"] - since, "step_s": first_op_in(job, seen["view"]) - since, "view": seen["view"]}
+
+
+def steady(job: Job, seconds: float) -> dict[str, Any]:
+    """Lets the job train for ``seconds`` with nothing injected: the views formed meanwhile are
+    false failures; the coordinator's CPU over the time."""
+    known = set(views(job))
+    pid = job.coordinator.pid if job.coordinator else 0
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    wall0 = time.time()
+    while time.monotonic() - t0 < seconds:
+        job.sample()
+        time.sleep(SAMPLE_S)
+    used = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+    new = {v: s for v, s in views(job).items() if v not in known}
+    return {"seconds": seconds, "start": wall0, "end": time.time(), "coordinator_cpu": used,
+            "false_failures": len(new), "views": new, "exited": [p.index for p in job.procs if p.popen.poll() is not None]}
+
+
+def op_times(job: Job, world: int, start: float, end: float) -> dict[int, dict[str, float]]:
+    """Per size, over the steps of views of ``world`` within [start, end]: the median over steps
+    of the slowest rank's time, and the median of every rank's."""
+    by: dict[tuple[int, int, int], list[float]] = {}
+    for e in job.events():
+        if e["kind"] == "op" and e["world"] == world and start <= e["t"] <= end:
+            by.setdefault((e["size"], e["view"], e["step"]), []).append(e["seconds"])
+    result = {}
+    for size in job.sizes:
+        steps = [ts for (s, _, _), ts in by.items() if s == size and len(ts) == world]
+        if steps:
+            result[size] = {"slowest_s": statistics.median(max(ts) for ts in steps),
+                            "median_s": statistics.median(t for ts in steps for t in ts), "steps": len(steps)}
+    return result
+
+
+def churn(job: Job, rng: random.Random, timeout_s: float) -> dict[str, Any]:
+    """10% killed at once, 10% joining at once, one host cut off: the delays of each."""
+    n = job.workers
+    k = max(1, n // 10)
+    result: dict[str, Any] = {"killed": k}
+    victims = rng.sample(job.live(), k)
+    since = time.time()
+    for p in victims:
+        p.popen.send_signal(signal.SIGKILL)
+    result["kill"] = after(job, "a view without the killed", since, n - k, timeout_s)
+    since = time.time()
+    for p in victims:
+        job.start_worker(p.host)
+    result["join"] = after(job, "a view with the joiners", since, n, timeout_s)
+    host = rng.choice(job.hosts)
+    cut = [p for p in job.live() if p.host is host]
+    since = time.time()
+    subprocess.run(["ip", "-n", host.netns, "link", "set", DEVICE, "down"], check=True, timeout=30)
+    result["cut"] = {"host": host.index, "workers": len(cut),
+                     **after(job, "a view without the cut host", since, n - len(cut), timeout_s)}
+    return result
+
+
+def finish(job: Job, timeout_s: float) -> None:
+    """Stops training at a step every rank of the newest view is still short of, and waits."""
+    last = max((e["step"] for e in job.events() if e["kind"] == "op"), default=0)
+    job.stop.write_text(str(last + 5))
+    deadline = time.monotonic() + timeout_s
+    newest = max(views(job))
+    members = {e["index"] for e in job.events() if e["kind"] == "view" and e["view"] == newest}
+    while any(job.procs[i].popen.poll() is None for i in members) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    per_host = args.workers // args.hosts
+    if per_host * args.hosts != args.workers:
+        raise SystemExit("--workers must be a multiple of --hosts")
+    with contextlib.ExitStack() as stack:
+        if args.workdir:
+            tmp = pathlib.Path(args.workdir)
+            tmp.mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ringserve-scale-")))
+        lan = stack.enter_context(Lan(args.hosts + 1))
+        # The coordinator ends a world that falls below its minimum: with churn, the minimum
+        # leaves room for the killed tenth and for the host cut off.
+        least = args.workers - max(args.workers // 10, per_host) if args.churn else args.workers
+        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least)
+        try:
+            job.start_coordinator()
+            launched = time.time()
+            for i in range(args.workers):
+                job.start_worker(job.hosts[i // per_host])
+            full = job.wait_for("full view", lambda e: e["kind"] == "view" and e["size"] == args.workers, args.timeout)
+            imported = max(e["imported"] for e in job.events() if e["kind"] == "start")
+            started = max(e["started"] for e in job.events() if e["kind"] == "start")
+            job.wait_for("a step in the full view", lambda e: e["kind"] == "op", args.timeout)
+            calm = steady(job, args.steady_s)
+            result: dict[str, Any] = {
+                "workers": args.workers, "hosts": args.hosts, "sizes": args.sizes, "load": os.getloadavg()[0],
+                "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
+                "first_view_from_last_import_s": full["t"] - imported, "steady": calm,
+                "ops": op_times(job, args.workers, calm["start"], calm["end"])}
+            if args.churn:
+                result["churn"] = churn(job, rng, args.timeout)
+            finish(job, args.timeout)
+            result["wrong"] = [e for e in job.events() if e["kind"] == "wrong"]
+            result["algorithms"] = algorithms(job)
+            result["peaks"] = {i: vars(p) for i, p in job.peaks.items()}
+            return result
+        finally:
+            job.close()
+
+
+def algorithms(job: Job) -> dict[str, int]:
+    """The allreduce algorithms the workers ran, and how many calls each, over the whole run."""
+    ran: dict[str, int] = {}
+    for e in job.events():
+        if e["kind"] == "end":
+            for name, count in e["algorithms"].items():
+                ran[name] = ran.get(name, 0) + count
+    return ran
+
+
+def report(r: dict[str, Any]) -> str:
+    peaks = list(r["peaks"].values())
+    mib = 1 << 20
+
+    def spread(key: str, scale: float = 1) -> str:
+        values = [p[key] / scale for p in peaks]
+        return f"{statistics.median(values):.0f} (largest {max(values):.0f})"
+
+    lines = [f"{r['workers']} workers on {r['hosts']} hosts; load average {r['load']:.1f}",
+             f"first full view: {r['first_view_from_launch_s']:.1f} s from the launch, "
+             f"{r['first_view_from_last_start_s']:.1f} s from the last process's start, "
+             f"{r['first_view_from_last_import_s']:.1f} s from the last import of ringserve",
+             f"steady {r['steady']['seconds']:g} s: false failures {r['steady']['false_failures']}, "
+             f"coordinator CPU {r['steady']['coordinator_cpu']:.2f} of a core, wrong results {len(r['wrong'])}",
+             f"per worker: RSS {spread('rss', mib)} MiB, PSS {spread('pss', mib)} MiB, threads {spread('threads')}, "
+             f"descriptors {spread('fds')}"]
+    lines.append("allreduce ran: " + ", ".join(f"{k} {v}" for k, v in sorted(r["algorithms"].items())))
+    rows = [{"size": label(s), "slowest": f"{o['slowest_s'] * 1e3:.1f}", "median": f"{o['median_s'] * 1e3:.1f}",
+             "steps": o["steps"]} for s, o in sorted(r["ops"].items())]
+    lines.append(table(rows, [("size", "size"), ("slowest", "ms, slowest rank (median over steps)"),
+                              ("median", "ms, median rank"), ("steps", "steps")]))
+    if "churn" in r:
+        c = r["churn"]
+        for what in ("kill", "join", "cut"):
+            lines.append(f"{what}: new view after {c[what]['view_s']:.1f} s, first step in it after {c[what]['step_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=list(SIZES))
+    p.add_argument("--steady-s", type=float, default=30.0, help="seconds of training with nothing injected")
+    p.add_argument("--churn", action="store_true", help="then kill 10%%, start 10%%, cut one host")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="the longest wait for any one event")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--workdir", help="keep the workers' event files and logs in this directory")
+    args = p.parse_args()
+    # A SIGTERM (a timeout's) unwinds like Ctrl-C, so that the namespaces and processes go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(args)
+    print(report(result))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
