@@ -385,6 +385,18 @@ TYPED = re.compile(r"^(ringserve\.errors\.)?(RingserveError|RecoverableError|Pee
                    r"StateLostError|CoordinatorUnreachableError|ExcludedError|RendezvousTimeoutError)$")
 
 
+# torch.distributed's own error for a backend's failure, as gloo's and NCCL's are raised to a DDP
+# script, and what torchrun restarts the group on: typed when ringserve's error is its message
+# ("ringserve: all_gather failed: RingChangedError: ...", torch/distributed/group.py).
+WRAPPED = re.compile(r"ringserve: \w+ failed: (\w+):")
+
+
+def _wrapped(name: str, line: str) -> bool:
+    """Whether a traceback's last line is torch's DistBackendError carrying a typed ringserve error."""
+    found = WRAPPED.search(line)
+    return name.endswith("DistBackendError") and found is not None and TYPED.match(found.group(1)) is not None
+
+
 def untyped_errors(out: str) -> list[str]:
     """The final lines of the output's tracebacks whose exception is not a ringserve error."""
     found = []
@@ -395,7 +407,7 @@ def untyped_errors(out: str) -> list[str]:
         for end in lines[i + 1:i + 400]:
             m = TRACEBACK_END.match(end.strip())
             if m and not end.strip().startswith("File "):
-                if not TYPED.match(m.group(1)):
+                if not TYPED.match(m.group(1)) and not _wrapped(m.group(1), end):
                     found.append(end.strip()[:200])
                 break
     return found

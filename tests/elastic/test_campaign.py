@@ -30,3 +30,14 @@ def test_ten_faults_of_the_campaign_leave_no_hang_untyped_error_divergence_or_lo
     assert int(totals["faults"]) == 10, out
     for bad in ("hangs", "untyped", "divergent", "lost_commits", "unrecovered", "unfinished_jobs"):
         assert totals[bad] == "0", out
+
+
+def test_torchs_backend_error_is_typed_only_when_it_carries_a_typed_ringserve_error() -> None:
+    tb = "Traceback (most recent call last):\n  File \"ddp_worker.py\", line 71, in main\n"
+    typed = tb + ("[rank1]: torch.distributed.DistBackendError: ringserve: all_gather failed: RingChangedError: "
+                  "The ring changed from view 1 to view 2: a peer died or left, and a torch group's members are fixed\n")
+    assert chaos.untyped_errors(typed) == []
+    for last in ("[rank1]: torch.distributed.DistBackendError: ringserve: all_gather failed: KeyError: 3",
+                 "[rank1]: torch.distributed.DistBackendError: Connection closed by peer",
+                 "asyncio.exceptions.CancelledError", "[rank0]: RuntimeError: ringserve: RingChangedError: x"):
+        assert chaos.untyped_errors(tb + last + "\n") == [last]
