@@ -52,6 +52,7 @@ from ringserve.elastic import resume
 from ringserve.elastic.checkpoint import CheckpointWriter
 from ringserve.errors import (
     STATE_LOST_EXIT_CODE,
+    CollectiveTimeoutError,
     CoordinatorUnreachableError,
     CorruptFrameError,
     HostsUpdatedInterrupt,
@@ -394,6 +395,14 @@ def _wait_for_view_after(view: int, state: State) -> None:
             ctx.call(wait, timeout_s=step + THREAD_WAIT_SLACK_S)
             return
         except RendezvousTimeoutError:
+            continue
+        except CollectiveTimeoutError:
+            # The backstop fired: the worker's loop did not answer one poll within the slack, a
+            # process starved of CPU (256 workers on 2 cores at a load of 600 did this to 239 of
+            # them, which died of it). Not the wait's failure: elastic_timeout_s bounds it.
+            log.warning("%s: the worker's loop did not answer within %g s while waiting for a view "
+                        "newer than %d (a starved process); waiting on", ctx.worker.address,
+                        step + THREAD_WAIT_SLACK_S, view)
             continue
 
 
