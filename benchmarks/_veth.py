@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import secrets
 import shutil
 import signal
@@ -34,6 +35,11 @@ from types import TracebackType
 
 SUBNET = "10.213.60"
 DEVICE = "rsl0"
+# The kernel's neighbour (ARP) table is one for every namespace, and past gc_thresh3 entries (1,024
+# by default) it drops new ones ("neighbor table overflow"): 33 namespaces that each reach the 32
+# others need 1,056, and at 256 workers on 32 hosts the coordinator became unreachable. A run of
+# more hosts raises the thresholds to what its hosts need, and puts them back when it closes.
+NEIGH = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"
 
 
 class LanUnavailable(RuntimeError):
@@ -63,10 +69,12 @@ class Lan:
         self.mtu = mtu
         self._tag = tag
         self._made: list[str] = []
+        self._thresholds: list[str] = []  # the neighbour table's, as found, where raised
 
     def __enter__(self) -> Lan:
         if os.geteuid() != 0 or shutil.which("ip") is None:
             raise LanUnavailable("the hosts of a between-hosts run need root and iproute2 (ip netns)")
+        self._room_for_neighbours()
         try:
             _ip("netns", "add", self.switch)
             self._made.append(self.switch)
@@ -91,8 +99,20 @@ class Lan:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
+    def _room_for_neighbours(self) -> None:
+        """Raises the neighbour table's thresholds where these hosts, each reaching every other,
+        would pass them (with room to spare for the rest of the machine)."""
+        needed = 2 * len(self.hosts) ** 2
+        found = [pathlib.Path(NEIGH.format(i)).read_text().strip() for i in (1, 2, 3)]
+        if needed <= int(found[1]):
+            return
+        self._thresholds = found
+        for i, value in zip((1, 2, 3), (needed // 4, needed, 2 * needed), strict=True):
+            pathlib.Path(NEIGH.format(i)).write_text(str(max(value, int(found[i - 1]))))
+
     def close(self) -> None:
-        """Kills what still runs in the namespaces and deletes them; safe to call twice."""
+        """Kills what still runs in the namespaces and deletes them, and puts back the neighbour
+        table's thresholds; safe to call twice."""
         while self._made:
             netns = self._made.pop()
             done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30)
@@ -100,6 +120,9 @@ class Lan:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)
+        while self._thresholds:
+            i = len(self._thresholds)
+            pathlib.Path(NEIGH.format(i)).write_text(self._thresholds.pop())
 
     @staticmethod
     def command(host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:

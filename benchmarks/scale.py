@@ -120,6 +120,7 @@ class Job:
     tmp: pathlib.Path
     heartbeat_timeout_s: float
     min_workers: int
+    priority: list[str] = field(default_factory=list)  # a prefix for the coordinator's command: nice
     procs: list[Proc] = field(default_factory=list)
     peaks: dict[int, Peaks] = field(default_factory=dict)
     coordinator: subprocess.Popen[bytes] | None = None
@@ -139,7 +140,7 @@ class Job:
         token = self.tmp / "token"
         log = open(self.tmp / "coordinator.log", "wb")  # noqa: SIM115 (closed with the process)
         self.coordinator = subprocess.Popen(
-            self.lan.command(host, [PYTHON, "-m", "ringserve.cli", "coordinator", "--host", host.address, "--port", str(port),
+            self.lan.command(host, [*self.priority, PYTHON, "-m", "ringserve.cli", "coordinator", "--host", host.address, "--port", str(port),
                                     "--min-workers", str(self.min_workers), "--max-workers", str(self.workers),
                                     "--settle-seconds", "1", "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                                     "--make-token", str(token)]),
@@ -315,7 +316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The coordinator ends a world that falls below its minimum: with churn, the minimum
         # leaves room for the killed tenth and for the host cut off.
         least = args.workers - max(args.workers // 10, per_host) if args.churn else args.workers
-        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least)
+        nice = ["nice", "-n", str(args.coordinator_nice)] if args.coordinator_nice else []
+        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least, nice)
         try:
             job.start_coordinator()
             launched = time.time()
@@ -327,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             job.wait_for("a step in the full view", lambda e: e["kind"] == "op", args.timeout)
             calm = steady(job, args.steady_s)
             result: dict[str, Any] = {
-                "workers": args.workers, "hosts": args.hosts, "sizes": args.sizes, "load": os.getloadavg()[0],
+                "workers": args.workers, "hosts": args.hosts, "coordinator_nice": args.coordinator_nice, "sizes": args.sizes, "load": os.getloadavg()[0],
                 "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
                 "first_view_from_last_import_s": full["t"] - imported, "steady": calm,
                 "ops": op_times(job, args.workers, calm["start"], calm["end"])}
@@ -389,6 +391,8 @@ def main() -> None:
     p.add_argument("--churn", action="store_true", help="then kill 10%%, start 10%%, cut one host")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=600.0, help="the longest wait for any one event")
+    p.add_argument("--coordinator-nice", type=int, default=0,
+                   help="the coordinator's niceness (negative: ahead of the workers, as on a machine of its own)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--workdir", help="keep the workers' event files and logs in this directory")
