@@ -10,10 +10,9 @@ import pathlib
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Sequence
 
-from _common import OPEN_COORDINATOR, PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, stop, table, wait_all
 from _veth import DEVICE, SUBNET, Lan, free_port
 
 ME = str(pathlib.Path(__file__).resolve().parent / "allreduce.py")
@@ -26,16 +25,7 @@ def _run(lan: Lan, argvs: Sequence[Sequence[str]], env: dict[str, str], timeout_
                                                     "RINGSERVE_BIND_HOST": h.address, "RINGSERVE_HOSTNAME": f"h{h.index}",
                                                     "GLOO_SOCKET_IFNAME": DEVICE, "OMP_NUM_THREADS": "1"}))
              for h, argv in zip(lan.hosts, argvs, strict=True)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        for i, p in enumerate(procs):
-            if p.wait(max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(f"rank {i} exited with code {p.returncode}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_all(procs, timeout_s)
 
 
 def _ringserve(lan: Lan, world: int, sizes: list[str], out: pathlib.Path, lane: str, security: dict[str, object]) -> None:
@@ -64,12 +54,7 @@ def _ringserve(lan: Lan, world: int, sizes: list[str], out: pathlib.Path, lane: 
         _run(lan, [[PYTHON, ME, "--role", "ringserve", "--world", str(world), "--out", f"{out}.{i}.json",
                     "--sizes", *sizes] for i in range(world)], env, timeout_s=900)
     finally:
-        coordinator.terminate()
-        try:
-            coordinator.wait(10)
-        except subprocess.TimeoutExpired:
-            coordinator.kill()
-            coordinator.wait()
+        stop(coordinator)
 
 
 def _gloo(lan: Lan, world: int, sizes: list[str], out: pathlib.Path) -> None:

@@ -8,6 +8,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 
@@ -21,15 +22,31 @@ def run_ranks(argv_for_rank: Sequence[Sequence[str]], env: dict[str, str], timeo
     """Starts one process per rank and waits for all; raises if any fails or runs past timeout_s."""
     procs = [subprocess.Popen(list(argv), env={**os.environ, **env, "RINGSERVE_RANK_HINT": str(i)})
              for i, argv in enumerate(argv_for_rank)]
+    wait_all(procs, timeout_s)
+
+
+def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Waits for every process, all within ``timeout_s``; raises if one fails, and kills the rest."""
+    deadline = time.monotonic() + timeout_s
     try:
         for i, p in enumerate(procs):
-            if p.wait(timeout_s) != 0:
+            if p.wait(max(1.0, deadline - time.monotonic())) != 0:
                 raise RuntimeError(f"benchmark rank {i} exited with code {p.returncode}")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Ends a server process: SIGTERM, then SIGKILL if it has not exited within ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def read_json(path: pathlib.Path) -> dict:

@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
-from _common import OPEN_COORDINATOR, PYTHON, read_json, table
+from _common import OPEN_COORDINATOR, PYTHON, read_json, stop, table, wait_all
 from _results import save
 from _veth import DEVICE, Lan, free_port
 
@@ -61,19 +61,6 @@ def settings(algorithm: str) -> dict[str, str]:
     return env
 
 
-def _wait(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for i, p in enumerate(procs):
-            if p.wait(max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(f"process {i} exited with code {p.returncode}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 @contextlib.contextmanager
 def _coordinator(argv_prefix: Sequence[str], address: str, world: int, lan: Lan | None) -> Iterator[str]:
     """A coordinator for ``world`` workers at ``address`` (in host 0's namespace between hosts)."""
@@ -89,12 +76,7 @@ def _coordinator(argv_prefix: Sequence[str], address: str, world: int, lan: Lan 
             _wait_local(address, port, 60)
         yield f"{address}:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def _wait_local(address: str, port: int, timeout_s: float) -> None:
@@ -124,7 +106,7 @@ def run_one_host(world: int, per_host: int, sizes: Sequence[str], out: pathlib.P
                                   env={**env, "RINGSERVE_RANK_HINT": str(r),
                                        **({"RINGSERVE_HOSTNAME": f"h{r // per_host}"} if named else {})})
                  for r in range(world)]
-        _wait(procs, 900)
+        wait_all(procs, 900)
 
 
 def run_between(lan: Lan, per_host: int, sizes: Sequence[str], out: pathlib.Path, algorithm: str) -> None:
@@ -147,7 +129,7 @@ def run_between(lan: Lan, per_host: int, sizes: Sequence[str], out: pathlib.Path
                         "--ranks", ",".join(map(str, ranks)), "--world", str(world), "--out", str(out),
                         "--sizes", *sizes]
             procs.append(subprocess.Popen(lan.command(h, argv, env)))
-        _wait(procs, 900)
+        wait_all(procs, 900)
 
 
 def host(args: argparse.Namespace) -> None:
@@ -156,7 +138,7 @@ def host(args: argparse.Namespace) -> None:
     procs = [subprocess.Popen(_rank_argv(args.world, sizes, pathlib.Path(args.out), r),
                               env={**os.environ, "RINGSERVE_RANK_HINT": str(r)})
              for r in map(int, args.ranks.split(","))]
-    _wait(procs, 900)
+    wait_all(procs, 900)
 
 
 def _slowest(out: pathlib.Path, world: int, size: int) -> float:
