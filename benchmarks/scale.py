@@ -15,10 +15,13 @@ Every worker (scale_worker.py) runs an elastic numpy loop: per step one allreduc
 ``--sizes`` under ``auto``, every element checked exactly against the sum computed locally, and a
 commit. The harness reports:
 
-- the time to the first full view: from the launch, and from the last worker's import of
-  ringserve (what the coordinator and the ring take once every process is ready);
+- the time to the first full view: from the launch, and from the moment the last worker had
+  loaded what ``rs.init()`` needs (gRPC, protobuf, the worker's modules): what joining, the view
+  and the links take once every process is ready. Before that, N processes start Python and
+  import on the machine's cores, which no framework can shorten;
 - per size, the time of an allreduce in the steady phase (the median over steps of the slowest
-  rank's time), and what ``auto`` ran;
+  rank's time), and what ``auto`` ran; with ``--versus ring``, each allreduce also runs by the
+  flat ring in the same step, in alternating order, and the report gives auto / ring paired by step;
 - the coordinator's CPU (a fraction of one core) over the steady phase;
 - each worker's peak RSS and PSS (shared pages divided among the processes that map them),
   threads and file descriptors, sampled every few seconds (median and largest);
@@ -121,6 +124,7 @@ class Job:
     heartbeat_timeout_s: float
     min_workers: int
     priority: list[str] = field(default_factory=list)  # a prefix for the coordinator's command: nice
+    versus: str | None = None  # an algorithm every allreduce also runs by, flat (--versus)
     procs: list[Proc] = field(default_factory=list)
     peaks: dict[int, Peaks] = field(default_factory=dict)
     coordinator: subprocess.Popen[bytes] | None = None
@@ -158,6 +162,8 @@ class Job:
                "RINGSERVE_BIND_HOST": host.address, "RINGSERVE_HOSTNAME": f"h{host.index}",
                "RINGSERVE_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
                "RINGSERVE_RANK_HINT": str(index), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        if self.versus:
+            env["SCALE_VERSUS"] = self.versus
         # The bind mount lives in the mount namespace `ip netns exec` makes for this process alone.
         script = f'mount --bind {boot} {BOOT_ID} && exec "$@"'
         argv = ["sh", "-c", script, "sh", PYTHON, WORKER, str(out), str(self.stop), *map(str, self.sizes)]
@@ -251,19 +257,40 @@ def steady(job: Job, seconds: float) -> dict[str, Any]:
             "false_failures": len(new), "views": new, "exited": [p.index for p in job.procs if p.popen.poll() is not None]}
 
 
-def op_times(job: Job, world: int, start: float, end: float) -> dict[int, dict[str, float]]:
-    """Per size, over the steps of views of ``world`` within [start, end]: the median over steps
-    of the slowest rank's time, and the median of every rank's."""
-    by: dict[tuple[int, int, int], list[float]] = {}
+def step_times(job: Job, world: int, start: float, end: float) -> dict[tuple[str, int, int, int], list[float]]:
+    """Every rank's time of each timed allreduce in views of ``world`` within [start, end], by
+    (algorithm setting, size, view, step), for the steps every rank recorded."""
+    by: dict[tuple[str, int, int, int], list[float]] = {}
     for e in job.events():
         if e["kind"] == "op" and e["world"] == world and start <= e["t"] <= end:
-            by.setdefault((e["size"], e["view"], e["step"]), []).append(e["seconds"])
+            by.setdefault((e.get("algorithm", "job"), e["size"], e["view"], e["step"]), []).append(e["seconds"])
+    return {k: ts for k, ts in by.items() if len(ts) == world}
+
+
+def op_times(job: Job, world: int, start: float, end: float) -> dict[int, dict[str, float]]:
+    """Per size, over the steps of views of ``world`` within [start, end]: the median over steps
+    of the slowest rank's time, and the median of every rank's (the job's setting's calls)."""
+    by = step_times(job, world, start, end)
     result = {}
     for size in job.sizes:
-        steps = [ts for (s, _, _), ts in by.items() if s == size and len(ts) == world]
+        steps = [ts for (a, s, _, _), ts in by.items() if a == "job" and s == size]
         if steps:
             result[size] = {"slowest_s": statistics.median(max(ts) for ts in steps),
                             "median_s": statistics.median(t for ts in steps for t in ts), "steps": len(steps)}
+    return result
+
+
+def versus(job: Job, world: int, start: float, end: float, other: str) -> dict[int, dict[str, float]]:
+    """Per size, the job's setting against ``other`` in the same steps: each step's slowest rank's
+    time under each, and the median over steps of their ratio (job / other), paired step by step."""
+    by = step_times(job, world, start, end)
+    result = {}
+    for size in job.sizes:
+        pairs = [(max(ts), max(by[(other, s, v, n)])) for (a, s, v, n), ts in by.items()
+                 if a == "job" and s == size and (other, s, v, n) in by]
+        if pairs:
+            result[size] = {"job_s": statistics.median(a for a, _ in pairs), "other_s": statistics.median(b for _, b in pairs),
+                            "ratio": statistics.median(a / b for a, b in pairs), "steps": len(pairs)}
     return result
 
 
@@ -317,7 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # leaves room for the killed tenth and for the host cut off.
         least = args.workers - max(args.workers // 10, per_host) if args.churn else args.workers
         nice = ["nice", "-n", str(args.coordinator_nice)] if args.coordinator_nice else []
-        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least, nice)
+        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least, nice, args.versus)
         try:
             job.start_coordinator()
             launched = time.time()
@@ -325,14 +352,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 job.start_worker(job.hosts[i // per_host])
             full = job.wait_for("full view", lambda e: e["kind"] == "view" and e["size"] == args.workers, args.timeout)
             imported = max(e["imported"] for e in job.events() if e["kind"] == "start")
+            ready = max(e["ready"] for e in job.events() if e["kind"] == "start")
+            # What the interpreters' start and imports cost in CPU, all workers together: on this
+            # machine's cores, no launch can form a view sooner than that divided by them.
+            startup_cpu = sum(e["ready_cpu"] for e in job.events() if e["kind"] == "start")
             started = max(e["started"] for e in job.events() if e["kind"] == "start")
             job.wait_for("a step in the full view", lambda e: e["kind"] == "op", args.timeout)
             calm = steady(job, args.steady_s)
             result: dict[str, Any] = {
                 "workers": args.workers, "hosts": args.hosts, "coordinator_nice": args.coordinator_nice, "sizes": args.sizes, "load": os.getloadavg()[0],
                 "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
-                "first_view_from_last_import_s": full["t"] - imported, "steady": calm,
+                "first_view_from_last_import_s": full["t"] - imported, "first_view_from_last_ready_s": full["t"] - ready,
+                "startup_cpu_s": startup_cpu, "cores": os.cpu_count(),
+                "steady": calm,
                 "ops": op_times(job, args.workers, calm["start"], calm["end"])}
+            if args.versus:
+                result["versus"] = {"algorithm": args.versus,
+                                    "sizes": versus(job, args.workers, calm["start"], calm["end"], args.versus)}
             if args.churn:
                 result["churn"] = churn(job, rng, args.timeout)
             finish(job, args.timeout)
@@ -365,7 +401,10 @@ def report(r: dict[str, Any]) -> str:
     lines = [f"{r['workers']} workers on {r['hosts']} hosts; load average {r['load']:.1f}",
              f"first full view: {r['first_view_from_launch_s']:.1f} s from the launch, "
              f"{r['first_view_from_last_start_s']:.1f} s from the last process's start, "
-             f"{r['first_view_from_last_import_s']:.1f} s from the last import of ringserve",
+             f"{r['first_view_from_last_import_s']:.1f} s from the last import of ringserve, "
+             f"{r['first_view_from_last_ready_s']:.1f} s from the last to have loaded what rs.init() needs "
+             f"(the workers' start and imports took {r['startup_cpu_s']:.0f} CPU-seconds: "
+             f"{r['startup_cpu_s'] / r['cores']:.1f} s on {r['cores']} cores at best)",
              f"steady {r['steady']['seconds']:g} s: false failures {r['steady']['false_failures']}, "
              f"coordinator CPU {r['steady']['coordinator_cpu']:.2f} of a core, wrong results {len(r['wrong'])}",
              f"per worker: RSS {spread('rss', mib)} MiB, PSS {spread('pss', mib)} MiB, threads {spread('threads')}, "
@@ -375,6 +414,12 @@ def report(r: dict[str, Any]) -> str:
              "steps": o["steps"]} for s, o in sorted(r["ops"].items())]
     lines.append(table(rows, [("size", "size"), ("slowest", "ms, slowest rank (median over steps)"),
                               ("median", "ms, median rank"), ("steps", "steps")]))
+    if "versus" in r:
+        other = r["versus"]["algorithm"]
+        rows = [{"size": label(s), "job": f"{o['job_s'] * 1e3:.1f}", "other": f"{o['other_s'] * 1e3:.1f}",
+                 "ratio": f"{o['ratio']:.2f}", "steps": o["steps"]} for s, o in sorted(r["versus"]["sizes"].items())]
+        lines.append(table(rows, [("size", "size"), ("job", "ms, auto (slowest rank)"), ("other", f"ms, {other} flat"),
+                                  ("ratio", f"auto / {other}, paired by step (median)"), ("steps", "steps")]))
     if "churn" in r:
         c = r["churn"]
         for what in ("kill", "join", "cut"):
@@ -393,10 +438,15 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="the longest wait for any one event")
     p.add_argument("--coordinator-nice", type=int, default=0,
                    help="the coordinator's niceness (negative: ahead of the workers, as on a machine of its own)")
+    p.add_argument("--versus", metavar="ALGORITHM",
+                   help="also run each allreduce by ALGORITHM over the whole ring (e.g. ring), alternating with "
+                        "the job's setting step by step, and report their ratio (steady views only)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--workdir", help="keep the workers' event files and logs in this directory")
     args = p.parse_args()
+    if args.versus and args.churn:  # a view made between a rank's switch and its call would plan it by the job's setting
+        p.error("--versus times steady views: run it without --churn")
     # A SIGTERM (a timeout's) unwinds like Ctrl-C, so that the namespaces and processes go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)

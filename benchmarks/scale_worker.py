@@ -3,15 +3,17 @@
 Usage: scale_worker.py OUT STOP SIZES...
 
 Each step allreduces one vector of each size (bytes) under the job's algorithm (``auto`` unless
-RINGSERVE_ALGORITHM says otherwise), checks every element of each sum exactly against the sum
+RINGSERVE_ALGORITHM says otherwise); with SCALE_VERSUS=ALGORITHM, twice: once as the job's setting
+plans it and once by ALGORITHM over the whole ring (flat), in an order that alternates by step, so
+that the two are timed in the same conditions. It checks every element of each sum exactly against the sum
 computed here, and commits. Rank r of a view of n contributes ``c(r, step) + (i % 251)`` at index
 i, with c from 1 to 13, so the sum is ``sum(c(r, step) for r < n) + n * (i % 251)``: integers below
 2**24, exact in float32 in any order of summation, and a rank's contribution missed, counted twice,
 from another step or shifted by a chunk's offset changes it.
 
-Appends one JSON line to OUT per event: ``start`` (the process's start and when ringserve was
-imported), ``init`` (when ``rs.init()`` returned, and in which view), ``view`` (each view it computes in: id, size, rank, when), ``op`` (each timed
-allreduce: view, size, seconds; the first step after a view is left out, it pays the view's
+Appends one JSON line to OUT per event: ``start`` (the process's start, when ringserve was
+imported, and when the modules ``rs.init()`` loads were: "ready"), ``init`` (when ``rs.init()`` returned, and in which view), ``view`` (each view it computes in: id, size, rank, when), ``op`` (each timed
+allreduce: view, size, seconds, algorithm setting; the first step after a view is left out, it pays the view's
 set-up), ``wrong`` (a sum that differs: where and by how much), and ``end``. Training stops at the
 step that the file STOP names, once it exists (the harness writes a step past every rank's, so that
 all stop at the same one).
@@ -33,6 +35,10 @@ import ringserve as rs  # noqa: E402
 from ringserve import elastic  # noqa: E402
 
 IMPORTED = time.time()
+import ringserve.worker.runtime  # noqa: E402 (what rs.init() loads: gRPC, protobuf, the worker)
+
+READY = time.time()  # from here on, the time to the first view is ringserve's: joining, the view, the links
+READY_CPU = time.process_time()  # the CPU this process took to get here (the interpreter, its imports)
 PERIOD = 251  # the index pattern's period, a prime, so that no chunk boundary is a multiple of it
 TILE = PERIOD * 1024  # elements filled or checked at a time (1 MiB of float32)
 
@@ -60,6 +66,19 @@ def first_wrong(total: np.ndarray, tile: np.ndarray, size: int, base: int, scrat
     return -1
 
 
+def setting(algorithm: str | None) -> None:
+    """Runs the calls that follow by ``algorithm`` over the whole ring (None: as the job's
+    configuration says). Every rank switches at the same call, so that all run the same plan: the
+    planner reads the setting call by call (worker/ops/algorithms.py ground)."""
+    node = rs.api.context().worker.node
+    plane = node.planes.current
+    if plane is None:
+        return
+    cfg = node.config
+    plane.algorithm = algorithm or cfg.algorithm
+    plane.hierarchical = "0" if algorithm else cfg.hierarchical
+
+
 def last_step(stop: str) -> float:
     try:
         with open(stop, encoding="utf-8") as f:
@@ -71,6 +90,7 @@ def last_step(stop: str) -> float:
 def main() -> None:
     out_path, stop = sys.argv[1], sys.argv[2]
     sizes = [int(s) for s in sys.argv[3:]]
+    versus = os.environ.get("SCALE_VERSUS")
     out = open(out_path, "a", encoding="utf-8")  # noqa: SIM115 (held for the process's life)
 
     def record(kind: str, **fields: object) -> None:
@@ -79,7 +99,7 @@ def main() -> None:
 
     if os.environ.get("SCALE_LOG"):  # ringserve's own account, with times, in the worker's log
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=os.environ["SCALE_LOG"])
-    record("start", started=STARTED, imported=IMPORTED)
+    record("start", started=STARTED, imported=IMPORTED, ready=READY, ready_cpu=READY_CPU)
     rs.init()
     record("init", view=rs.api.context().worker.view_id, size=rs.size())
     # One buffer per size, reduced in place (as gradients are), and filled and checked a tile at a
@@ -102,19 +122,23 @@ def main() -> None:
             if fresh:
                 seen["view"] = view
                 record("view", view=view, size=size, rank=rank)
+            ways: list[str | None] = [None] if not versus else [None, versus] if step % 2 else [versus, None]
             for nbytes in sizes:
                 total = sums[nbytes]
-                fill(total, tile, contribution(rank, step))
-                begin = time.perf_counter()
-                rs.allreduce(total, op="sum", name=f"scale.{nbytes}", out=total)
-                took = time.perf_counter() - begin
-                base = sum(contribution(r, step) for r in range(size))
-                bad = first_wrong(total, tile, size, base, scratch)
-                if bad >= 0:
-                    record("wrong", view=view, step=step, size=nbytes, first=bad, got=float(total[bad]),
-                           want=float(base + size * (bad % PERIOD)))
-                if not fresh:
-                    record("op", view=view, world=size, step=step, size=nbytes, seconds=took)
+                for way in ways:
+                    fill(total, tile, contribution(rank, step))
+                    setting(way)
+                    begin = time.perf_counter()
+                    rs.allreduce(total, op="sum", name=f"scale.{nbytes}.{way or 'job'}", out=total)
+                    took = time.perf_counter() - begin
+                    base = sum(contribution(r, step) for r in range(size))
+                    bad = first_wrong(total, tile, size, base, scratch)
+                    if bad >= 0:
+                        record("wrong", view=view, step=step, size=nbytes, first=bad, got=float(total[bad]),
+                               want=float(base + size * (bad % PERIOD)), algorithm=way or "job")
+                    if not fresh:
+                        record("op", view=view, world=size, step=step, size=nbytes, seconds=took, algorithm=way or "job")
+            setting(None)
             state.step = step + 1  # type: ignore[attr-defined]
             state.commit()
 

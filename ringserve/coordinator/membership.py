@@ -581,7 +581,7 @@ def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
         recovered = _recover(state, now)
         if recovered is not None:
             return recovered
-    elif not state.bump and now - state.changed_at < state.rules.settle_s and not _lost_any(state):
+    elif not state.bump and now - state.changed_at < state.rules.settle_s and not _lost_any(state) and not _full(state):
         # Still settling, and nobody to drop: the answer is "not yet" without sorting everyone
         # (a view of 2,000 forms after as many joins).
         return state, []
@@ -602,10 +602,17 @@ def _maybe_publish(state: State, now: float) -> tuple[State, list[Action]]:
         return _publish(state, ())
     if not enough:
         return replace(state, dirty=False), []
-    settled = now - state.changed_at >= state.rules.settle_s
+    settled = now - state.changed_at >= state.rules.settle_s or _full(state)
     if not lost and not settled and not state.bump:
         return state, []
     return _publish(state, desired)
+
+
+def _full(state: State) -> bool:
+    """Whether max_workers could be admitted now: nobody else can come in, so the settling wait
+    (for more joiners to come in together) has nothing to wait for, and the view forms at once,
+    as torchrun's rendezvous closes once max_nodes have joined."""
+    return len(state.workers) - len(state.held.keys() & state.workers.keys()) >= state.rules.max_workers
 
 
 def _lost_any(state: State) -> bool:

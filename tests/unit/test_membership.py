@@ -81,6 +81,26 @@ def test_the_first_view_forms_only_after_membership_is_stable_for_the_settle_win
     assert m.ids() == ["a", "b"]
 
 
+def test_a_full_world_forms_its_view_at_once_without_settling() -> None:
+    # max_workers have joined: nobody else can come in, so there is nothing to settle for.
+    m = Machine(min_workers=2, max_workers=3, settle_s=5.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    assert m.views == []  # 2 of 3: still settling
+    m.join(1.5, "c")
+    assert [v.view_id for v in m.views] == [1] and m.ids() == ["a", "b", "c"]
+
+
+def test_admitting_into_a_full_world_does_not_settle_either() -> None:
+    m = Machine(min_workers=2, max_workers=3, settle_s=5.0)
+    m.join(0.0, "a", "b", "c")
+    m.at(0.0, Leave("b"))
+    assert m.ids() == ["a", "c"]
+    m.join(1.0, "d")
+    m.admit(1.0, by="a")
+    assert m.ids() == ["a", "c", "d"] and m.view.view_id == 3
+
+
 def test_workers_joining_within_the_settle_window_of_each_other_land_in_one_view() -> None:
     m = Machine(min_workers=1, settle_s=1.0)
     for t, wid in [(0.0, "a"), (0.7, "b"), (1.4, "c"), (2.1, "d")]:
