@@ -275,13 +275,15 @@ def op_times(job: Job, world: int, start: float, end: float) -> dict[int | str, 
     """Per size, over the steps of views of ``world`` within [start, end]: the median over steps
     of the slowest rank's time, and the median of every rank's; the median of every rank's CPU
     seconds over the allreduce, over filling its vector and over checking its sum; and how many
-    rank-calls ran each set of algorithms. Under ``commit``, the same of the steps' commits."""
+    rank-calls ran each set of algorithms. Under ``commit``, the same of the steps' commits (which
+    ``run`` moves to a key of its own)."""
     by: dict[tuple[int | str, int, int], list[dict[str, Any]]] = {}
     for e in job.events():
         if e["kind"] in ("op", "commit") and e["world"] == world and start <= e["t"] <= end:
             by.setdefault((e.get("size", "commit"), e["view"], e["step"]), []).append(e)
     result: dict[int | str, dict[str, Any]] = {}
-    for size in [*job.sizes, "commit"]:
+    keys: list[int | str] = [*job.sizes, "commit"]
+    for size in keys:
         steps = [es for (s, _, _), es in by.items() if s == size and len(es) == world]
         if not steps:
             continue
@@ -366,6 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
                 "first_view_from_last_import_s": full["t"] - imported, "steady": calm,
                 "ops": op_times(job, args.workers, calm["start"], calm["end"])}
+            result["commit"] = result["ops"].pop("commit", None)
             if args.churn:
                 result["churn"] = churn(job, rng, args.timeout)
             finish(job, args.timeout)
@@ -406,7 +409,7 @@ def report(r: dict[str, Any]) -> str:
     lines.append("allreduce ran: " + ", ".join(f"{k} {v}" for k, v in sorted(r["algorithms"].items())))
     rows = [{"size": label(s) if s != "commit" else s, "slowest": f"{o['slowest_s'] * 1e3:.1f}",
              "median": f"{o['median_s'] * 1e3:.1f}", "cpu": f"{o['cpu_s'] * 1e3:.1f}" if "cpu_s" in o else "-",
-             "steps": o["steps"]} for s, o in r["ops"].items()]
+             "steps": o["steps"]} for s, o in [*r["ops"].items(), ("commit", r.get("commit"))] if o]
     lines.append(table(rows, [("size", "size"), ("slowest", "ms, slowest rank (median over steps)"),
                               ("median", "ms, median rank"), ("cpu", "ms CPU, median rank"), ("steps", "steps")]))
     if "churn" in r:
