@@ -113,6 +113,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_seconds() -> float:
+    """The CPU seconds every core of the machine has been busy so far (all but idle and iowait)."""
+    fields = [int(x) for x in pathlib.Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def workers_seconds(job: Job) -> float:
+    """The CPU seconds the live workers have used so far."""
+    total = 0.0
+    for p in job.live():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += cpu_seconds(p.popen.pid)
+    return total
+
+
 @dataclass
 class Job:
     """The job's namespaces, coordinator and workers."""
@@ -243,17 +258,22 @@ def after(job: Job, what: str, since: float, size: int, timeout_s: float) -> dic
 
 def steady(job: Job, seconds: float) -> dict[str, Any]:
     """Lets the job train for ``seconds`` with nothing injected: the views formed meanwhile are
-    false failures; the coordinator's CPU over the time."""
+    false failures; the CPU (in cores) over the time of the coordinator, of the workers and of the
+    whole machine (what else ran on it: the cores the job did not have)."""
     known = set(views(job))
     pid = job.coordinator.pid if job.coordinator else 0
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    machine0, workers0 = machine_seconds(), workers_seconds(job)
     wall0 = time.time()
     while time.monotonic() - t0 < seconds:
         job.sample()
         time.sleep(SAMPLE_S)
-    used = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+    took = time.monotonic() - t0
+    used = (cpu_seconds(pid) - cpu0) / took
+    machine, workers = (machine_seconds() - machine0) / took, (workers_seconds(job) - workers0) / took
     new = {v: s for v, s in views(job).items() if v not in known}
     return {"seconds": seconds, "start": wall0, "end": time.time(), "coordinator_cpu": used,
+            "workers_cpu": workers, "machine_cpu": machine,
             "false_failures": len(new), "views": new, "exited": [p.index for p in job.procs if p.popen.poll() is not None]}
 
 
@@ -267,16 +287,34 @@ def step_times(job: Job, world: int, start: float, end: float) -> dict[tuple[str
     return {k: ts for k, ts in by.items() if len(ts) == world}
 
 
-def op_times(job: Job, world: int, start: float, end: float) -> dict[int, dict[str, float]]:
+def op_times(job: Job, world: int, start: float, end: float) -> dict[int | str, dict[str, Any]]:
     """Per size, over the steps of views of ``world`` within [start, end]: the median over steps
-    of the slowest rank's time, and the median of every rank's (the job's setting's calls)."""
-    by = step_times(job, world, start, end)
-    result = {}
-    for size in job.sizes:
-        steps = [ts for (a, s, _, _), ts in by.items() if a == "job" and s == size]
-        if steps:
-            result[size] = {"slowest_s": statistics.median(max(ts) for ts in steps),
-                            "median_s": statistics.median(t for ts in steps for t in ts), "steps": len(steps)}
+    of the slowest rank's time, and the median of every rank's; the median of every rank's CPU
+    seconds over the allreduce, over filling its vector and over checking its sum; and how many
+    rank-calls ran each set of algorithms (the calls by the job's setting, not --versus's). Under ``commit``, the same of the steps' commits (which
+    ``run`` moves to a key of its own)."""
+    by: dict[tuple[int | str, int, int], list[dict[str, Any]]] = {}
+    for e in job.events():
+        if (e["kind"] in ("op", "commit") and e["world"] == world and start <= e["t"] <= end
+                and e.get("algorithm", "job") == "job"):
+            by.setdefault((e.get("size", "commit"), e["view"], e["step"]), []).append(e)
+    result: dict[int | str, dict[str, Any]] = {}
+    keys: list[int | str] = [*job.sizes, "commit"]
+    for size in keys:
+        steps = [es for (s, _, _), es in by.items() if s == size and len(es) == world]
+        if not steps:
+            continue
+        calls = [e for es in steps for e in es]
+        found = result[size] = {"slowest_s": statistics.median(max(e["seconds"] for e in es) for es in steps),
+                                "median_s": statistics.median(e["seconds"] for e in calls), "steps": len(steps)}
+        for key in ("cpu", "fill_cpu", "check_cpu"):
+            if all(key in e for e in calls):
+                found[f"{key}_s"] = statistics.median(e[key] for e in calls)
+        if all("ran" in e for e in calls):
+            ran: dict[str, int] = {}
+            for e in calls:
+                ran["+".join(e["ran"])] = ran.get("+".join(e["ran"]), 0) + 1
+            found["ran"] = ran
     return result
 
 
@@ -361,14 +399,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             calm = steady(job, args.steady_s)
             result: dict[str, Any] = {
                 "workers": args.workers, "hosts": args.hosts, "coordinator_nice": args.coordinator_nice, "sizes": args.sizes, "load": os.getloadavg()[0],
+                "cores": os.cpu_count(), "placement": [p.host.index for p in job.procs[:args.workers]],
                 "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
                 "first_view_from_last_import_s": full["t"] - imported, "first_view_from_last_ready_s": full["t"] - ready,
-                "startup_cpu_s": startup_cpu, "cores": os.cpu_count(),
+                "startup_cpu_s": startup_cpu,
                 "steady": calm,
                 "ops": op_times(job, args.workers, calm["start"], calm["end"])}
             if args.versus:
                 result["versus"] = {"algorithm": args.versus,
                                     "sizes": versus(job, args.workers, calm["start"], calm["end"], args.versus)}
+            result["commit"] = result["ops"].pop("commit", None)
             if args.churn:
                 result["churn"] = churn(job, rng, args.timeout)
             finish(job, args.timeout)
@@ -410,10 +450,11 @@ def report(r: dict[str, Any]) -> str:
              f"per worker: RSS {spread('rss', mib)} MiB, PSS {spread('pss', mib)} MiB, threads {spread('threads')}, "
              f"descriptors {spread('fds')}"]
     lines.append("allreduce ran: " + ", ".join(f"{k} {v}" for k, v in sorted(r["algorithms"].items())))
-    rows = [{"size": label(s), "slowest": f"{o['slowest_s'] * 1e3:.1f}", "median": f"{o['median_s'] * 1e3:.1f}",
-             "steps": o["steps"]} for s, o in sorted(r["ops"].items())]
+    rows = [{"size": label(s) if s != "commit" else s, "slowest": f"{o['slowest_s'] * 1e3:.1f}",
+             "median": f"{o['median_s'] * 1e3:.1f}", "cpu": f"{o['cpu_s'] * 1e3:.1f}" if "cpu_s" in o else "-",
+             "steps": o["steps"]} for s, o in [*r["ops"].items(), ("commit", r.get("commit"))] if o]
     lines.append(table(rows, [("size", "size"), ("slowest", "ms, slowest rank (median over steps)"),
-                              ("median", "ms, median rank"), ("steps", "steps")]))
+                              ("median", "ms, median rank"), ("cpu", "ms CPU, median rank"), ("steps", "steps")]))
     if "versus" in r:
         other = r["versus"]["algorithm"]
         rows = [{"size": label(s), "job": f"{o['job_s'] * 1e3:.1f}", "other": f"{o['other_s'] * 1e3:.1f}",

@@ -12,9 +12,15 @@ i, with c from 1 to 13, so the sum is ``sum(c(r, step) for r < n) + n * (i % 251
 from another step or shifted by a chunk's offset changes it.
 
 Appends one JSON line to OUT per event: ``start`` (the process's start, when ringserve was
-imported, and when the modules ``rs.init()`` loads were: "ready"), ``init`` (when ``rs.init()`` returned, and in which view), ``view`` (each view it computes in: id, size, rank, when), ``op`` (each timed
-allreduce: view, size, seconds, algorithm setting; the first step after a view is left out, it pays the view's
-set-up), ``wrong`` (a sum that differs: where and by how much), and ``end``. Training stops at the
+imported, and when the modules ``rs.init()`` loads were: "ready", with the CPU it took to get
+there), ``init`` (when ``rs.init()`` returned, and in which view), ``view`` (each view it computes
+in: id, size, rank, when), ``op`` (each timed allreduce: view, size, seconds, algorithm setting;
+the first step after a view is left out, it pays the view's set-up; with the process's CPU
+seconds, all threads, over the allreduce (``cpu``), over filling the vector (``fill_cpu``) and over
+checking the sum (``check_cpu``), and the algorithms the call ran (``ran``): what
+benchmarks/scale_sim.py calibrates and plans its simulation by), ``commit`` (the step's commit,
+whose allreduce decides whether the world changes: seconds and CPU), ``wrong`` (a sum that
+differs: where and by how much), and ``end``. Training stops at the
 step that the file STOP names, once it exists (the harness writes a step past every rank's, so that
 all stop at the same one).
 """
@@ -108,6 +114,7 @@ def main() -> None:
     scratch = np.empty(TILE, dtype=np.float32)
     sums = {n: np.empty(n // 4, dtype=np.float32) for n in sizes}
     seen = {"view": -1}
+    counters = rs.api.context().worker.counters  # the worker's for its life, across views
 
     state = elastic.ObjectState(step=0)
 
@@ -126,21 +133,31 @@ def main() -> None:
             for nbytes in sizes:
                 total = sums[nbytes]
                 for way in ways:
+                    cpu0 = time.process_time()
                     fill(total, tile, contribution(rank, step))
                     setting(way)
-                    begin = time.perf_counter()
+                    before = dict(counters.algorithms)
+                    cpu1, begin = time.process_time(), time.perf_counter()
                     rs.allreduce(total, op="sum", name=f"scale.{nbytes}.{way or 'job'}", out=total)
-                    took = time.perf_counter() - begin
+                    took, cpu2 = time.perf_counter() - begin, time.process_time()
                     base = sum(contribution(r, step) for r in range(size))
                     bad = first_wrong(total, tile, size, base, scratch)
+                    cpu3 = time.process_time()
                     if bad >= 0:
                         record("wrong", view=view, step=step, size=nbytes, first=bad, got=float(total[bad]),
                                want=float(base + size * (bad % PERIOD)), algorithm=way or "job")
                     if not fresh:
-                        record("op", view=view, world=size, step=step, size=nbytes, seconds=took, algorithm=way or "job")
+                        after = dict(counters.algorithms)  # copied at once: the loop thread adds to it
+                        ran = sorted(a for (op, a), n in after.items() if op == "allreduce" and n > before.get((op, a), 0))
+                        record("op", view=view, world=size, step=step, size=nbytes, seconds=took, cpu=cpu2 - cpu1,
+                               fill_cpu=cpu1 - cpu0, check_cpu=cpu3 - cpu2, ran=ran, algorithm=way or "job")
             setting(None)
             state.step = step + 1  # type: ignore[attr-defined]
+            cpu0, begin = time.process_time(), time.perf_counter()
             state.commit()
+            if not fresh:
+                record("commit", view=view, world=size, step=step, seconds=time.perf_counter() - begin,
+                       cpu=time.process_time() - cpu0)
 
     train(state)
     ran = rs.api.context().worker.counters.algorithms
