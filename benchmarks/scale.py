@@ -140,6 +140,7 @@ class Job:
     min_workers: int
     priority: list[str] = field(default_factory=list)  # a prefix for the coordinator's command: nice
     versus: str | None = None  # an algorithm every allreduce also runs by, flat (--versus)
+    extra_env: dict[str, str] = field(default_factory=dict)  # more of the workers' environment (--env)
     procs: list[Proc] = field(default_factory=list)
     peaks: dict[int, Peaks] = field(default_factory=dict)
     coordinator: subprocess.Popen[bytes] | None = None
@@ -179,6 +180,7 @@ class Job:
                "RINGSERVE_RANK_HINT": str(index), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         if self.versus:
             env["SCALE_VERSUS"] = self.versus
+        env.update(self.extra_env)
         # The bind mount lives in the mount namespace `ip netns exec` makes for this process alone.
         script = f'mount --bind {boot} {BOOT_ID} && exec "$@"'
         argv = ["sh", "-c", script, "sh", PYTHON, WORKER, str(out), str(self.stop), *map(str, self.sizes)]
@@ -382,7 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # leaves room for the killed tenth and for the host cut off.
         least = args.workers - max(args.workers // 10, per_host) if args.churn else args.workers
         nice = ["nice", "-n", str(args.coordinator_nice)] if args.coordinator_nice else []
-        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least, nice, args.versus)
+        job = Job(lan, args.workers, args.sizes, tmp, args.heartbeat_timeout, least, nice, args.versus,
+                  dict(kv.split("=", 1) for kv in args.env))
         try:
             job.start_coordinator()
             launched = time.time()
@@ -399,7 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             calm = steady(job, args.steady_s)
             result: dict[str, Any] = {
                 "workers": args.workers, "hosts": args.hosts, "coordinator_nice": args.coordinator_nice, "sizes": args.sizes, "load": os.getloadavg()[0],
-                "cores": os.cpu_count(), "placement": [p.host.index for p in job.procs[:args.workers]],
+                "env": args.env, "cores": os.cpu_count(), "placement": [p.host.index for p in job.procs[:args.workers]],
                 "first_view_from_launch_s": full["t"] - launched, "first_view_from_last_start_s": full["t"] - started,
                 "first_view_from_last_import_s": full["t"] - imported, "first_view_from_last_ready_s": full["t"] - ready,
                 "startup_cpu_s": startup_cpu,
@@ -482,6 +485,8 @@ def main() -> None:
     p.add_argument("--versus", metavar="ALGORITHM",
                    help="also run each allreduce by ALGORITHM over the whole ring (e.g. ring), alternating with "
                         "the job's setting step by step, and report their ratio (steady views only)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set this in every worker's environment (e.g. RINGSERVE_LINK_MBPS=10000); repeatable")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the result here")
     p.add_argument("--workdir", help="keep the workers' event files and logs in this directory")
