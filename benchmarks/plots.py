@@ -12,6 +12,8 @@ Reads what the benchmarks wrote with ``--json`` (see _results.py) and draws, as 
   each configuration, with one process alone at world 1;
 - ``wan.svg`` (wan.py): the WAN step time of each configuration;
 - ``wan-target.svg`` (wan.py --to-target): each configuration's time to the target loss;
+- ``scale-sim.svg`` (scale_sim.py --json, kept as scale/scale-sim.json): the scale harness's real
+  time per allreduce against the simulator's, by N;
 - ``failover-<name>.svg`` (the chaos tests, CHAOS_TIMELINE_DIR): the job's committed step over time,
   and each worker process's life, with the faults marked.
 
@@ -251,6 +253,13 @@ def main() -> None:
             print(f"skipped {name}: {path} does not exist")
             continue
         draw(json.loads(path.read_text()), args.out)
+        drawn += 1
+    simulated = args.results / "scale" / "scale-sim.json"
+    if simulated.exists():
+        import scale_sim  # here: it loads the simulator, which the other charts do not need
+
+        record = json.loads(simulated.read_text())
+        scale_sim.chart(record["rows"], str(args.out / "scale-sim.svg"), pathlib.Path(record["calibration"]).stem)
         drawn += 1
     for path in sorted((args.results / "failover").glob("*.json")):
         failover_chart(json.loads(path.read_text()), args.out, path.stem)

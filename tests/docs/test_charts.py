@@ -40,6 +40,7 @@ def test_plots_draws_a_chart_for_every_committed_result_and_the_docs_show_each_o
     drawn = {p.name for p in tmp_path.glob("*.svg")}
     expected = {chart for name, chart in CHART_OF.items() if (RESULTS / name).exists()}
     expected |= {f"failover-{p.stem}.svg" for p in (RESULTS / "failover").glob("*.json")}
+    expected |= {"scale-sim.svg"} if (RESULTS / "scale" / "scale-sim.json").exists() else set()
     assert drawn == expected, f"plots.py drew {sorted(drawn)}, expected {sorted(expected)}"
     assert {p.name for p in CHARTS.glob("*.svg")} == drawn, "docs/benchmarks/charts differs from what the results draw: run benchmarks/plots.py"
     missing = drawn - shown_in_docs()
