@@ -212,8 +212,8 @@ class CoordinatorConfig(SecuritySettings):
         heartbeat_grace_s: a worker silent for heartbeat_timeout_s is probed (its health service
             dialled) before it is declared dead: a process that is gone refuses at once and is
             removed then, while one that is only stopped or starved of CPU (a GC pause, a noisy
-            neighbour, a loaded machine) has this much longer to answer the probe or heartbeat
-            again. A stall of up to heartbeat_timeout_s + heartbeat_grace_s less an interval is
+            neighbour, a loaded machine) has this much longer to heartbeat again (an answer to
+            the probe alone does not keep it: the coordinator must hear it). A stall of up to heartbeat_timeout_s + heartbeat_grace_s less an interval is
             then never taken for a death, and a death is found within heartbeat_timeout_s (the
             process is gone) or heartbeat_timeout_s + heartbeat_grace_s (its host is gone, or it
             is wedged); see ringserve.coordinator.membership. 0: declared dead at the timeout,

@@ -13,8 +13,9 @@ Rules, in order of precedence:
   (``silence_grace_s``), a worker silent for the timeout is first probed: silence cannot tell a
   process that is gone from one that is stopped or starved of CPU (a GC pause, a noisy
   neighbour), but a probe can. A process that is gone refuses the probe at once and is removed
-  then; one that answers, or heartbeats again, within the grace stays; one that does neither is
-  removed when the grace is up. So a stall of up to about ``heartbeat_timeout_s +
+  then; one that heartbeats again within the grace stays; one that does not is removed when the
+  grace is up. Only a heartbeat keeps a worker: one that answers the probe but cannot reach the
+  coordinator (its route cut) is still removed, so that its peers go on without it. So a stall of up to about ``heartbeat_timeout_s +
   silence_grace_s`` less an interval is never taken for a death, and a death is found within
   ``heartbeat_timeout_s`` (the process is gone) or ``heartbeat_timeout_s + silence_grace_s``
   (its host is gone, or it is wedged). Workers that died together
@@ -427,29 +428,26 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
     return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
 
 
-# A silent worker's probe reports within its grace; past the grace and this much more (a loaded
-# coordinator's late tick), a probe not yet reported counts as failed.
-PROBE_SLACK_S = 1.0
-
-
 def _silent_answered(state: State, event: ProbeResult, now: float) -> State:
-    """A silent worker's probe ended: one that answers counts as heard now; one found gone waits
-    in ``probed_dead`` for _settle_probes, which removes the gone together."""
+    """A silent worker's probe ended: one found gone waits in ``probed_dead`` for _settle_probes,
+    which removes the gone together. One that answers still has to heartbeat within its grace:
+    an answer proves the process runs, not that the coordinator hears it."""
     if event.alive:
-        return _with_beat(state, _Beat(event.worker_id, now, state.beats))
+        return state
     return replace(state, probed_dead=state.probed_dead | {event.worker_id})
 
 
 def _settle_probes(state: State, now: float) -> tuple[State, list[Action]]:
     """Ends the probes of silent workers that spoke again since theirs began, and removes those
-    found gone, all in one view, once no other probe is still undecided (or the oldest of the
-    gone has waited out a grace: a world whose workers keep going silent one after another
-    must still lose the dead). Called on Tick, with the heartbeats folded into last_seen."""
+    found gone or silent through their grace, all in one view, once no other probe is still
+    undecided (or the oldest of the gone has waited out a grace: a world whose workers keep
+    going silent one after another must still lose the dead). Called on Tick, with the
+    heartbeats folded into last_seen."""
     rules = state.rules
     pending = {w: began for w, began in state.silent_probes.items()
                if w in state.workers and state.last_seen.get(w, -INF) <= began}
-    limit = rules.silence_grace_s + PROBE_SLACK_S
-    gone = [w for w, began in pending.items() if w in state.probed_dead or now - began > limit]
+    limit = rules.silence_grace_s
+    gone = [w for w, began in pending.items() if w in state.probed_dead or now - began >= limit]
     undecided = len(pending) > len(gone)
     if not gone or (undecided and now - min(pending[w] for w in gone) <= limit):
         if len(pending) != len(state.silent_probes):
@@ -457,8 +455,8 @@ def _settle_probes(state: State, now: float) -> tuple[State, list[Action]]:
         return state, []
     state = _remove_all(state, gone, now, failed=True)
     deadline = rules.heartbeat_timeout_s
-    return state, [Removed(w, f"silent for more than {deadline:g} s, and did not answer a probe "
-                              f"within {rules.silence_grace_s:g} s more") for w in gone]
+    return state, [Removed(w, f"silent for more than {deadline:g} s, then refused a probe or stayed "
+                              f"silent {rules.silence_grace_s:g} s more") for w in gone]
 
 
 def is_known(state: State, worker_id: str) -> bool:

@@ -649,12 +649,16 @@ def test_a_worker_silent_for_the_timeout_is_probed_not_removed_and_stays_if_it_h
     assert m.state.silent_probes == {}
 
 
-def test_a_silent_worker_that_answers_its_probe_stays() -> None:
+def test_a_silent_worker_that_answers_its_probe_but_never_heartbeats_is_removed_when_the_grace_is_up() -> None:
+    # Its route to the coordinator is cut, not its peer server: it runs, but the coordinator
+    # does not hear it, and its peers must go on without it.
     m = graced(5.0, 2.0, "a", "b")
     beat_until(m, 0.1, 5.5, "a")
-    m.at(5.6, ProbeResult("b", alive=True))  # a starved loop that got round to answering
-    beat_until(m, 5.7, 9.0, "a")
-    assert m.removed == [] and m.ids() == ["a", "b"]
+    m.at(5.6, ProbeResult("b", alive=True))
+    beat_until(m, 5.7, 7.0, "a")
+    assert m.removed == []
+    beat_until(m, 7.1, 7.2, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
 
 
 def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_is_refused() -> None:
@@ -664,26 +668,17 @@ def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_i
     m.at(5.12, ProbeResult("b", alive=False), ProbeResult("c", alive=False))  # refused: gone
     m.at(5.2)
     assert sorted(r.worker_id for r in m.removed) == ["b", "c"]
-    assert "did not answer a probe" in m.removed[0].reason
+    assert "refused a probe" in m.removed[0].reason
     assert m.ids() == ["a"]
     assert len(m.views) == 2  # both in one view
 
 
 def test_a_silent_worker_that_never_answers_is_removed_when_the_grace_is_up() -> None:
-    # Its host is gone (no refusal ever comes) or it is wedged: the probe times out after the grace.
+    # Its host is gone (no refusal ever comes) or it is wedged: its probe has not even reported.
     m = graced(5.0, 2.0, "a", "b")
-    beat_until(m, 0.1, 7.0, "a")
+    beat_until(m, 0.1, 7.0, "a")  # probed at 5.1 s
     assert m.removed == []
-    m.at(7.1, ProbeResult("b", alive=False))
-    m.at(7.2)
-    assert [r.worker_id for r in m.removed] == ["b"]
-
-
-def test_a_probe_that_never_reports_counts_as_failed_past_the_grace_and_its_slack() -> None:
-    m = graced(5.0, 2.0, "a", "b")
-    beat_until(m, 0.1, 8.1, "a")
-    assert m.removed == []
-    beat_until(m, 8.2, 8.3, "a")
+    beat_until(m, 7.1, 7.1, "a")
     assert [r.worker_id for r in m.removed] == ["b"]
 
 
@@ -693,8 +688,8 @@ def test_workers_found_gone_wait_for_a_probe_still_undecided_and_leave_in_one_vi
     m.at(5.12, ProbeResult("b", alive=False))  # b refused; c's probe is still under way
     beat_until(m, 5.2, 6.9, "a")
     assert m.removed == []
-    m.at(7.1, ProbeResult("c", alive=False))
-    m.at(7.2)
+    m.at(7.0, ProbeResult("c", alive=False))
+    m.at(7.05)
     assert sorted(r.worker_id for r in m.removed) == ["b", "c"] and len(m.views) == 2
 
 
