@@ -9,7 +9,16 @@ Rules, in order of precedence:
 
 - **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
   removed, and a view without it is published at once; a worker is never declared dead before it
-  has been silent for the full timeout. Silence is checked on ``Tick``. Workers that died together
+  has been silent for the full timeout. Silence is checked on ``Tick``. With a grace
+  (``silence_grace_s``), a worker silent for the timeout is first probed: silence cannot tell a
+  process that is gone from one that is stopped or starved of CPU (a GC pause, a noisy
+  neighbour), but a probe can. A process that is gone refuses the probe at once and is removed
+  then; one that heartbeats again within the grace stays; one that does not is removed when the
+  grace is up. Only a heartbeat keeps a worker: one that answers the probe but cannot reach the
+  coordinator (its route cut) is still removed, so that its peers go on without it. So a stall of up to about ``heartbeat_timeout_s +
+  silence_grace_s`` less an interval is never taken for a death, and a death is found within
+  ``heartbeat_timeout_s`` (the process is gone) or ``heartbeat_timeout_s + silence_grace_s``
+  (its host is gone, or it is wedged). Workers that died together
   (a host, a rack) sent their last heartbeats over an interval, and would expire over as many
   ticks, each a view that every rank must install. So when some have expired while others are
   nearly silent (for more than ``heartbeat_timeout_s - failure_window_s``), the view waits, at
@@ -113,6 +122,9 @@ class Rules:
     # the process that holds it paused): the silence of that gap is not the workers', and is not
     # counted against them (INF: never; the service sets it from its tick).
     stall_s: float = INF
+    # How long a worker silent for the timeout has to answer a probe or heartbeat again before it
+    # is removed (0: removed at once, unprobed). See the module docstring.
+    silence_grace_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,10 @@ class State:
     expiring_since: float = INF
     # The last Tick's time (see _forgive_stall).
     ticked_at: float = -INF
+    # Workers silent for the timeout whose probe is under way (rules.silence_grace_s), by when it
+    # began, and those whose probe found them gone, removed together once the others are settled.
+    silent_probes: dict[str, float] = field(default_factory=dict)
+    probed_dead: frozenset[str] = frozenset()
     # Whether the next view may differ from the current one: set by every change of membership,
     # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
     # sort every worker again.
@@ -241,10 +257,14 @@ class Removed:
 
 @dataclass(frozen=True)
 class Probe:
-    """Check at once whether a suspect still answers; report back with ProbeResult."""
+    """Check at once whether a suspect still answers; report back with ProbeResult. ``silent``:
+    the worker was silent for the timeout (rather than reported by a peer), and the probe waits
+    at most ``timeout_s`` (its grace)."""
 
     worker_id: str
     address: str
+    silent: bool = False
+    timeout_s: float = 0.0
 
 
 Action = PublishView | Removed | Probe
@@ -284,6 +304,9 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         if member is not None and event.worker_id not in state.suspects:
             state = replace(state, suspects=state.suspects | {event.worker_id})
             actions.append(Probe(event.worker_id, member.address))
+    elif isinstance(event, ProbeResult) and event.worker_id in state.silent_probes \
+            and event.worker_id not in state.suspects:
+        state = _silent_answered(state, event, now)
     elif isinstance(event, ProbeResult):
         state = replace(state, suspects=state.suspects - {event.worker_id})
         if not event.alive and event.worker_id in state.workers:
@@ -309,6 +332,9 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         state = replace(_forgive_stall(state, now), ticked_at=now)
         state, removed = _expire(state, now)
         actions.extend(removed)
+        if state.silent_probes:
+            state, removed = _settle_probes(state, now)
+            actions.extend(removed)
     if state.check is not None or state.held:
         state, cut = _check_ring(state, now)
         actions.extend(cut)
@@ -366,7 +392,9 @@ def _forgive_stall(state: State, now: float) -> State:
     if state.ticked_at == -INF or gap <= state.rules.stall_s:
         return state
     last_seen = {wid: min(now, at + gap) for wid, at in seen(state).items()}
-    return replace(state, last_seen=last_seen, beats=None)
+    # Probes that ended while the coordinator did not run (their deadlines passed in its stall)
+    # say nothing either: the silence they were about is forgiven, and judged again from here.
+    return replace(state, last_seen=last_seen, beats=None, silent_probes={}, probed_dead=frozenset())
 
 
 def _expire(state: State, now: float) -> tuple[State, list[Action]]:
@@ -376,7 +404,8 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
     if state.beats is not None:
         state = replace(state, last_seen=last_seen, beats=None)
     deadline = state.rules.heartbeat_timeout_s
-    if not any(now - at > deadline for at in last_seen.values()):
+    probing = state.silent_probes
+    if not any(now - at > deadline and wid not in probing for wid, at in last_seen.items()):
         if state.expiring_since != INF:
             # The expired spoke again (a slow worker, not a dead one): the wait is over, and a
             # later failure gets a window of its own.
@@ -388,9 +417,46 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
         nearly = deadline - window
         if any(nearly < now - at <= deadline for at in last_seen.values()):
             return replace(state, expiring_since=expiring_since), []
-    silent = [wid for wid, at in last_seen.items() if now - at > deadline]
+    silent = [wid for wid, at in last_seen.items() if now - at > deadline and wid not in probing]
+    grace = state.rules.silence_grace_s
+    if grace > 0:
+        # Probed first (see the module docstring); _settle_probes removes those found gone.
+        probes = {**probing, **dict.fromkeys(silent, now)}
+        state = replace(state, silent_probes=probes, expiring_since=INF)
+        return state, [Probe(wid, state.workers[wid].address, silent=True, timeout_s=grace) for wid in silent]
     state = replace(_remove_all(state, silent, now, failed=True), expiring_since=INF)
     return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
+
+
+def _silent_answered(state: State, event: ProbeResult, now: float) -> State:
+    """A silent worker's probe ended: one found gone waits in ``probed_dead`` for _settle_probes,
+    which removes the gone together. One that answers still has to heartbeat within its grace:
+    an answer proves the process runs, not that the coordinator hears it."""
+    if event.alive:
+        return state
+    return replace(state, probed_dead=state.probed_dead | {event.worker_id})
+
+
+def _settle_probes(state: State, now: float) -> tuple[State, list[Action]]:
+    """Ends the probes of silent workers that spoke again since theirs began, and removes those
+    found gone or silent through their grace, all in one view, once no other probe is still
+    undecided (or the oldest of the gone has waited out a grace: a world whose workers keep
+    going silent one after another must still lose the dead). Called on Tick, with the
+    heartbeats folded into last_seen."""
+    rules = state.rules
+    pending = {w: began for w, began in state.silent_probes.items()
+               if w in state.workers and state.last_seen.get(w, -INF) <= began}
+    limit = rules.silence_grace_s
+    gone = [w for w, began in pending.items() if w in state.probed_dead or now - began >= limit]
+    undecided = len(pending) > len(gone)
+    if not gone or (undecided and now - min(pending[w] for w in gone) <= limit):
+        if len(pending) != len(state.silent_probes):
+            state = replace(state, silent_probes=pending, probed_dead=state.probed_dead & pending.keys())
+        return state, []
+    state = _remove_all(state, gone, now, failed=True)
+    deadline = rules.heartbeat_timeout_s
+    return state, [Removed(w, f"silent for more than {deadline:g} s, then refused a probe or stayed "
+                              f"silent {rules.silence_grace_s:g} s more") for w in gone]
 
 
 def is_known(state: State, worker_id: str) -> bool:
@@ -512,11 +578,14 @@ def _remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool
     workers = {k: v for k, v in state.workers.items() if k not in gone}
     last_seen = {k: v for k, v in state.last_seen.items() if k not in gone}
     claims = {k: v for k, v in state.claims.items() if k not in gone} if state.claims else state.claims
+    probes = {k: v for k, v in state.silent_probes.items() if k not in gone} if state.silent_probes else state.silent_probes
     return replace(
         state,
         workers=workers,
         last_seen=last_seen,
         claims=claims,
+        silent_probes=probes,
+        probed_dead=state.probed_dead - gone,
         changed_at=now,
         suspects=state.suspects - gone,
         left=state.left if failed else state.left | gone,

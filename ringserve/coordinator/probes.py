@@ -1,8 +1,11 @@
 """The coordinator's probes of suspect workers: the effect of membership's ``Probe`` action.
 
-A peer reported a worker as unreachable; the coordinator dials that worker's health service, and
-the answer (alive or not) goes back to the state machine as a ``ProbeResult``. Each probe is a
-task owned here, cancelled and awaited at ``close()``.
+A peer reported a worker as unreachable, or the worker was silent for the heartbeat timeout; the
+coordinator dials that worker's health service, and the answer (alive or not) goes back to the
+state machine as a ``ProbeResult``. A process that is gone refuses the dial at once; one that is
+stopped or starved has its connection accepted by its kernel, and answers once it runs again, or
+not within the probe's deadline. Each probe is a task owned here, cancelled and awaited at
+``close()``.
 """
 
 from __future__ import annotations
@@ -56,10 +59,11 @@ class Prober:
     async def _probe(self, probe: membership.Probe) -> None:
         """Asks a suspect's health service whether it still answers, within timeout_s."""
         alive = False
+        timeout_s = probe.timeout_s if probe.silent and probe.timeout_s > 0 else self.timeout_s
         try:
             async with self._security.channel(probe.address) as channel:
                 answer = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=self.timeout_s
+                    health_pb2.HealthCheckRequest(), timeout=timeout_s
                 )
                 alive = answer.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
@@ -67,8 +71,9 @@ class Prober:
         except Exception as exc:  # a worker whose address cannot even be dialled is not answering
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
             alive = False
-        log.info("probe of worker %s at %s: %s", probe.worker_id, probe.address, "alive" if alive else "dead")
-        if alive:
+        why = "silent for the heartbeat timeout" if probe.silent else "reported by a peer"
+        log.info("probe of worker %s at %s (%s): %s", probe.worker_id, probe.address, why, "alive" if alive else "dead")
+        if alive and not probe.silent:
             log.warning(
                 "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
                 "dropping a worker if a link is still down in %g s", probe.worker_id, self._heartbeat_timeout_s,

@@ -73,6 +73,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_heartbeats_per_s=config.max_heartbeats_per_s,
             stall_s=max(STALL_MIN_S, STALL_TICKS * config.tick_s),
+            silence_grace_s=config.heartbeat_grace_s,
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()

@@ -609,3 +609,106 @@ def test_with_regular_ticks_a_silent_worker_is_removed_at_the_timeout_as_before(
         if i / 10 <= 2.0:
             assert m.removed == []
     assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def graced(timeout_s: float = 5.0, grace_s: float = 2.0, *ids: str) -> Machine:
+    """A running world of ``ids`` whose silent workers are probed, with a grace, before removal."""
+    m = Machine(min_workers=len(ids), settle_s=0.0, heartbeat_timeout_s=timeout_s)
+    m.state = replace(m.state, rules=replace(m.state.rules, silence_grace_s=grace_s, stall_s=1.0))
+    m.join(0.0, *ids)
+    m.at(0.0)
+    assert m.ids() == list(ids)
+    m.state = replace(m.state, rules=replace(m.state.rules, min_workers=1))  # the world outlives its failures
+    return m
+
+
+def beat_until(m: Machine, start: float, end: float, *ids: str) -> list[object]:
+    """Ticks every 0.1 s from ``start`` to ``end``, with a heartbeat of each of ``ids`` every second."""
+    actions: list[object] = []
+    for i in range(round(start * 10), round(end * 10) + 1):
+        now = i / 10
+        if i % 10 == 0:
+            actions += m.at(now, *(Heartbeat(w) for w in ids))
+        actions += m.at(now)
+    return actions
+
+
+def test_a_worker_silent_for_the_timeout_is_probed_not_removed_and_stays_if_it_heartbeats_within_the_grace() -> None:
+    # A worker stopped for 6 s (a GC pause, SIGSTOP): silent past the 5 s timeout, back within
+    # the 2 s grace. It is probed, its probe finds nobody answering (the process is stopped), and
+    # its heartbeat, once it runs again, keeps it.
+    m = graced(5.0, 2.0, "a", "b")
+    actions = beat_until(m, 0.1, 5.9, "a")
+    probes = [a for a in actions if isinstance(a, Probe)]
+    assert [(p.worker_id, p.silent, p.timeout_s) for p in probes] == [("b", True, 2.0)]
+    assert m.removed == []
+    m.at(6.5, Heartbeat("b"))
+    m.at(6.9, ProbeResult("b", alive=False))  # the probe's deadline passed while it was stopped
+    beat_until(m, 7.0, 20.0, "a", "b")
+    assert m.removed == [] and m.ids() == ["a", "b"]
+    assert m.state.silent_probes == {}
+
+
+def test_a_silent_worker_that_answers_its_probe_but_never_heartbeats_is_removed_when_the_grace_is_up() -> None:
+    # Its route to the coordinator is cut, not its peer server: it runs, but the coordinator
+    # does not hear it, and its peers must go on without it.
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.5, "a")
+    m.at(5.6, ProbeResult("b", alive=True))
+    beat_until(m, 5.7, 7.0, "a")
+    assert m.removed == []
+    beat_until(m, 7.1, 7.2, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_is_refused() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 5.1, "a")  # b and c last heard at 0.0: both probed at 5.1
+    assert set(m.state.silent_probes) == {"b", "c"}
+    m.at(5.12, ProbeResult("b", alive=False), ProbeResult("c", alive=False))  # refused: gone
+    m.at(5.2)
+    assert sorted(r.worker_id for r in m.removed) == ["b", "c"]
+    assert "refused a probe" in m.removed[0].reason
+    assert m.ids() == ["a"]
+    assert len(m.views) == 2  # both in one view
+
+
+def test_a_silent_worker_that_never_answers_is_removed_when_the_grace_is_up() -> None:
+    # Its host is gone (no refusal ever comes) or it is wedged: its probe has not even reported.
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 7.0, "a")  # probed at 5.1 s
+    assert m.removed == []
+    beat_until(m, 7.1, 7.1, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_workers_found_gone_wait_for_a_probe_still_undecided_and_leave_in_one_view() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 5.1, "a")
+    m.at(5.12, ProbeResult("b", alive=False))  # b refused; c's probe is still under way
+    beat_until(m, 5.2, 6.9, "a")
+    assert m.removed == []
+    m.at(7.0, ProbeResult("c", alive=False))
+    m.at(7.05)
+    assert sorted(r.worker_id for r in m.removed) == ["b", "c"] and len(m.views) == 2
+
+
+def test_probes_that_ended_while_the_coordinator_itself_was_stalled_are_forgotten() -> None:
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.1, "a")
+    assert set(m.state.silent_probes) == {"b"}
+    m.at(12.0, ProbeResult("b", alive=False))  # the coordinator was stopped from 5.1 to 12.0 s
+    m.at(12.0, Heartbeat("a"))
+    m.at(12.0)
+    # The stale result removed nobody; b, silent for the timeout of the coordinator's running
+    # time before the stall, is probed afresh, with a grace of its own to speak in.
+    assert m.removed == [] and m.state.silent_probes == {"b": 12.0}
+    beat_until(m, 13.0, 16.0, "a", "b")
+    assert m.removed == [] and m.state.silent_probes == {}
+
+
+def test_without_a_grace_a_silent_worker_is_removed_at_the_timeout_unprobed() -> None:
+    m = graced(5.0, 0.0, "a", "b")
+    actions = beat_until(m, 0.1, 5.2, "a")
+    assert not [a for a in actions if isinstance(a, Probe)]
+    assert [r.worker_id for r in m.removed] == ["b"]
