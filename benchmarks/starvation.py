@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -62,8 +66,10 @@ async def measure(ns: argparse.Namespace) -> dict[str, Any]:
     n, per = ns.workers, ns.per_process
     procs = max(1, n // per)
     rng = random.Random(ns.seed)
+    log = ns.coordinator_log or str(pathlib.Path(tempfile.mkdtemp(prefix="starvation-")) / "coordinator.log")
+    wall = time.time() - time.monotonic()  # the log's clock, less the harness's
     async with Scale(n, procs=procs, interval=ns.interval, timeout=ns.timeout, settle=1.0,
-                     extra_args=ns.coordinator_args, health=True) as scale:
+                     extra_args=ns.coordinator_args, health=True, log=log) as scale:
         await scale.start_swarms()
         await scale.wait_view(lambda v: len(v.members) == n, 120)
         shares = [n // procs + (i < n % procs) for i in range(procs)]
@@ -114,6 +120,7 @@ async def measure(ns: argparse.Namespace) -> dict[str, Any]:
             1 for at, pid, seconds in stops
             if any(owners[w].pid == pid for w in falsely)
         )
+        explained = explain(log, wall, falsely | falsely_after_kill, owners, stops, coordinator_stops)
         return {
             "workers": n,
             "swarm_processes": procs,
@@ -137,7 +144,45 @@ async def measure(ns: argparse.Namespace) -> dict[str, Any]:
             "detection_views": len(after_kill),
             "detection_one_view": len(after_kill) == 1 and set(after_kill[0].failed) == gone,
             "load_end": os.getloadavg()[0],
+            "removal_reasons": dict(Counter(f["reason"] for f in explained)),
+            "false_failure_detail": explained,
+            "coordinator_log": log,
         }
+
+
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
+
+
+def explain(log: str, wall: float, falsely: set[str], owners: dict[str, Any],
+            stops: list[tuple[float, int, float]], coordinator_stops: list[tuple[float, int, float]]) -> list[dict[str, Any]]:
+    """Why each false failure happened, from the coordinator's log: its removal's reason, the
+    probes of it (when, why, the answer), and how it stood to the stops of its own swarm and of
+    the coordinator (seconds from the start of the nearest stop before the removal)."""
+    lines: list[tuple[float, str]] = []
+    for line in pathlib.Path(log).read_text().splitlines():
+        found = LOG_LINE.match(line)
+        if found:
+            at = datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall
+            lines.append((at, found.group(2)))
+
+    def last_stop_before(at: float, chosen: list[tuple[float, int, float]]) -> float | None:
+        before = [at - began for began, _, _ in chosen if began <= at]
+        return round(min(before), 2) if before else None
+
+    detail = []
+    for w in sorted(falsely):
+        removed = [(at, text) for at, text in lines if text.startswith(f"worker {w} removed: ")]
+        at = removed[0][0] if removed else float("nan")
+        own = [s for s in stops if s[1] == owners[w].pid]
+        detail.append({
+            "worker": w,
+            "reason": removed[0][1].split(": ", 1)[1] if removed else "(not in the log)",
+            "probes": [(round(t - at, 2), text.split(" (", 1)[1]) for t, text in lines
+                       if text.startswith(f"probe of worker {w} ")],
+            "own_stop_s_before": last_stop_before(at, own),
+            "coordinator_stop_s_before": last_stop_before(at, coordinator_stops),
+        })
+    return detail
 
 
 def main() -> None:
@@ -158,6 +203,7 @@ def main() -> None:
     parser.add_argument("--coordinator-args", nargs=argparse.REMAINDER, default=[],
                         help="the rest of the line goes to `ringserve coordinator`")
     parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("--coordinator-log", default="", help="the coordinator's INFO log (default: a temporary file)")
     ns = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(ns.stress)]

@@ -236,6 +236,7 @@ class Scale:
     settle: float = 0.5
     extra_args: list[str] = field(default_factory=list)
     health: bool = False  # each swarm serves a health service its workers advertise (see _swarm)
+    log: str = ""  # the coordinator logs at INFO to this file ("": its warnings to stderr)
     coordinator: asyncio.subprocess.Process | None = None
     address: str = ""
     swarms: list[asyncio.subprocess.Process] = field(default_factory=list)
@@ -250,10 +251,13 @@ class Scale:
         args = ["--port", "0", "--min-workers", str(self.n - self.n // 5), "--max-workers", str(self.n),
                 "--settle-seconds", str(self.settle), "--heartbeat-interval", str(self.interval),
                 "--heartbeat-timeout", str(self.timeout), *self.extra_args]
-        self.coordinator = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ringserve.cli", "coordinator", *args,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        logging = ["--log-level", "INFO"] if self.log else []
+        with contextlib.ExitStack() as files:
+            stderr = files.enter_context(open(self.log, "w")) if self.log else None  # noqa: ASYNC230
+            self.coordinator = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ringserve.cli", *logging, "coordinator", *args,
+                stdout=asyncio.subprocess.PIPE, stderr=stderr, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
         assert self.coordinator.stdout is not None
         line = (await asyncio.wait_for(self.coordinator.stdout.readline(), 30)).decode()
         found = re.search(r"listening on (\S+)", line)
