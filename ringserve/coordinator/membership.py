@@ -125,6 +125,10 @@ class Rules:
     # How long a worker silent for the timeout has to answer a probe or heartbeat again before it
     # is removed (0: removed at once, unprobed). See the module docstring.
     silence_grace_s: float = 0.0
+    # Once a death is found, how long the view without it waits for the sweep's probes of the
+    # workers that may have died with it (0: no sweep, the death is published at once; see
+    # _settle_deaths).
+    sweep_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,9 +181,12 @@ class State:
     # The last Tick's time (see _forgive_stall).
     ticked_at: float = -INF
     # Workers silent for the timeout whose probe is under way (rules.silence_grace_s), by when it
-    # began, and those whose probe found them gone, removed together once the others are settled.
+    # began; the sweep's probes under way (rules.sweep_s), by when they began; the workers found
+    # dead and not yet removed, each with how; and when the first of those was found (INF: none).
     silent_probes: dict[str, float] = field(default_factory=dict)
-    probed_dead: frozenset[str] = frozenset()
+    sweep: dict[str, float] = field(default_factory=dict)
+    found_dead: dict[str, str] = field(default_factory=dict)
+    dead_since: float = INF
     # Whether the next view may differ from the current one: set by every change of membership,
     # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
     # sort every worker again.
@@ -214,8 +221,17 @@ class Suspect:
 
 @dataclass(frozen=True)
 class ProbeResult:
+    """A probe's answer. ``since``: for the probe of a silent worker or the sweep's, when that
+    probe began (``Probe.began``), so that the answer to a probe no longer waited for (the worker
+    spoke again, a stall of the coordinator forgave its silence, the sweep ended) is known as
+    stale and ignored, never taken for a peer's report (None: the probe of a worker a peer
+    reported). ``timed_out``: no answer came within the probe's deadline, which for those two
+    kinds proves nothing (a stopped process), where a refusal proves the process gone."""
+
     worker_id: str
     alive: bool
+    since: float | None = None
+    timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,14 +273,22 @@ class Removed:
 
 @dataclass(frozen=True)
 class Probe:
-    """Check at once whether a suspect still answers; report back with ProbeResult. ``silent``:
-    the worker was silent for the timeout (rather than reported by a peer), and the probe waits
-    at most ``timeout_s`` (its grace)."""
+    """Check at once whether a suspect still answers; report back with ``result(...)``.
+    ``silent``: the worker was silent for the timeout (rather than reported by a peer); ``sweep``:
+    a death was found, and this worker may have died with it. Either probe began at ``began``
+    and waits at most ``timeout_s`` (the grace, the sweep's hold)."""
 
     worker_id: str
     address: str
     silent: bool = False
     timeout_s: float = 0.0
+    began: float = 0.0
+    sweep: bool = False
+
+    def result(self, alive: bool, *, timed_out: bool = False) -> ProbeResult:
+        """The event that reports this probe's answer."""
+        since = self.began if self.silent or self.sweep else None
+        return ProbeResult(self.worker_id, alive, since, timed_out=timed_out and not alive)
 
 
 Action = PublishView | Removed | Probe
@@ -304,14 +328,15 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         if member is not None and event.worker_id not in state.suspects:
             state = replace(state, suspects=state.suspects | {event.worker_id})
             actions.append(Probe(event.worker_id, member.address))
-    elif isinstance(event, ProbeResult) and event.worker_id in state.silent_probes \
-            and event.worker_id not in state.suspects:
-        state = _silent_answered(state, event, now)
+    elif isinstance(event, ProbeResult) and event.since is not None:
+        state = _silent_answered(state, event)
     elif isinstance(event, ProbeResult):
         state = replace(state, suspects=state.suspects - {event.worker_id})
-        if not event.alive and event.worker_id in state.workers:
+        if not event.alive and event.worker_id in state.workers and state.rules.sweep_s > 0:
+            state = replace(state, found_dead={**state.found_dead, event.worker_id: PEER_DEAD})
+        elif not event.alive and event.worker_id in state.workers:
             state = _remove(state, event.worker_id, now, failed=True)
-            actions.append(Removed(event.worker_id, "reported by a peer and did not answer a probe"))
+            actions.append(Removed(event.worker_id, PEER_DEAD))
         elif event.alive and event.worker_id in state.workers:
             state, cut = _partitioned(state, event.worker_id, now)
             actions.extend(cut)
@@ -332,9 +357,9 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         state = replace(_forgive_stall(state, now), ticked_at=now)
         state, removed = _expire(state, now)
         actions.extend(removed)
-        if state.silent_probes:
-            state, removed = _settle_probes(state, now)
-            actions.extend(removed)
+        if state.silent_probes or state.found_dead:
+            state, settled = _settle_deaths(state, now)
+            actions.extend(settled)
     if state.check is not None or state.held:
         state, cut = _check_ring(state, now)
         actions.extend(cut)
@@ -394,7 +419,7 @@ def _forgive_stall(state: State, now: float) -> State:
     last_seen = {wid: min(now, at + gap) for wid, at in seen(state).items()}
     # Probes that ended while the coordinator did not run (their deadlines passed in its stall)
     # say nothing either: the silence they were about is forgiven, and judged again from here.
-    return replace(state, last_seen=last_seen, beats=None, silent_probes={}, probed_dead=frozenset())
+    return replace(state, last_seen=last_seen, beats=None, silent_probes={}, sweep={}, found_dead={}, dead_since=INF)
 
 
 def _expire(state: State, now: float) -> tuple[State, list[Action]]:
@@ -423,40 +448,93 @@ def _expire(state: State, now: float) -> tuple[State, list[Action]]:
         # Probed first (see the module docstring); _settle_probes removes those found gone.
         probes = {**probing, **dict.fromkeys(silent, now)}
         state = replace(state, silent_probes=probes, expiring_since=INF)
-        return state, [Probe(wid, state.workers[wid].address, silent=True, timeout_s=grace) for wid in silent]
+        return state, [Probe(wid, state.workers[wid].address, silent=True, timeout_s=grace, began=now)
+                       for wid in silent]
     state = replace(_remove_all(state, silent, now, failed=True), expiring_since=INF)
     return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
 
 
-def _silent_answered(state: State, event: ProbeResult, now: float) -> State:
-    """A silent worker's probe ended: one found gone waits in ``probed_dead`` for _settle_probes,
-    which removes the gone together. One that answers still has to heartbeat within its grace:
-    an answer proves the process runs, not that the coordinator hears it."""
-    if event.alive:
-        return state
-    return replace(state, probed_dead=state.probed_dead | {event.worker_id})
+def _silent_answered(state: State, event: ProbeResult) -> State:
+    """The probe of a silent worker, or the sweep's, ended. A refusal finds the worker dead (it
+    waits in ``found_dead`` for _settle_deaths, which removes the dead together). An answer, or
+    none within the deadline, decides nothing: only a heartbeat keeps a silent worker (an answer
+    proves the process runs, not that the coordinator hears it), and the grace, counted on the
+    coordinator's own clock, ends it. The answer to a probe no longer waited for is stale, and
+    says nothing: at 256 workers on 2 loaded cores, such answers (a deadline that passed while
+    the coordinator was stopped, after its stall had forgiven the silence) fell through to the
+    peer-report path and removed live workers, or re-formed the ring for nothing."""
+    w, since = event.worker_id, event.since
+    if state.silent_probes.get(w) == since:
+        if event.alive or event.timed_out:
+            return state
+        return replace(state, found_dead={**state.found_dead, w: SILENT_REFUSED})
+    if state.sweep.get(w) == since:
+        sweep = {k: v for k, v in state.sweep.items() if k != w}
+        if event.alive or event.timed_out or w not in state.workers:
+            return replace(state, sweep=sweep)
+        return replace(state, sweep=sweep, found_dead={**state.found_dead, w: SWEPT})
+    return state
 
 
-def _settle_probes(state: State, now: float) -> tuple[State, list[Action]]:
-    """Ends the probes of silent workers that spoke again since theirs began, and removes those
-    found gone or silent through their grace, all in one view, once no other probe is still
-    undecided (or the oldest of the gone has waited out a grace: a world whose workers keep
-    going silent one after another must still lose the dead). Called on Tick, with the
-    heartbeats folded into last_seen."""
+# How each death was found, as the Removed reason says it.
+PEER_DEAD = "reported by a peer and did not answer a probe"
+SILENT_REFUSED = "refused a probe (its process is gone)"
+SWEPT = "refused the probe of the sweep that follows a death (its process is gone)"
+
+
+def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
+    """Ends the probes of silent workers that spoke again since theirs began, and removes the
+    dead, all in one view. Called on Tick, with the heartbeats folded into last_seen.
+
+    Dead: refused a probe (as silent, in a sweep, or reported by a peer), or silent through the
+    grace. Deaths come together (a host, a rack, a job's kill) but are found apart: a peer
+    reports one at once, another's silence expires seconds later, one at a time, and each
+    removal would be a view that every rank must install. So the first death found opens a
+    **sweep**: every worker on a host of the dead, and every worker silent for more than an
+    interval, is probed at once (a process that is gone refuses in milliseconds), and the view
+    waits, at most ``sweep_s``, for those probes and the silent workers' still under way. All
+    found dead by then leave together; a probe not answered in time decides nothing (a stopped
+    worker is judged by its own silence later). So a death costs at most ``sweep_s`` more than
+    its finding: within ``heartbeat_timeout_s + silence_grace_s + sweep_s`` (and a tick) of the
+    last heartbeat, or a probe's deadline plus ``sweep_s`` of a peer's report."""
     rules = state.rules
     pending = {w: began for w, began in state.silent_probes.items()
                if w in state.workers and state.last_seen.get(w, -INF) <= began}
-    limit = rules.silence_grace_s
-    gone = [w for w, began in pending.items() if w in state.probed_dead or now - began >= limit]
-    undecided = len(pending) > len(gone)
-    if not gone or (undecided and now - min(pending[w] for w in gone) <= limit):
-        if len(pending) != len(state.silent_probes):
-            state = replace(state, silent_probes=pending, probed_dead=state.probed_dead & pending.keys())
-        return state, []
-    state = _remove_all(state, gone, now, failed=True)
+    grace = rules.silence_grace_s
+    dead = {w: why for w, why in state.found_dead.items() if w in state.workers}
+    for w, began in pending.items():
+        if w not in dead and now - began >= grace:
+            dead[w] = f"silent through its grace ({grace:g} s)"
+    if len(pending) != len(state.silent_probes) or len(dead) != len(state.found_dead):
+        state = replace(state, silent_probes=pending, found_dead=dead)
+    if not dead:
+        return replace(state, sweep={}, dead_since=INF) if state.dead_since != INF else state, []
+    actions: list[Action] = []
+    if state.dead_since == INF:
+        state = replace(state, dead_since=now)
+        if rules.sweep_s > 0:
+            state, actions = _open_sweep(state, dead, now)
+    undecided = (state.sweep.keys() | pending.keys()) - dead.keys()
+    if undecided and now - state.dead_since < rules.sweep_s:
+        return state, actions
     deadline = rules.heartbeat_timeout_s
-    return state, [Removed(w, f"silent for more than {deadline:g} s, then refused a probe or stayed "
-                              f"silent {rules.silence_grace_s:g} s more") for w in gone]
+    removed = [Removed(w, f"silent {now - state.last_seen[w]:.1f} s, past the timeout ({deadline:g} s), then {why}"
+                       if w in pending else why) for w, why in dead.items()]
+    state = _remove_all(state, list(dead), now, failed=True)
+    return replace(state, sweep={}, found_dead={}, dead_since=INF), actions + removed
+
+
+def _open_sweep(state: State, dead: dict[str, str], now: float) -> tuple[State, list[Action]]:
+    """Probes, at once, the workers that may have died with ``dead``: those on a host of theirs
+    and those silent for more than a heartbeat interval (see _settle_deaths)."""
+    hosts = {state.workers[w].hostname for w in dead}
+    quiet = now - heartbeat_interval(state)
+    targets = [m for w, m in state.workers.items()
+               if w not in dead and w not in state.silent_probes
+               and (m.hostname in hosts or state.last_seen.get(w, now) < quiet)]
+    state = replace(state, sweep={m.worker_id: now for m in targets})
+    return state, [Probe(m.worker_id, m.address, timeout_s=state.rules.sweep_s, began=now, sweep=True)
+                   for m in targets]
 
 
 def is_known(state: State, worker_id: str) -> bool:
@@ -579,13 +657,14 @@ def _remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool
     last_seen = {k: v for k, v in state.last_seen.items() if k not in gone}
     claims = {k: v for k, v in state.claims.items() if k not in gone} if state.claims else state.claims
     probes = {k: v for k, v in state.silent_probes.items() if k not in gone} if state.silent_probes else state.silent_probes
+    found = {k: v for k, v in state.found_dead.items() if k not in gone} if state.found_dead else state.found_dead
     return replace(
         state,
         workers=workers,
         last_seen=last_seen,
         claims=claims,
         silent_probes=probes,
-        probed_dead=state.probed_dead - gone,
+        found_dead=found,
         changed_at=now,
         suspects=state.suspects - gone,
         left=state.left if failed else state.left | gone,

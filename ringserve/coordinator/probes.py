@@ -26,7 +26,7 @@ log = logging.getLogger("ringserve.coordinator")
 
 __all__ = ["Prober"]
 
-OnResult = Callable[[str, bool], None]  # (worker id, alive)
+OnResult = Callable[[membership.ProbeResult], None]
 
 
 class Prober:
@@ -35,7 +35,7 @@ class Prober:
     Args:
         security: the job's TLS and token, to dial a worker's peer server with.
         heartbeat_timeout_s: the job's heartbeat timeout; a probe waits at most half of it.
-        on_result: told (worker id, alive) when a probe ends.
+        on_result: told the probe's answer (``Probe.result``) when it ends.
     """
 
     def __init__(self, security: Security, heartbeat_timeout_s: float, on_result: OnResult) -> None:
@@ -58,27 +58,31 @@ class Prober:
 
     async def _probe(self, probe: membership.Probe) -> None:
         """Asks a suspect's health service whether it still answers, within timeout_s."""
-        alive = False
-        timeout_s = probe.timeout_s if probe.silent and probe.timeout_s > 0 else self.timeout_s
+        alive = timed_out = False
+        timeout_s = probe.timeout_s if probe.timeout_s > 0 else self.timeout_s
         try:
             async with self._security.channel(probe.address) as channel:
                 answer = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=timeout_s
                 )
                 alive = answer.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            alive = False
+        except grpc.aio.AioRpcError as exc:
+            # No answer in time (a stopped process: its kernel accepted the connection) is not
+            # a refusal (nothing listens: the process is gone); a silent or swept worker is
+            # removed only for the second.
+            timed_out = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         except Exception as exc:  # a worker whose address cannot even be dialled is not answering
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
-            alive = False
-        why = "silent for the heartbeat timeout" if probe.silent else "reported by a peer"
-        log.info("probe of worker %s at %s (%s): %s", probe.worker_id, probe.address, why, "alive" if alive else "dead")
-        if alive and not probe.silent:
+        why = ("silent for the heartbeat timeout" if probe.silent else
+               "swept after a death" if probe.sweep else "reported by a peer")
+        outcome = "alive" if alive else "no answer in time" if timed_out else "dead"
+        log.info("probe of worker %s at %s (%s): %s", probe.worker_id, probe.address, why, outcome)
+        if alive and not probe.silent and not probe.sweep:
             log.warning(
                 "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
                 "dropping a worker if a link is still down in %g s", probe.worker_id, self._heartbeat_timeout_s,
             )
-        self._on_result(probe.worker_id, alive)
+        self._on_result(probe.result(alive, timed_out=timed_out))
 
     async def close(self) -> None:
         """Cancels the probes in flight and waits for them to end."""

@@ -51,12 +51,14 @@ asyncio.run(main())
 
 @dataclass
 class Seen:
-    """A view as the harness received it: when, its number, its members and those that failed."""
+    """A view as the harness received it: when, its number, its members (and in rank order), and
+    those that failed."""
 
     at: float
     view_id: int
     members: frozenset[str]
     failed: frozenset[str]
+    ranks: tuple[str, ...] = ()
 
 
 @dataclass
@@ -64,11 +66,15 @@ class Starving:
     """A coordinator process and ``n`` worker processes, and the views they formed.
 
     Used as ``async with Starving(3) as world:``. ``coordinator_args`` are added to
-    ``ringserve coordinator``'s command line.
+    ``ringserve coordinator``'s command line. ``min_workers`` (default n) below n keeps the
+    world running after failures; the first view then waits ``settle_s`` after the last join,
+    which must cover the workers' start.
     """
 
     n: int
     coordinator_args: list[str] = field(default_factory=list)
+    min_workers: int = 0
+    settle_s: float = 0.5
     block_s: float = 3.0
     coordinator: subprocess.Popen[str] | None = None
     address: str = ""
@@ -92,8 +98,9 @@ class Starving:
             # The first view waits for all n (a running world admits a joiner only when a member
             # asks); a view that loses one falls below that minimum and is empty, which the
             # views' failed lists still show.
-            [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", str(self.n),
-             "--settle-seconds", "0.5", *self.coordinator_args],
+            [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0",
+             "--min-workers", str(self.min_workers or self.n), "--settle-seconds", str(self.settle_s),
+             *self.coordinator_args],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )
         assert self.coordinator.stdout is not None
@@ -119,8 +126,9 @@ class Starving:
         while True:  # the watch breaks while the coordinator is stopped past gRPC's keepalive
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async for view in stub.WatchView(pb.WatchViewRequest(worker_id="starving-harness")):
-                    seen = Seen(time.monotonic(), view.view_id, frozenset(m.worker_id for m in view.members),
-                                frozenset(view.failed_worker_ids))
+                    ranks = tuple(m.worker_id for m in view.members)
+                    seen = Seen(time.monotonic(), view.view_id, frozenset(ranks), frozenset(view.failed_worker_ids),
+                                ranks)
                     if not self.views or self.views[-1].view_id != seen.view_id:
                         self.views.append(seen)
                         self._changed.set()

@@ -8,7 +8,10 @@ timeout, 2 s grace), starvation forced (see starving.py):
   the mercy of its phase: a 4.5 s stop was dropped in 2 of 3 runs;
 - a coordinator stopped for 8 s, past the timeout, declares nobody dead when it runs again;
 - a killed worker is declared dead within the timeout (its process refuses the probe, or its
-  peers report it first), and one stopped for good within the timeout and the grace.
+  peers report it first), and one stopped for good within the timeout and the grace;
+- workers killed at once leave in one view, though their deaths are found apart (a peer reports
+  one, the others have no live neighbour left to report them): the first death found sweeps
+  their host. Before the sweep, 3 of 6 killed left in 2 or 3 views.
 """
 
 from __future__ import annotations
@@ -79,3 +82,22 @@ async def test_a_worker_stopped_for_good_is_declared_dead_within_the_timeout_and
         seen = await world.wait_view(lambda v: victim in v.failed, TIMEOUT_S + GRACE_S + LATE_S + 5)
         assert TIMEOUT_S - INTERVAL_S <= seen.at - began <= TIMEOUT_S + GRACE_S + LATE_S, seen.at - began
         assert world.dropped_since(began) == {victim}
+
+
+async def test_workers_killed_at_once_leave_in_one_view_within_the_timeout() -> None:
+    # Three ring neighbours of six: the middle one has no live peer to report it, and is found
+    # by the sweep that the first death found opens, not by its silence seconds later.
+    async with Starving(6, min_workers=2, settle_s=15.0) as world:
+        _, began = await settled(world)
+        before = world.views[-1]
+        victims = set(before.ranks[1:4])
+        killed_at = time.monotonic()
+        for victim in victims:
+            world.signal(victim, signal.SIGKILL)
+        seen = await world.wait_view(lambda v: v.view_id > before.view_id and not victims & v.members,
+                                     TIMEOUT_S + LATE_S + 5)
+        await asyncio.sleep(TIMEOUT_S + LATE_S)  # a later view for a straggler shows by now
+        after = [v for v in world.views if v.view_id > before.view_id]
+        assert [(v.failed, v.members) for v in after] == [(victims, frozenset(world.workers) - victims)], after
+        assert seen.at - killed_at <= TIMEOUT_S + LATE_S, seen.at - killed_at
+        assert world.dropped_since(began) == victims
