@@ -213,11 +213,13 @@ class CoordinatorConfig(SecuritySettings):
             dialled) before it is declared dead: a process that is gone refuses at once and is
             removed then, while one that is only stopped or starved of CPU (a GC pause, a noisy
             neighbour, a loaded machine) has this much longer to heartbeat again (an answer to
-            the probe alone does not keep it: the coordinator must hear it). A stall of up to heartbeat_timeout_s + heartbeat_grace_s less an interval is
-            then never taken for a death, and a death is found within heartbeat_timeout_s (the
-            process is gone) or heartbeat_timeout_s + heartbeat_grace_s (its host is gone, or it
-            is wedged); see ringserve.coordinator.membership. 0: declared dead at the timeout,
-            unprobed.
+            the probe alone does not keep it: the coordinator must hear it). A stall of up to
+            heartbeat_timeout_s + heartbeat_grace_s less an interval is then never taken for a
+            death, and a death is published within heartbeat_timeout_s (the process is gone) or
+            heartbeat_timeout_s + heartbeat_grace_s (its host is gone, or it is wedged) of its
+            last heartbeat, plus the sweep that gathers deaths found apart into one view
+            (constants.SWEEP_S, 0.5 s) and a tick; see ringserve.coordinator.membership. 0:
+            declared dead at the timeout, unprobed.
         max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
             grows, so that all workers together send at most this many heartbeats a second,
             but never past a third of heartbeat_timeout_s (see ringserve.coordinator.pacing); 0: never.

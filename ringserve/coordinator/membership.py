@@ -8,22 +8,26 @@ member), and newcomers follow in join order, or in the order of their rank hints
 Rules, in order of precedence:
 
 - **Failure**: a worker silent for ``heartbeat_timeout_s``, or a suspect whose probe failed, is
-  removed, and a view without it is published at once; a worker is never declared dead before it
-  has been silent for the full timeout. Silence is checked on ``Tick``. With a grace
+  removed, and a view without it is published; a worker is never declared dead for silence
+  shorter than the full timeout. Silence is checked on ``Tick``. With a grace
   (``silence_grace_s``), a worker silent for the timeout is first probed: silence cannot tell a
   process that is gone from one that is stopped or starved of CPU (a GC pause, a noisy
   neighbour), but a probe can. A process that is gone refuses the probe at once and is removed
   then; one that heartbeats again within the grace stays; one that does not is removed when the
   grace is up. Only a heartbeat keeps a worker: one that answers the probe but cannot reach the
-  coordinator (its route cut) is still removed, so that its peers go on without it. So a stall of up to about ``heartbeat_timeout_s +
-  silence_grace_s`` less an interval is never taken for a death, and a death is found within
-  ``heartbeat_timeout_s`` (the process is gone) or ``heartbeat_timeout_s + silence_grace_s``
-  (its host is gone, or it is wedged). Workers that died together
-  (a host, a rack) sent their last heartbeats over an interval, and would expire over as many
-  ticks, each a view that every rank must install. So when some have expired while others are
-  nearly silent (for more than ``heartbeat_timeout_s - failure_window_s``), the view waits, at
-  most ``failure_window_s``, until each of those has either spoken again or expired too, and then
-  removes all the expired ones at once.
+  coordinator (its route cut) is still removed, so that its peers go on without it. So a stall
+  of up to about ``heartbeat_timeout_s + silence_grace_s`` less an interval is never taken for
+  a death. Workers that died together (a host, a rack) sent their last heartbeats over an
+  interval, and would expire over as many ticks, each a view that every rank must install. So
+  when some have expired while others are nearly silent (for more than ``heartbeat_timeout_s -
+  failure_window_s``), the probe (or, without a grace, the view) waits, at most
+  ``failure_window_s``, until each of those has either spoken again or expired too. And deaths
+  found apart (a peer's report, a refused probe, a grace run out) are gathered by a **sweep**
+  (``sweep_s``, see _settle_deaths): the first death found probes the dead one's host and the
+  silent at once, and every death found within ``sweep_s`` leaves in the same view. A death is
+  published within ``heartbeat_timeout_s`` (a process gone; sooner if a peer reports it) or
+  ``heartbeat_timeout_s + silence_grace_s`` (a host gone, a wedged worker) of its last
+  heartbeat, plus ``sweep_s`` and a tick.
 - **Rendezvous**: the first view forms once ``min_workers`` have joined and membership has been
   stable for ``settle_s``.
 - **Admission**: once a world runs, newcomers wait until a member asks for them to be admitted (an
