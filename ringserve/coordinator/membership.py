@@ -230,12 +230,15 @@ class ProbeResult:
     spoke again, a stall of the coordinator forgave its silence, the sweep ended) is known as
     stale and ignored, never taken for a peer's report (None: the probe of a worker a peer
     reported). ``timed_out``: no answer came within the probe's deadline, which for those two
-    kinds proves nothing (a stopped process), where a refusal proves the process gone."""
+    kinds proves nothing (a stopped process). ``refused``: nothing listens at the worker's
+    address, which proves its process gone (a failed name lookup, a TLS error or a proxy's
+    answer do not: a sweep's probe counts only a refusal)."""
 
     worker_id: str
     alive: bool
     since: float | None = None
     timed_out: bool = False
+    refused: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,10 +292,10 @@ class Probe:
     began: float = 0.0
     sweep: bool = False
 
-    def result(self, alive: bool, *, timed_out: bool = False) -> ProbeResult:
+    def result(self, alive: bool, *, timed_out: bool = False, refused: bool = False) -> ProbeResult:
         """The event that reports this probe's answer."""
         since = self.began if self.silent or self.sweep else None
-        return ProbeResult(self.worker_id, alive, since, timed_out=timed_out and not alive)
+        return ProbeResult(self.worker_id, alive, since, timed_out=timed_out and not alive, refused=refused and not alive)
 
 
 Action = PublishView | Removed | Probe
@@ -473,8 +476,9 @@ def _silent_answered(state: State, event: ProbeResult) -> State:
             return state
         return replace(state, found_dead={**state.found_dead, w: SILENT_REFUSED})
     if state.sweep.get(w) == since:
+        # The swept worker may well heartbeat: only a refusal outweighs that.
         sweep = {k: v for k, v in state.sweep.items() if k != w}
-        if event.alive or event.timed_out or w not in state.workers:
+        if not event.refused or w not in state.workers:
             return replace(state, sweep=sweep)
         return replace(state, sweep=sweep, found_dead={**state.found_dead, w: SWEPT})
     return state
@@ -497,8 +501,9 @@ def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
     **sweep**: every worker on a host of the dead, and every worker silent for more than an
     interval, is probed at once (a process that is gone refuses in milliseconds), and the view
     waits, at most ``sweep_s``, for those probes and the silent workers' still under way. All
-    found dead by then leave together; a probe not answered in time decides nothing (a stopped
-    worker is judged by its own silence later). So a death costs at most ``sweep_s`` more than
+    found dead by then leave together. Only a refusal finds a swept worker dead: an answer, none
+    in time (a stopped worker, judged by its own silence later) or another failure (a name not
+    resolved, which says nothing about a worker that heartbeats) decide nothing. So a death costs at most ``sweep_s`` more than
     its finding: within ``heartbeat_timeout_s + silence_grace_s + sweep_s`` (and a tick) of the
     last heartbeat, or a probe's deadline plus ``sweep_s`` of a peer's report."""
     rules = state.rules

@@ -28,6 +28,12 @@ __all__ = ["Prober"]
 
 OnResult = Callable[[membership.ProbeResult], None]
 
+# How gRPC core words the OS's ECONNREFUSED ("failed to connect to all addresses; last error:
+# UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused", grpcio
+# 1.85): nothing listens at the address, so the process is gone. A name not resolved ("errors
+# resolving ...") is UNAVAILABLE too, and proves nothing about a worker that heartbeats.
+REFUSED = "Connection refused"
+
 
 class Prober:
     """Probes suspects, one task each, and reports each answer through ``on_result``.
@@ -58,7 +64,7 @@ class Prober:
 
     async def _probe(self, probe: membership.Probe) -> None:
         """Asks a suspect's health service whether it still answers, within timeout_s."""
-        alive = timed_out = False
+        alive = timed_out = refused = False
         timeout_s = probe.timeout_s if probe.timeout_s > 0 else self.timeout_s
         try:
             async with self._security.channel(probe.address) as channel:
@@ -71,18 +77,19 @@ class Prober:
             # a refusal (nothing listens: the process is gone); a silent or swept worker is
             # removed only for the second.
             timed_out = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            refused = exc.code() == grpc.StatusCode.UNAVAILABLE and REFUSED in (exc.details() or "")
         except Exception as exc:  # a worker whose address cannot even be dialled is not answering
             log.warning("probe of worker %s at %r could not start: %s", probe.worker_id, probe.address, exc)
         why = ("silent for the heartbeat timeout" if probe.silent else
                "swept after a death" if probe.sweep else "reported by a peer")
-        outcome = "alive" if alive else "no answer in time" if timed_out else "dead"
+        outcome = "alive" if alive else "no answer in time" if timed_out else "refused" if refused else "dead"
         log.info("probe of worker %s at %s (%s): %s", probe.worker_id, probe.address, why, outcome)
         if alive and not probe.silent and not probe.sweep:
             log.warning(
                 "worker %s answers the coordinator but a peer cannot reach it: re-forming the ring, and "
                 "dropping a worker if a link is still down in %g s", probe.worker_id, self._heartbeat_timeout_s,
             )
-        self._on_result(probe.result(alive, timed_out=timed_out))
+        self._on_result(probe.result(alive, timed_out=timed_out, refused=refused))
 
     async def close(self) -> None:
         """Cancels the probes in flight and waits for them to end."""

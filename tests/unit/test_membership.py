@@ -645,7 +645,8 @@ def answer(m: Machine, now: float, probes: dict[str, Probe], dead: Iterable[str]
            timed_out: Iterable[str] = ()) -> None:
     """Answers ``probes``: refused for ``dead``, no answer in time for ``timed_out``, alive otherwise."""
     dead, late = set(dead), set(timed_out)
-    m.at(now, *(p.result(w not in dead and w not in late, timed_out=w in late) for w, p in probes.items()))
+    m.at(now, *(p.result(w not in dead and w not in late, timed_out=w in late, refused=w in dead)
+                for w, p in probes.items()))
 
 
 def test_a_worker_silent_for_the_timeout_is_probed_not_removed_and_stays_if_it_heartbeats_within_the_grace() -> None:
@@ -749,6 +750,19 @@ def test_the_sweep_probes_the_dead_hosts_and_the_silent_not_the_healthy_elsewher
     m.at(4.8)
     assert [r.worker_id for r in m.removed] == ["b"]
     assert "reported by a peer" in m.removed[0].reason
+
+
+def test_a_swept_worker_is_found_dead_only_by_a_refusal() -> None:
+    # A name not resolved (a DNS blip) or a proxy's error says nothing about a worker that
+    # heartbeats; the simulated workers of tests/swarm.py advertise names that never resolve.
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 5.1, "a", "c")
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
+    sweep = swept(m.at(5.2))
+    assert set(sweep) == {"a", "c"}
+    m.at(5.21, sweep["a"].result(False), sweep["c"].result(False))  # failed, not refused
+    m.at(5.3)
+    assert [r.worker_id for r in m.removed] == ["b"] and m.ids() == ["a", "c"]
 
 
 def test_a_death_waits_at_most_the_sweep_for_probes_not_answered() -> None:
