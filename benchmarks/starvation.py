@@ -20,9 +20,13 @@ workers have no ring peers to report them).
 
 Reported: the false failures (workers, and the stops they followed), the stops made, the
 detection time and the views it took, the load average, and the longest gap a live simulated
-worker saw between two heartbeats it sent (its own starvation).
+worker saw between two heartbeats it sent (its own starvation). Each false failure is explained
+from the coordinator's INFO log (``--coordinator-log``): the reason it was removed for, the
+probes of it (seconds before the removal, why, the answer), and how long before the removal its
+own swarm and the coordinator were last stopped.
 
-    python benchmarks/starvation.py --workers 256 --stress 4 --duration 300 --json starvation.json
+    python benchmarks/starvation.py --workers 256 --stress 4 --duration 60 --stop-s 4.5 --stop-every 1 \
+        --coordinator-stop-every 12 --kill 3 --json starvation.json
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ def main() -> None:
     parser.add_argument("--coordinator-stop-every", type=float, default=30.0,
                         help="mean seconds between two stops of the coordinator (0: never)")
     parser.add_argument("--coordinator-stop-s", type=float, default=6.0, help="how long each coordinator stop lasts")
-    parser.add_argument("--kill", type=int, default=2, help="swarm processes killed at the end")
+    parser.add_argument("--kill", type=int, default=3, help="swarm processes killed at once at the end (3 of 32: 9%%)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--coordinator-args", nargs=argparse.REMAINDER, default=[],
                         help="the rest of the line goes to `ringserve coordinator`")
