@@ -474,7 +474,7 @@ def _silent_answered(state: State, event: ProbeResult) -> State:
     if state.silent_probes.get(w) == since:
         if event.alive or event.timed_out:
             return state
-        return replace(state, found_dead={**state.found_dead, w: SILENT_REFUSED})
+        return replace(state, found_dead={**state.found_dead, w: SILENT_REFUSED if event.refused else SILENT_FAILED})
     if state.sweep.get(w) == since:
         # The swept worker may well heartbeat: only a refusal outweighs that.
         sweep = {k: v for k, v in state.sweep.items() if k != w}
@@ -487,6 +487,7 @@ def _silent_answered(state: State, event: ProbeResult) -> State:
 # How each death was found, as the Removed reason says it.
 PEER_DEAD = "reported by a peer and did not answer a probe"
 SILENT_REFUSED = "refused a probe (its process is gone)"
+SILENT_FAILED = "failed a probe at once (its address did not resolve, or did not speak gRPC health)"
 SWEPT = "refused the probe of the sweep that follows a death (its process is gone)"
 
 
@@ -503,9 +504,11 @@ def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
     waits, at most ``sweep_s``, for those probes and the silent workers' still under way. All
     found dead by then leave together. Only a refusal finds a swept worker dead: an answer, none
     in time (a stopped worker, judged by its own silence later) or another failure (a name not
-    resolved, which says nothing about a worker that heartbeats) decide nothing. So a death costs at most ``sweep_s`` more than
-    its finding: within ``heartbeat_timeout_s + silence_grace_s + sweep_s`` (and a tick) of the
-    last heartbeat, or a probe's deadline plus ``sweep_s`` of a peer's report."""
+    resolved, which says nothing about a worker that heartbeats) decide nothing. So a death
+    costs at most ``sweep_s`` more than its finding: within ``heartbeat_timeout_s +
+    silence_grace_s + sweep_s`` and a tick of the last heartbeat (plus up to the failure window
+    while others are nearly silent, see _expire), or a probe's deadline plus ``sweep_s`` of a
+    peer's report."""
     rules = state.rules
     pending = {w: began for w, began in state.silent_probes.items()
                if w in state.workers and state.last_seen.get(w, -INF) <= began}

@@ -697,7 +697,7 @@ def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_i
     m = graced(5.0, 2.0, "a", "b", "c")
     beat_until(m, 0.1, 5.1, "a")  # b and c last heard at 0.0: both probed at 5.1
     assert set(m.state.silent_probes) == {"b", "c"}
-    m.at(5.12, ProbeResult("b", alive=False, since=5.1), ProbeResult("c", alive=False, since=5.1))
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True), ProbeResult("c", alive=False, since=5.1, refused=True))
     answer(m, 5.22, swept(m.at(5.2)))
     m.at(5.3)
     assert sorted(r.worker_id for r in m.removed) == ["b", "c"]
