@@ -23,8 +23,8 @@ Rules, in order of precedence:
   failure_window_s``), the probe (or, without a grace, the view) waits, at most
   ``failure_window_s``, until each of those has either spoken again or expired too. And deaths
   found apart (a peer's report, a refused probe, a grace run out) are gathered by a **sweep**
-  (``sweep_s``, see _settle_deaths): the first death found probes the dead one's host and the
-  silent at once, and every death found within ``sweep_s`` leaves in the same view. A death is
+  (``sweep_s``, see _settle_deaths): the first death found probes every worker silent for more
+  than an interval at once, and every death found within ``sweep_s`` leaves in the same view. A death is
   published within ``heartbeat_timeout_s`` (a process gone; sooner if a peer reports it) or
   ``heartbeat_timeout_s + silence_grace_s`` (a host gone, a wedged worker) of its last
   heartbeat, plus ``sweep_s`` and a tick.
@@ -499,12 +499,12 @@ def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
     grace. Deaths come together (a host, a rack, a job's kill) but are found apart: a peer
     reports one at once, another's silence expires seconds later, one at a time, and each
     removal would be a view that every rank must install. So the first death found opens a
-    **sweep**: every worker on a host of the dead, and every worker silent for more than an
-    interval, is probed at once (a process that is gone refuses in milliseconds), and the view
+    **sweep**: every worker silent for more than an interval is probed at once (a process that is gone refuses in milliseconds), and the view
     waits, at most ``sweep_s``, for those probes and the silent workers' still under way. All
     found dead by then leave together. Only a refusal finds a swept worker dead: an answer, none
     in time (a stopped worker, judged by its own silence later) or another failure (a name not
-    resolved, which says nothing about a worker that heartbeats) decide nothing. So a death
+    resolved, which says nothing about a worker that heartbeats) decide nothing, and a swept
+    worker that heartbeats before the view is published stays. So a death
     costs at most ``sweep_s`` more than its finding: within ``heartbeat_timeout_s +
     silence_grace_s + sweep_s`` and a tick of the last heartbeat (plus up to the failure window
     while others are nearly silent, see _expire), or a probe's deadline plus ``sweep_s`` of a
@@ -529,6 +529,9 @@ def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
     undecided = (state.sweep.keys() | pending.keys()) - dead.keys()
     if undecided and now - state.dead_since < rules.sweep_s:
         return state, actions
+    # A swept worker heard from since the sweep began lives, whatever its address said (one
+    # advertised wrong, a stand-in's in a test): a heartbeat outweighs a refusal.
+    dead = {w: why for w, why in dead.items() if why != SWEPT or state.last_seen.get(w, -INF) < state.dead_since}
     deadline = rules.heartbeat_timeout_s
     removed = [Removed(w, f"silent {now - state.last_seen[w]:.1f} s, past the timeout ({deadline:g} s), then {why}"
                        if w in pending else why) for w, why in dead.items()]
@@ -537,13 +540,13 @@ def _settle_deaths(state: State, now: float) -> tuple[State, list[Action]]:
 
 
 def _open_sweep(state: State, dead: dict[str, str], now: float) -> tuple[State, list[Action]]:
-    """Probes, at once, the workers that may have died with ``dead``: those on a host of theirs
-    and those silent for more than a heartbeat interval (see _settle_deaths)."""
-    hosts = {state.workers[w].hostname for w in dead}
+    """Probes, at once, the workers that may have died with ``dead``: those silent for more than
+    a heartbeat interval (see _settle_deaths). Not every worker on a host of theirs: one heard
+    within the interval is not suspect, and workers killed together that are not silent yet are
+    reported by their peers within the sweep's hold (3 of 6 real workers: within 0.04 s)."""
     quiet = now - heartbeat_interval(state)
     targets = [m for w, m in state.workers.items()
-               if w not in dead and w not in state.silent_probes
-               and (m.hostname in hosts or state.last_seen.get(w, now) < quiet)]
+               if w not in dead and w not in state.silent_probes and state.last_seen.get(w, now) < quiet]
     state = replace(state, sweep={m.worker_id: now for m in targets})
     return state, [Probe(m.worker_id, m.address, timeout_s=state.rules.sweep_s, began=now, sweep=True)
                    for m in targets]

@@ -685,12 +685,9 @@ def test_a_silent_worker_that_answers_its_probe_but_never_heartbeats_is_removed_
     m.at(5.6, ProbeResult("b", alive=True, since=5.1))
     beat_until(m, 5.7, 7.0, "a")
     assert m.removed == []
-    sweep = swept(beat_until(m, 7.1, 7.1, "a"))  # found dead: a, on its host, is swept
-    assert list(sweep) == ["a"] and m.removed == []
-    answer(m, 7.12, sweep)
-    m.at(7.2)
+    assert swept(beat_until(m, 7.1, 7.1, "a")) == {}  # a heartbeats: nobody to sweep
     assert [r.worker_id for r in m.removed] == ["b"]
-    assert "silent 7.2 s, past the timeout (5 s), then silent through its grace (2 s)" in m.removed[0].reason
+    assert "silent 7.1 s, past the timeout (5 s), then silent through its grace (2 s)" in m.removed[0].reason
 
 
 def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_is_refused() -> None:
@@ -706,13 +703,26 @@ def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_i
     assert len(m.views) == 2  # both in one view
 
 
-def test_a_silent_worker_that_never_answers_is_removed_when_the_grace_and_the_sweep_are_up() -> None:
-    # Its host is gone (no refusal ever comes) or it is wedged: its probe has not even reported,
-    # and neither has the sweep's probe of a (stopped too, say).
+def test_a_silent_worker_that_never_answers_is_removed_when_the_grace_is_up() -> None:
+    # Its host is gone (no refusal ever comes) or it is wedged: its probe has not even reported.
     m = graced(5.0, 2.0, "a", "b")
-    beat_until(m, 0.1, 7.5, "a")  # probed at 5.1 s; found dead at 7.1 s
+    beat_until(m, 0.1, 7.0, "a")  # probed at 5.1 s
     assert m.removed == []
-    beat_until(m, 7.6, 7.6, "a")
+    beat_until(m, 7.1, 7.1, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_a_silent_worker_that_never_answers_waits_out_the_sweep_of_a_stopped_one() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 6.0, "a", "c")
+    sweep = swept(beat_until(m, 6.1, 7.1, "a"))  # b found dead at 7.1; c, silent 1.1 s, swept
+    assert set(sweep) == {"c"} and m.removed == []
+    beat_until(m, 7.2, 7.5, "a")  # c is stopped: its probe has not answered
+    assert m.removed == []
+    beat_until(m, 7.6, 7.6, "a")  # the sweep's hold is up
+    assert [r.worker_id for r in m.removed] == ["b"]
+    answer(m, 7.62, sweep, timed_out=["c"])  # its deadline: it decides nothing, late or not
+    beat_until(m, 7.7, 8.0, "a")
     assert [r.worker_id for r in m.removed] == ["b"]
 
 
@@ -726,7 +736,7 @@ def test_workers_that_died_together_but_are_found_apart_leave_in_one_view() -> N
     assert set(m.state.silent_probes) == {"b"}
     m.at(5.12, ProbeResult("b", alive=False, since=5.1))
     sweep = swept(m.at(5.2))
-    assert set(sweep) == {"a", "c", "d", "e"}  # all on b's host
+    assert set(sweep) == {"c", "d"}  # silent for more than an interval; a and e heartbeat
     answer(m, 5.21, sweep, dead=["c", "d"])
     m.at(5.3)
     assert sorted(r.worker_id for r in m.removed) == ["b", "c", "d"]
@@ -734,7 +744,7 @@ def test_workers_that_died_together_but_are_found_apart_leave_in_one_view() -> N
     assert sorted(m.views[-1].failed) == ["b", "c", "d"]
 
 
-def test_the_sweep_probes_the_dead_hosts_and_the_silent_not_the_healthy_elsewhere() -> None:
+def test_the_sweep_probes_the_silent_not_those_heard_within_an_interval_even_on_the_dead_ones_host() -> None:
     m = Machine(min_workers=1, settle_s=0.0, heartbeat_timeout_s=5.0)
     m.state = replace(m.state, rules=replace(m.state.rules, silence_grace_s=2.0, stall_s=1.0, sweep_s=0.5))
     m.at(0.0, Join("b", "addr-b", "h1"), Join("b2", "addr-b2", "h1"), Join("q", "addr-q", "h2"),
@@ -745,7 +755,7 @@ def test_the_sweep_probes_the_dead_hosts_and_the_silent_not_the_healthy_elsewher
     m.at(4.51, ProbeResult("b", alive=False))  # reported by a peer, refused
     assert m.removed == []  # held for the sweep
     sweep = swept(m.at(4.6))
-    assert set(sweep) == {"b2", "q"}  # b's host, and the silent; not x
+    assert set(sweep) == {"q"}  # silent; not b2 (b's host) nor x, both heard within an interval
     answer(m, 4.7, sweep, timed_out=["q"])  # q is stopped: its probe decides nothing
     m.at(4.8)
     assert [r.worker_id for r in m.removed] == ["b"]
@@ -755,14 +765,28 @@ def test_the_sweep_probes_the_dead_hosts_and_the_silent_not_the_healthy_elsewher
 def test_a_swept_worker_is_found_dead_only_by_a_refusal() -> None:
     # A name not resolved (a DNS blip) or a proxy's error says nothing about a worker that
     # heartbeats; the simulated workers of tests/swarm.py advertise names that never resolve.
-    m = graced(5.0, 2.0, "a", "b", "c")
-    beat_until(m, 0.1, 5.1, "a", "c")
+    m = graced(5.0, 2.0, "a", "b", "c", "d")
+    beat_until(m, 0.1, 4.0, "a", "c", "d")
+    beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
     m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
     sweep = swept(m.at(5.2))
     assert set(sweep) == {"a", "c"}
     m.at(5.21, sweep["a"].result(False), sweep["c"].result(False))  # failed, not refused
     m.at(5.3)
-    assert [r.worker_id for r in m.removed] == ["b"] and m.ids() == ["a", "c"]
+    assert [r.worker_id for r in m.removed] == ["b"] and m.ids() == ["a", "c", "d"]
+
+
+def test_a_swept_worker_that_heartbeats_before_the_view_is_published_stays_though_its_address_refused() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c", "d")
+    beat_until(m, 0.1, 4.0, "a", "c", "d")
+    beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
+    sweep = swept(m.at(5.2))
+    assert set(sweep) == {"a", "c"}
+    answer(m, 5.21, sweep, dead=["a", "c"])  # both refused: c advertised wrong, say
+    m.at(5.25, Heartbeat("c"))
+    m.at(5.3)
+    assert sorted(r.worker_id for r in m.removed) == ["a", "b"] and m.ids() == ["c", "d"]
 
 
 def test_a_death_waits_at_most_the_sweep_for_probes_not_answered() -> None:
