@@ -29,6 +29,8 @@ def _coordinator_args(p: argparse.ArgumentParser) -> None:
                    help="membership must be stable this long before a view forms")
     p.add_argument("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=None)
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=None)
+    p.add_argument("--heartbeat-grace", dest="heartbeat_grace_s", type=float, default=None,
+                   help="a worker silent for the timeout is probed, and has this much longer to answer (0: none)")
     p.add_argument("--max-heartbeats-per-second", dest="max_heartbeats_per_s", type=float, default=None,
                    help="stretch the heartbeat interval as the world grows to keep under this rate, "
                         "within a third of the timeout (default 1000; 0: never)")
@@ -77,7 +79,7 @@ def _overrides(ns: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
 
 
 _COORD_FIELDS = ("host", "port", "min_workers", "max_workers", "settle_s", "heartbeat_interval_s",
-                 "heartbeat_timeout_s", "max_heartbeats_per_s", "metrics_port", "http_port", "max_concurrent_rpcs", "max_param_bytes",
+                 "heartbeat_timeout_s", "heartbeat_grace_s", "max_heartbeats_per_s", "metrics_port", "http_port", "max_concurrent_rpcs", "max_param_bytes",
                  "max_watch_streams", "max_watches_per_worker", "max_heartbeat_streams", "idle_connection_s",
                  "handshake_timeout_s", *_SECURITY_FIELDS)
 

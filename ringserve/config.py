@@ -207,7 +207,19 @@ class CoordinatorConfig(SecuritySettings):
             "last call"), so workers that start a little apart land in one view.
         heartbeat_interval_s: how often workers send heartbeats (at least; see
             max_heartbeats_per_s).
-        heartbeat_timeout_s: a worker silent this long is declared dead.
+        heartbeat_timeout_s: a worker silent this long is declared dead (probed first when
+            heartbeat_grace_s is set).
+        heartbeat_grace_s: a worker silent for heartbeat_timeout_s is probed (its health service
+            dialled) before it is declared dead: a process that is gone refuses at once and is
+            removed then, while one that is only stopped or starved of CPU (a GC pause, a noisy
+            neighbour, a loaded machine) has this much longer to heartbeat again (an answer to
+            the probe alone does not keep it: the coordinator must hear it). A stall of up to
+            heartbeat_timeout_s + heartbeat_grace_s less an interval is then never taken for a
+            death, and a death is published within heartbeat_timeout_s (the process is gone) or
+            heartbeat_timeout_s + heartbeat_grace_s (its host is gone, or it is wedged) of its
+            last heartbeat, plus the sweep that gathers deaths found apart into one view
+            (constants.SWEEP_S, 0.5 s) and a tick; see ringserve.coordinator.membership. 0:
+            declared dead at the timeout, unprobed.
         max_heartbeats_per_s: the coordinator stretches the interval it hands out as the world
             grows, so that all workers together send at most this many heartbeats a second,
             but never past a third of heartbeat_timeout_s (see ringserve.coordinator.pacing); 0: never.
@@ -244,6 +256,7 @@ class CoordinatorConfig(SecuritySettings):
     settle_s: float = 0.5
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    heartbeat_grace_s: float = 2.0
     max_heartbeats_per_s: float = 1000.0
     tick_s: float = 0.1
     max_message_bytes: int = 64 * MiB
@@ -278,6 +291,11 @@ class CoordinatorConfig(SecuritySettings):
         _check_security(self)
         if self.settle_s < 0:
             raise InvalidArgumentError(f"The settle window ({self.settle_s}) must not be negative.")
+        if self.heartbeat_grace_s < 0:
+            raise InvalidArgumentError(
+                f"The heartbeat grace heartbeat_grace_s ({self.heartbeat_grace_s}) must not be negative "
+                f"(0 declares a silent worker dead at the timeout, unprobed)."
+            )
         if self.max_heartbeats_per_s < 0:
             raise InvalidArgumentError(
                 f"The heartbeat rate cap max_heartbeats_per_s ({self.max_heartbeats_per_s}) must not be "

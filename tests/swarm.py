@@ -71,8 +71,9 @@ def view_id_of(data: bytes) -> int:
 class SimWorker:
     """One simulated worker: Join, a WatchView stream, and heartbeats every ``interval`` s."""
 
-    def __init__(self, address: str, index: int, interval: float) -> None:
+    def __init__(self, address: str, index: int, interval: float, advertise: str = "") -> None:
         self.index = index
+        self.advertise = advertise  # the address the coordinator probes ("": a made-up one, never answered)
         self.interval = interval
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
@@ -92,7 +93,7 @@ class SimWorker:
     async def join(self) -> None:
         host = f"sim-{self.index // 8}"
         answer = await self.stub.Join(
-            pb.JoinRequest(address=f"{host}:{7000 + self.index % 8}", hostname=host), timeout=30
+            pb.JoinRequest(address=self.advertise or f"{host}:{7000 + self.index % 8}", hostname=host), timeout=30
         )
         self.worker_id = answer.worker_id
 
@@ -148,8 +149,20 @@ class SimWorker:
         await self.channel.close()
 
 
-async def _swarm(address: str, count: int, first: int, interval: float) -> None:
-    workers = [SimWorker(address, first + i, interval) for i in range(count)]
+async def _swarm(address: str, count: int, first: int, interval: float, health: bool = False) -> None:
+    server = None
+    advertise = ""
+    if health:
+        # One health service for the swarm's workers, as a worker's peer server has: the
+        # coordinator's probe of a silent worker is then answered while the process runs, and not
+        # while it is stopped; a killed swarm refuses it.
+        from grpc_health.v1 import health, health_pb2_grpc
+
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        advertise = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+    workers = [SimWorker(address, first + i, interval, advertise) for i in range(count)]
     loop = asyncio.get_running_loop()
     # Every swarm joins on the harness's word, so that all join within a short window, however
     # long each took to start.
@@ -188,6 +201,8 @@ async def _swarm(address: str, count: int, first: int, interval: float) -> None:
                 _say({"mode": line[0]})
     finally:
         await asyncio.gather(*(w.stop() for w in workers if w not in silenced))
+        if server is not None:
+            await server.stop(None)
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -220,6 +235,8 @@ class Scale:
     timeout: float = 5.0
     settle: float = 0.5
     extra_args: list[str] = field(default_factory=list)
+    health: bool = False  # each swarm serves a health service its workers advertise (see _swarm)
+    log: str = ""  # the coordinator logs at INFO to this file ("": its warnings to stderr)
     coordinator: asyncio.subprocess.Process | None = None
     address: str = ""
     swarms: list[asyncio.subprocess.Process] = field(default_factory=list)
@@ -234,10 +251,13 @@ class Scale:
         args = ["--port", "0", "--min-workers", str(self.n - self.n // 5), "--max-workers", str(self.n),
                 "--settle-seconds", str(self.settle), "--heartbeat-interval", str(self.interval),
                 "--heartbeat-timeout", str(self.timeout), *self.extra_args]
-        self.coordinator = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ringserve.cli", "coordinator", *args,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        logging = ["--log-level", "INFO"] if self.log else []
+        with contextlib.ExitStack() as files:
+            stderr = files.enter_context(open(self.log, "w")) if self.log else None  # noqa: ASYNC230
+            self.coordinator = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ringserve.cli", *logging, "coordinator", *args,
+                stdout=asyncio.subprocess.PIPE, stderr=stderr, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
         assert self.coordinator.stdout is not None
         line = (await asyncio.wait_for(self.coordinator.stdout.readline(), 30)).decode()
         found = re.search(r"listening on (\S+)", line)
@@ -254,7 +274,7 @@ class Scale:
         for i, count in enumerate(shares):
             self.swarms.append(await asyncio.create_subprocess_exec(
                 sys.executable, __file__, self.address, "--count", str(count), "--first", str(sum(shares[:i])),
-                "--interval", str(self.interval),
+                "--interval", str(self.interval), *(["--health"] if self.health else []),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26,
             ))
         for swarm in self.swarms:
@@ -382,10 +402,11 @@ if __name__ == "__main__":
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--health", action="store_true", help="serve a health service the workers advertise")
     ns = parser.parse_args()
     try:
         import uvloop
 
-        uvloop.run(_swarm(ns.address, ns.count, ns.first, ns.interval))
+        uvloop.run(_swarm(ns.address, ns.count, ns.first, ns.interval, ns.health))
     except ImportError:
-        asyncio.run(_swarm(ns.address, ns.count, ns.first, ns.interval))
+        asyncio.run(_swarm(ns.address, ns.count, ns.first, ns.interval, ns.health))

@@ -21,6 +21,7 @@ from ringserve import commits
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
 from ringserve.config import CoordinatorConfig
+from ringserve.constants import SWEEP_S
 from ringserve.coordinator import membership, pacing
 from ringserve.coordinator.beats import HeartbeatStreams
 from ringserve.coordinator.board import Board
@@ -73,6 +74,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_heartbeats_per_s=config.max_heartbeats_per_s,
             stall_s=max(STALL_MIN_S, STALL_TICKS * config.tick_s),
+            silence_grace_s=config.heartbeat_grace_s,
+            sweep_s=SWEEP_S,
         )
         self._state = membership.State(rules=rules)
         self._watchers: set[asyncio.Queue[bytes]] = set()
@@ -87,8 +90,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._puts = asyncio.Semaphore(PUTS_AT_ONCE)
         self.views_formed = 0
         # Suspects' health is asked on the side; each answer comes back as a ProbeResult event.
-        self.prober = Prober(self._security, config.heartbeat_timeout_s,
-                             lambda worker_id, alive: self.apply(membership.ProbeResult(worker_id, alive)))
+        self.prober = Prober(self._security, config.heartbeat_timeout_s, self.apply)
         self.counts = {"workers_removed_silent": 0, "workers_left": 0, "heartbeats": 0, "stall_warnings": 0}
         self.stalls = StallInspector()
         self.view_changed = asyncio.Event()

@@ -6,6 +6,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 
+import pytest
+
 from ringserve.coordinator.membership import (
     Admit,
     Claim,
@@ -628,4 +630,246 @@ def test_with_regular_ticks_a_silent_worker_is_removed_at_the_timeout_as_before(
         m.at(i / 10)
         if i / 10 <= 2.0:
             assert m.removed == []
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def graced(timeout_s: float = 5.0, grace_s: float = 2.0, *ids: str, sweep_s: float = 0.5) -> Machine:
+    """A running world of ``ids`` whose silent workers are probed, with a grace, before removal,
+    and whose deaths open a sweep of ``sweep_s``."""
+    m = Machine(min_workers=len(ids), settle_s=0.0, heartbeat_timeout_s=timeout_s)
+    m.state = replace(m.state, rules=replace(m.state.rules, silence_grace_s=grace_s, stall_s=1.0, sweep_s=sweep_s))
+    m.join(0.0, *ids)
+    m.at(0.0)
+    assert m.ids() == list(ids)
+    m.state = replace(m.state, rules=replace(m.state.rules, min_workers=1))  # the world outlives its failures
+    return m
+
+
+def beat_until(m: Machine, start: float, end: float, *ids: str) -> list[object]:
+    """Ticks every 0.1 s from ``start`` to ``end``, with a heartbeat of each of ``ids`` every second."""
+    actions: list[object] = []
+    for i in range(round(start * 10), round(end * 10) + 1):
+        now = i / 10
+        if i % 10 == 0:
+            actions += m.at(now, *(Heartbeat(w) for w in ids))
+        actions += m.at(now)
+    return actions
+
+
+def swept(actions: list[object]) -> dict[str, Probe]:
+    """The sweep's probes among ``actions``, by worker."""
+    return {a.worker_id: a for a in actions if isinstance(a, Probe) and a.sweep}
+
+
+def answer(m: Machine, now: float, probes: dict[str, Probe], dead: Iterable[str] = (), *,
+           timed_out: Iterable[str] = ()) -> None:
+    """Answers ``probes``: refused for ``dead``, no answer in time for ``timed_out``, alive otherwise."""
+    dead, late = set(dead), set(timed_out)
+    m.at(now, *(p.result(w not in dead and w not in late, timed_out=w in late, refused=w in dead)
+                for w, p in probes.items()))
+
+
+def test_a_worker_silent_for_the_timeout_is_probed_not_removed_and_stays_if_it_heartbeats_within_the_grace() -> None:
+    # A worker stopped for 6 s (a GC pause, SIGSTOP): silent past the 5 s timeout, back within
+    # the 2 s grace. It is probed, its probe finds nobody answering (the process is stopped), and
+    # its heartbeat, once it runs again, keeps it.
+    m = graced(5.0, 2.0, "a", "b")
+    actions = beat_until(m, 0.1, 5.9, "a")
+    probes = [a for a in actions if isinstance(a, Probe)]
+    assert [(p.worker_id, p.silent, p.timeout_s, p.began) for p in probes] == [("b", True, 2.0, 5.1)]
+    assert m.removed == []
+    m.at(6.5, Heartbeat("b"))
+    m.at(6.9, probes[0].result(False, timed_out=True))  # its deadline passed while it was stopped
+    beat_until(m, 7.0, 20.0, "a", "b")
+    assert m.removed == [] and m.ids() == ["a", "b"]
+    assert m.state.silent_probes == {}
+
+
+def test_a_silent_worker_whose_probe_times_out_is_still_given_its_whole_grace() -> None:
+    # The probe's deadline runs on the prober's clock, which a stopped coordinator does not
+    # stop; the grace runs on the state machine's, which forgives the coordinator's stalls.
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.1, "a")
+    m.at(5.2, ProbeResult("b", alive=False, since=5.1, timed_out=True))
+    beat_until(m, 5.3, 6.9, "a")
+    m.at(6.95, Heartbeat("b"))
+    beat_until(m, 7.0, 10.0, "a", "b")
+    assert m.removed == []
+
+
+def test_a_silent_worker_that_answers_its_probe_but_never_heartbeats_is_removed_when_the_grace_is_up() -> None:
+    # Its route to the coordinator is cut, not its peer server: it runs, but the coordinator
+    # does not hear it, and its peers must go on without it.
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.5, "a")
+    m.at(5.6, ProbeResult("b", alive=True, since=5.1))
+    beat_until(m, 5.7, 7.0, "a")
+    assert m.removed == []
+    assert swept(beat_until(m, 7.1, 7.1, "a")) == {}  # a heartbeats: nobody to sweep
+    assert [r.worker_id for r in m.removed] == ["b"]
+    assert "silent 7.1 s, past the timeout (5 s), then silent through its grace (2 s)" in m.removed[0].reason
+
+
+def test_a_silent_worker_whose_process_is_gone_is_removed_as_soon_as_its_probe_is_refused() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 5.1, "a")  # b and c last heard at 0.0: both probed at 5.1
+    assert set(m.state.silent_probes) == {"b", "c"}
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True), ProbeResult("c", alive=False, since=5.1, refused=True))
+    answer(m, 5.22, swept(m.at(5.2)))
+    m.at(5.3)
+    assert sorted(r.worker_id for r in m.removed) == ["b", "c"]
+    assert "refused a probe" in m.removed[0].reason
+    assert m.ids() == ["a"]
+    assert len(m.views) == 2  # both in one view
+
+
+def test_a_silent_worker_that_never_answers_is_removed_when_the_grace_is_up() -> None:
+    # Its host is gone (no refusal ever comes) or it is wedged: its probe has not even reported.
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 7.0, "a")  # probed at 5.1 s
+    assert m.removed == []
+    beat_until(m, 7.1, 7.1, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_a_silent_worker_that_never_answers_waits_out_the_sweep_of_a_stopped_one() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 6.0, "a", "c")
+    sweep = swept(beat_until(m, 6.1, 7.1, "a"))  # b found dead at 7.1; c, silent 1.1 s, swept
+    assert set(sweep) == {"c"} and m.removed == []
+    beat_until(m, 7.2, 7.5, "a")  # c is stopped: its probe has not answered
+    assert m.removed == []
+    beat_until(m, 7.6, 7.6, "a")  # the sweep's hold is up
+    assert [r.worker_id for r in m.removed] == ["b"]
+    answer(m, 7.62, sweep, timed_out=["c"])  # its deadline: it decides nothing, late or not
+    beat_until(m, 7.7, 8.0, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_workers_that_died_together_but_are_found_apart_leave_in_one_view() -> None:
+    # b stopped heartbeating at 0.0 (its last beat), c and d at 1.0: all three were killed at
+    # 1.5 s. b's silence expires first, and its refused probe opens a sweep, which finds c and d
+    # (silent for more than an interval) gone too, 2 s before their own silence would.
+    m = graced(5.0, 2.0, "a", "b", "c", "d", "e")
+    beat_until(m, 0.1, 1.0, "a", "c", "d", "e")
+    beat_until(m, 1.1, 5.1, "a", "e")
+    assert set(m.state.silent_probes) == {"b"}
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1))
+    sweep = swept(m.at(5.2))
+    assert set(sweep) == {"c", "d"}  # silent for more than an interval; a and e heartbeat
+    answer(m, 5.21, sweep, dead=["c", "d"])
+    m.at(5.3)
+    assert sorted(r.worker_id for r in m.removed) == ["b", "c", "d"]
+    assert len(m.views) == 2 and m.ids() == ["a", "e"]
+    assert sorted(m.views[-1].failed) == ["b", "c", "d"]
+
+
+def test_the_sweep_probes_the_silent_not_those_heard_within_an_interval_even_on_the_dead_ones_host() -> None:
+    m = Machine(min_workers=1, settle_s=0.0, heartbeat_timeout_s=5.0)
+    m.state = replace(m.state, rules=replace(m.state.rules, silence_grace_s=2.0, stall_s=1.0, sweep_s=0.5))
+    m.at(0.0, Join("b", "addr-b", "h1"), Join("b2", "addr-b2", "h1"), Join("q", "addr-q", "h2"),
+         Join("x", "addr-x", "h3"))
+    m.at(0.0)
+    beat_until(m, 0.1, 4.5, "b2", "x")  # q last heard at 0.0: silent, not yet expired
+    m.at(4.5, Suspect("b"))
+    m.at(4.51, ProbeResult("b", alive=False))  # reported by a peer, refused
+    assert m.removed == []  # held for the sweep
+    sweep = swept(m.at(4.6))
+    assert set(sweep) == {"q"}  # silent; not b2 (b's host) nor x, both heard within an interval
+    answer(m, 4.7, sweep, timed_out=["q"])  # q is stopped: its probe decides nothing
+    m.at(4.8)
+    assert [r.worker_id for r in m.removed] == ["b"]
+    assert "reported by a peer" in m.removed[0].reason
+
+
+def test_a_swept_worker_is_found_dead_only_by_a_refusal() -> None:
+    # A name not resolved (a DNS blip) or a proxy's error says nothing about a worker that
+    # heartbeats; the simulated workers of tests/swarm.py advertise names that never resolve.
+    m = graced(5.0, 2.0, "a", "b", "c", "d")
+    beat_until(m, 0.1, 4.0, "a", "c", "d")
+    beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
+    sweep = swept(m.at(5.2))
+    assert set(sweep) == {"a", "c"}
+    m.at(5.21, sweep["a"].result(False), sweep["c"].result(False))  # failed, not refused
+    m.at(5.3)
+    assert [r.worker_id for r in m.removed] == ["b"] and m.ids() == ["a", "c", "d"]
+
+
+def test_a_swept_worker_that_heartbeats_before_the_view_is_published_stays_though_its_address_refused() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c", "d")
+    beat_until(m, 0.1, 4.0, "a", "c", "d")
+    beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
+    sweep = swept(m.at(5.2))
+    assert set(sweep) == {"a", "c"}
+    answer(m, 5.21, sweep, dead=["a", "c"])  # both refused: c advertised wrong, say
+    m.at(5.25, Heartbeat("c"))
+    m.at(5.3)
+    assert sorted(r.worker_id for r in m.removed) == ["a", "b"] and m.ids() == ["c", "d"]
+
+
+def test_a_death_waits_at_most_the_sweep_for_probes_not_answered() -> None:
+    # c's silent probe (a stopped worker) is undecided when b is found dead: b's view waits for
+    # it 0.5 s, not its whole grace, and c is judged on its own later.
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 5.1, "a")
+    m.at(5.12, ProbeResult("b", alive=False, since=5.1))  # b refused; c's probe is still under way
+    answer(m, 5.25, swept(m.at(5.2)))
+    beat_until(m, 5.3, 5.6, "a")
+    assert m.removed == []
+    beat_until(m, 5.7, 5.7, "a")
+    assert [r.worker_id for r in m.removed] == ["b"]
+    beat_until(m, 5.8, 7.0, "a")
+    answer(m, 7.12, swept(m.at(7.1)))
+    m.at(7.2)
+    assert [r.worker_id for r in m.removed] == ["b", "c"] and len(m.views) == 3
+
+
+def test_probes_that_ended_while_the_coordinator_itself_was_stalled_are_forgotten() -> None:
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.1, "a")
+    assert set(m.state.silent_probes) == {"b"}
+    m.at(12.0, ProbeResult("b", alive=False, since=5.1))  # the coordinator was stopped from 5.1 to 12.0 s
+    m.at(12.0, Heartbeat("a"))
+    m.at(12.0)
+    # The stale result removed nobody; b, silent for the timeout of the coordinator's running
+    # time before the stall, is probed afresh, with a grace of its own to speak in.
+    assert m.removed == [] and m.state.silent_probes == {"b": 12.0}
+    beat_until(m, 13.0, 16.0, "a", "b")
+    assert m.removed == [] and m.state.silent_probes == {}
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_the_answer_to_a_probe_no_longer_waited_for_is_stale_and_changes_nothing(alive: bool) -> None:
+    # The coordinator stopped from 5.1 to 12.0 s; its tick at 12.0 forgave the silence and
+    # dropped the probe; the probe's answer comes after that tick. Taken for a peer's report, a
+    # "dead" removed b, and an "alive" re-formed the ring and checked links that simulated
+    # workers never report: both were false failures at 256 workers (benchmarks/starvation.py).
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.1, "a")
+    m.at(12.0, Heartbeat("a"), Heartbeat("b"))
+    m.at(12.0)
+    assert m.state.silent_probes == {}
+    views = len(m.views)
+    m.at(12.05, ProbeResult("b", alive=alive, since=5.1))
+    beat_until(m, 13.0, 20.0, "a", "b")
+    assert m.removed == [] and len(m.views) == views and m.state.check is None
+
+
+def test_the_answer_to_an_older_probe_of_a_worker_probed_again_is_stale() -> None:
+    m = graced(5.0, 2.0, "a", "b")
+    beat_until(m, 0.1, 5.1, "a")
+    m.at(5.5, Heartbeat("b"))  # back: its probe is dropped at the next tick
+    beat_until(m, 5.6, 10.6, "a")  # silent again: probed afresh at 10.6
+    assert m.state.silent_probes == {"b": 10.6}
+    m.at(10.62, ProbeResult("b", alive=False, since=5.1))  # the first probe's late answer
+    beat_until(m, 10.7, 11.0, "a")
+    assert m.removed == []
+
+
+def test_without_a_grace_a_silent_worker_is_removed_at_the_timeout_unprobed() -> None:
+    m = graced(5.0, 0.0, "a", "b")
+    actions = beat_until(m, 0.1, 5.2, "a")
+    assert not [a for a in actions if isinstance(a, Probe)]
     assert [r.worker_id for r in m.removed] == ["b"]
