@@ -75,7 +75,7 @@ POLL_S = 0.05
 # would fail its probe and be dropped for nothing.
 PROBE_TIMEOUT_MAX_S = 2.5
 # Once a death is found, how long the view without it waits for the sweep's probes of the workers
-# that may have died with it (membership._settle_deaths): a process that is gone refuses in
+# that may have died with it (silence.settle_deaths): a process that is gone refuses in
 # milliseconds (24 killed workers' probes all came back within 10 ms at load 15 on 2 cores), so
 # this only bounds the wait on a stopped one, whose probe decides nothing; and it adds at most
 # this much to the detection of every death.

@@ -38,7 +38,7 @@ from ringserve.security import Security
 log = logging.getLogger("ringserve.coordinator")
 
 # Ticks further apart than STALL_TICKS ticks (and STALL_MIN_S) mean the coordinator's loop did not
-# run: membership does not count that silence against the workers (membership._forgive_stall). A
+# run: membership does not count that silence against the workers (silence.forgive_stall). A
 # loaded machine delays a tick by tens of milliseconds; a second is a stall.
 STALL_TICKS = 10
 STALL_MIN_S = 1.0
