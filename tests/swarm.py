@@ -33,8 +33,9 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -47,6 +48,7 @@ from ringserve._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from ringserve.errors import RingserveError  # noqa: E402
 from ringserve.worker.control.client import HeartbeatStream  # noqa: E402
 
+T = TypeVar("T")
 WATCH = "/ringserve.v1.Coordinator/WatchView"
 # A real worker's default rpc_timeout_s: a heartbeat not answered within it is missed.
 BEAT_TIMEOUT_S = 5.0
@@ -210,6 +212,18 @@ def _say(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+async def first_view(views: list[T], changed: asyncio.Event, predicate: Callable[[T], bool], timeout_s: float) -> T:
+    """The first of ``views`` (a list that a watcher appends to, setting ``changed``) that
+    satisfies ``predicate``, already there or arriving within ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            for seen in views:
+                if predicate(seen):
+                    return seen
+            changed.clear()
+            await changed.wait()
+
+
 @dataclass
 class Seen:
     """A view as the harness's own watcher received it."""
@@ -296,13 +310,7 @@ class Scale:
 
     async def wait_view(self, predicate: Any, timeout_s: float) -> Seen:
         """The first view received (already or within ``timeout_s``) that satisfies ``predicate``."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for seen in self.views:
-                    if predicate(seen):
-                        return seen
-                self._changed.clear()
-                await self._changed.wait()
+        return await first_view(self.views, self._changed, predicate, timeout_s)
 
     async def command(self, swarm: asyncio.subprocess.Process, line: str) -> dict[str, Any]:
         assert swarm.stdin is not None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from swarm import first_view
 
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
@@ -137,13 +138,7 @@ class Starving:
     async def wait_view(self, predicate: object, timeout_s: float) -> Seen:
         """The first view received (already or within ``timeout_s``) that satisfies ``predicate``."""
         assert callable(predicate)
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for seen in self.views:
-                    if predicate(seen):
-                        return seen
-                self._changed.clear()
-                await self._changed.wait()
+        return await first_view(self.views, self._changed, predicate, timeout_s)
 
     def dropped_since(self, at: float) -> set[str]:
         """The workers some view formed after ``at`` (monotonic) declared failed."""
