@@ -782,27 +782,28 @@ def test_the_sweep_probes_the_silent_not_those_heard_within_an_interval_even_on_
     assert "reported by a peer" in m.removed[0].reason
 
 
-def test_a_swept_worker_is_found_dead_only_by_a_refusal() -> None:
-    # A name not resolved (a DNS blip) or a proxy's error says nothing about a worker that
-    # heartbeats; the simulated workers of tests/swarm.py advertise names that never resolve.
+def b_refused_and_a_c_swept() -> tuple[Machine, dict[str, Probe]]:
+    """Four workers; a and c silent since 4.0, b's probe refused at 5.12: the sweep probes a and c."""
     m = graced(5.0, 2.0, "a", "b", "c", "d")
     beat_until(m, 0.1, 4.0, "a", "c", "d")
     beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
     m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
     sweep = swept(m.at(5.2))
     assert set(sweep) == {"a", "c"}
+    return m, sweep
+
+
+def test_a_swept_worker_is_found_dead_only_by_a_refusal() -> None:
+    # A name not resolved (a DNS blip) or a proxy's error says nothing about a worker that
+    # heartbeats; the simulated workers of tests/swarm.py advertise names that never resolve.
+    m, sweep = b_refused_and_a_c_swept()
     m.at(5.21, sweep["a"].result(False), sweep["c"].result(False))  # failed, not refused
     m.at(5.3)
     assert [r.worker_id for r in m.removed] == ["b"] and m.ids() == ["a", "c", "d"]
 
 
 def test_a_swept_worker_that_heartbeats_before_the_view_is_published_stays_though_its_address_refused() -> None:
-    m = graced(5.0, 2.0, "a", "b", "c", "d")
-    beat_until(m, 0.1, 4.0, "a", "c", "d")
-    beat_until(m, 4.1, 5.1, "d")  # a and c silent since 4.0
-    m.at(5.12, ProbeResult("b", alive=False, since=5.1, refused=True))
-    sweep = swept(m.at(5.2))
-    assert set(sweep) == {"a", "c"}
+    m, sweep = b_refused_and_a_c_swept()
     answer(m, 5.21, sweep, dead=["a", "c"])  # both refused: c advertised wrong, say
     m.at(5.25, Heartbeat("c"))
     m.at(5.3)
