@@ -28,7 +28,8 @@ schedule. For each fault the campaign records:
 - and, per job, whether it finished with one final hash on every rank that reached the last step.
 
 The bounds: a kill recovers within ``KILL_BOUND_S`` (the target, p99 <= 2 s); a stopped (SIGSTOP)
-worker or a coordinator restart within the heartbeat timeout plus 2 s, as a partition. A fault
+worker or a coordinator restart within the heartbeat timeout and the coordinator's grace plus 2 s,
+as a partition. A fault
 that recovers later than its target is counted as slow; one that never recovers within
 ``UNRECOVERED_S`` as unrecovered.
 """
@@ -64,7 +65,11 @@ from chaos_jobs import ps as chaos_ps  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 2.0
 KILL_BOUND_S = 2.0  # the target for kills
-STALL_BOUND_S = HEARTBEAT_TIMEOUT_S + 2.0  # the target for a hung worker, a partition, a coordinator restart
+# The coordinator's default grace (heartbeat_grace_s): a worker is declared dead for silence only
+# past the timeout and the grace, whoever reports it, so that a stall (SIGSTOP for 3 s, a starved
+# process) is not a death. A hung worker's recovery is bounded by both.
+GRACE_S = 2.0
+STALL_BOUND_S = HEARTBEAT_TIMEOUT_S + GRACE_S + 2.0  # the target for a hung worker, a partition, a coordinator restart
 UNRECOVERED_S = 60.0  # past this a fault is unrecovered (and the job is taken as hung)
 # torchrun's elastic agent answers any fault by restarting every worker: a recovery there is four
 # fresh torch processes, whose imports alone (torch, and the ~800 modules DDP's constructor pulls

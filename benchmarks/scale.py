@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import pathlib
@@ -259,8 +260,10 @@ def after(job: Job, what: str, since: float, size: int, timeout_s: float) -> dic
 
 
 def steady(job: Job, seconds: float) -> dict[str, Any]:
-    """Lets the job train for ``seconds`` with nothing injected: the views formed meanwhile are
-    false failures; the CPU (in cores) over the time of the coordinator, of the workers and of the
+    """Lets the job train for ``seconds`` with nothing injected. Every view formed meanwhile is
+    counted (``views``): a view that has fewer members than the one before dropped live workers
+    (``false_failures``, how many), one with as many re-formed the ring (``reformed``: a link that
+    broke, no worker lost; each still costs the job a restore). And the CPU (in cores) over the time of the coordinator, of the workers and of the
     whole machine (what else ran on it: the cores the job did not have)."""
     known = set(views(job))
     pid = job.coordinator.pid if job.coordinator else 0
@@ -273,10 +276,14 @@ def steady(job: Job, seconds: float) -> dict[str, Any]:
     took = time.monotonic() - t0
     used = (cpu_seconds(pid) - cpu0) / took
     machine, workers = (machine_seconds() - machine0) / took, (workers_seconds(job) - workers0) / took
-    new = {v: s for v, s in views(job).items() if v not in known}
+    seen = views(job)
+    new = {v: s for v, s in seen.items() if v not in known}
+    sizes = [seen[v][1] for v in sorted(seen) if v >= max(known)]  # the last view before, then the new ones
+    dropped = sum(max(0, a - b) for a, b in itertools.pairwise(sizes))
+    reformed = sum(1 for a, b in itertools.pairwise(sizes) if a == b)
     return {"seconds": seconds, "start": wall0, "end": time.time(), "coordinator_cpu": used,
             "workers_cpu": workers, "machine_cpu": machine,
-            "false_failures": len(new), "views": new, "exited": [p.index for p in job.procs if p.popen.poll() is not None]}
+            "false_failures": dropped, "reformed": reformed, "views": new, "exited": [p.index for p in job.procs if p.popen.poll() is not None]}
 
 
 def step_times(job: Job, world: int, start: float, end: float) -> dict[tuple[str, int, int, int], list[float]]:
@@ -448,7 +455,8 @@ def report(r: dict[str, Any]) -> str:
              f"{r['first_view_from_last_ready_s']:.1f} s from the last to have loaded what rs.init() needs "
              f"(the workers' start and imports took {r['startup_cpu_s']:.0f} CPU-seconds: "
              f"{r['startup_cpu_s'] / r['cores']:.1f} s on {r['cores']} cores at best)",
-             f"steady {r['steady']['seconds']:g} s: false failures {r['steady']['false_failures']}, "
+             f"steady {r['steady']['seconds']:g} s: false failures {r['steady']['false_failures']} "
+             f"(live workers dropped), rings re-formed {r['steady'].get('reformed', 0)}, "
              f"coordinator CPU {r['steady']['coordinator_cpu']:.2f} of a core, wrong results {len(r['wrong'])}",
              f"per worker: RSS {spread('rss', mib)} MiB, PSS {spread('pss', mib)} MiB, threads {spread('threads')}, "
              f"descriptors {spread('fds')}"]

@@ -68,6 +68,7 @@ from ringserve.coordinator.silence import (
     heartbeat_interval,
     settle_deaths,
     silent_answered,
+    silent_past_bound,
 )
 
 # The state machine's vocabulary is defined in roster.py, and its silence rules in silence.py (so
@@ -104,6 +105,13 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     elif isinstance(event, ProbeResult) and event.since is not None:
         state = silent_answered(state, event)
     elif isinstance(event, ProbeResult):
+        member = state.workers.get(event.worker_id)
+        if event.timed_out and member is not None and not silent_past_bound(state, event.worker_id, now):
+            # No answer in time from a worker not yet silent for as long as a death takes: a
+            # process stalled (starved of CPU) while its links broke under its peers, or one
+            # wedged, or cut off. It is asked again until it answers (its ring is re-formed, as
+            # for a link down), refuses, or its silence passes that bound (it is removed).
+            return state, [Probe(event.worker_id, member.address)]
         state = replace(state, suspects=state.suspects - {event.worker_id})
         if not event.alive and event.worker_id in state.workers and state.rules.sweep_s > 0:
             state = replace(state, found_dead={**state.found_dead, event.worker_id: PEER_DEAD})

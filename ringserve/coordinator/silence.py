@@ -101,6 +101,16 @@ def expire(state: State, now: float) -> tuple[State, list[Action]]:
     return state, [Removed(wid, f"silent for more than {deadline:g} s") for wid in silent]
 
 
+def silent_past_bound(state: State, worker_id: str, now: float) -> bool:
+    """Whether ``worker_id`` has been silent longer than the silence rule forgives: the heartbeat
+    timeout and, with a grace, the grace too. A peer's report, with a probe that got no answer in
+    time, removes a worker only then: before it, the worker may be a process starved of CPU,
+    whose links to its peers broke while it did not run (256 workers on 2 cores: one such worker
+    was removed 6.3 s after its last heartbeat, and the job lost it)."""
+    bound = state.rules.heartbeat_timeout_s + state.rules.silence_grace_s
+    return now - seen(state).get(worker_id, -INF) > bound
+
+
 def silent_answered(state: State, event: ProbeResult) -> State:
     """The probe of a silent worker, or the sweep's, ended. A refusal finds the worker dead (it
     waits in ``found_dead`` for settle_deaths, which removes the dead together). An answer, or

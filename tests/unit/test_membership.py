@@ -874,3 +874,55 @@ def test_without_a_grace_a_silent_worker_is_removed_at_the_timeout_unprobed() ->
     actions = beat_until(m, 0.1, 5.2, "a")
     assert not [a for a in actions if isinstance(a, Probe)]
     assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_a_reported_worker_whose_probe_times_out_before_the_bound_is_asked_again_not_removed() -> None:
+    # 256 workers on 2 cores: a starved worker's links broke under its peers (keepalive), a peer
+    # reported it, and its probe got no answer in time. It had been silent 3 s, less than the 7 s
+    # the silence rule forgives: it is probed again, and once it answers its ring is re-formed
+    # with every member (before: removed, a live worker declared dead).
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 2.0, "a", "b", "c")
+    beat_until(m, 2.1, 4.9, "a", "c")
+    first = m.at(5.0, Suspect("b"))
+    assert first == [Probe("b", "addr-b")]
+    beat_until(m, 5.1, 5.9, "a", "c")
+    again = m.at(6.0, first[0].result(False, timed_out=True))
+    assert again == [Probe("b", "addr-b")] and m.removed == []
+    assert m.at(6.1, Suspect("b")) == []  # still under probe: one at a time
+    view = m.view.view_id
+    m.at(6.5, Heartbeat("b"))
+    m.at(6.6, again[0].result(True))
+    beat_until(m, 7.0, 9.0, "a", "b", "c")
+    assert m.removed == [] and m.ids() == ["a", "b", "c"]
+    assert m.view.view_id == view + 1 and m.view.failed == ()  # a new ring, nobody dropped
+
+
+def test_a_reported_worker_that_never_answers_is_removed_once_silent_past_the_bound() -> None:
+    # A wedged worker (or one cut off): every probe times out. It goes once its silence passes the
+    # timeout and the grace (7 s), whichever path finds it first, and never before.
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 2.0, "a", "b", "c")
+    beat_until(m, 2.1, 2.4, "a", "c")
+    probe = m.at(2.5, Suspect("b"))[0]
+    for t in (3.5, 4.5, 5.5, 6.5, 7.5, 8.5):
+        beat_until(m, t - 0.9, t - 0.1, "a", "c")  # from 7 s, the silence rule's own probe is under way
+        actions = [a for a in m.at(t, probe.result(False, timed_out=True)) if isinstance(a, Probe) and not a.silent]
+        assert actions == [Probe("b", "addr-b")] and m.removed == [], t
+        probe = actions[0]
+    beat_until(m, 8.6, 8.9, "a", "c")
+    assert m.removed == []  # silent 6.9 s
+    beat_until(m, 9.0, 9.4, "a", "c")
+    m.at(9.5, probe.result(False, timed_out=True))  # silent 7.5 s
+    beat_until(m, 9.6, 10.5, "a", "c")
+    assert [r.worker_id for r in m.removed] == ["b"]
+    assert m.ids() == ["a", "c"]
+
+
+def test_a_reported_worker_whose_probe_is_refused_is_removed_at_once_whatever_its_silence() -> None:
+    m = graced(5.0, 2.0, "a", "b", "c")
+    beat_until(m, 0.1, 2.4, "a", "b", "c")
+    probe = m.at(2.5, Suspect("b"))[0]
+    m.at(2.6, probe.result(False, refused=True))
+    beat_until(m, 2.7, 3.5, "a", "c")
+    assert [r.worker_id for r in m.removed] == ["b"]
