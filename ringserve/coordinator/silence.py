@@ -13,7 +13,8 @@ is removed then; one that heartbeats again within the grace stays; one that does
 when the grace is up. Only a heartbeat keeps a worker: one that answers the probe but cannot reach
 the coordinator (its route cut) is still removed, so that its peers go on without it. So a stall
 of up to about ``heartbeat_timeout_s + silence_grace_s`` less an interval is never taken for a
-death.
+death. A peer's report is held to the same bound (:func:`silent_past_bound`): a reported worker
+whose probe gets no answer in time is probed again, and removed only once silent past it.
 
 Workers that died together (a host, a rack) sent their last heartbeats over an interval, and would
 expire over as many ticks, each a view that every rank must install. So when some have expired
