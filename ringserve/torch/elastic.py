@@ -28,6 +28,7 @@ Reset callbacks run after every change of the world.
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any
 
@@ -64,12 +65,16 @@ class TorchState(ObjectState):
         super().__init__(**{k: v for k, v in kwargs.items() if k not in self._stateful})
 
     def save(self) -> None:
+        """Copies the model's and the optimizer's state into the tensors of the last save, where
+        they still fit (see ``_copied``): a commit every step then allocates nothing, and copies
+        only the bytes."""
         super().save()
         if self.model is not None:
-            self._model_saved = copy.deepcopy(self.model.state_dict())
+            self._model_saved = _copied(self._model_saved, self.model.state_dict())
         if self.optimizer is not None:
-            self._optimizer_saved = copy.deepcopy(self.optimizer.state_dict())
-        self._stateful_saved = {k: copy.deepcopy(getattr(self, k).state_dict()) for k in self._stateful}
+            self._optimizer_saved = _copied(self._optimizer_saved, self.optimizer.state_dict())
+        self._stateful_saved = {k: _copied(self._stateful_saved.get(k), getattr(self, k).state_dict())
+                                for k in self._stateful}
 
     def restore(self) -> None:
         super().restore()
@@ -78,7 +83,9 @@ class TorchState(ObjectState):
         if self.model is not None:
             self.model.load_state_dict(self._model_saved)
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._optimizer_saved)
+            # A copy: the optimizer keeps the tensors it is given where no cast is needed, and
+            # would train on the saved ones (a failure's path, so the copy costs nothing per step).
+            self.optimizer.load_state_dict(_copied(None, self._optimizer_saved))
         self._restore_stateful()
 
     def take(self, root: int) -> None:
@@ -113,7 +120,7 @@ class TorchState(ObjectState):
             value = getattr(self, name)
             if isinstance(value, DistributedOptimizer):
                 value.reset()
-            value.load_state_dict(copy.deepcopy(self._stateful_saved[name]))
+            value.load_state_dict(_copied(None, self._stateful_saved[name]))
 
     def _sync_stateful(self, root: int) -> None:
         """Takes root's extras; a sampler takes root's epoch and position, and every rank's indices."""
@@ -131,6 +138,31 @@ class TorchState(ObjectState):
                                                       name=f"ringserve.elastic.sampler_indices.{name}")
                 merged = set(taken["processed_indices"]).union(*gathered)  # type: ignore[arg-type]
                 value.load_state_dict({**taken, "processed_indices": sorted(merged)})
+
+
+def _copied(saved: Any, live: Any) -> Any:
+    """A copy of the state_dict ``live`` (dicts, lists and tuples of tensors and plain values),
+    written into ``saved``'s tensors (the last copy) wherever one has the same shape, dtype,
+    layout and device and is not ``live``'s own tensor; elsewhere a new one (``clone``), and
+    plain values deep-copied (``saved`` None: a new copy). A saved tensor that is the live one
+    (an optimizer's ``load_state_dict`` keeps a tensor that needs no cast) is never written into:
+    it is replaced, and the live one is left to train on."""
+    if isinstance(live, torch.Tensor):
+        if (isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype
+                and saved.layout == live.layout == torch.strided and saved.device == live.device
+                and saved.data_ptr() != live.data_ptr()):
+            return saved.copy_(live)
+        return live.detach().clone()
+    if type(live) in (dict, collections.OrderedDict):
+        old = saved if isinstance(saved, dict) else {}
+        out = type(live)((k, _copied(old.get(k), v)) for k, v in live.items())
+        if hasattr(live, "_metadata"):  # a module's state_dict: its version, which load_state_dict reads
+            out._metadata = copy.deepcopy(live._metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(live, (list, tuple)) and type(live) in (list, tuple):
+        old_items = saved if isinstance(saved, (list, tuple)) and len(saved) == len(live) else [None] * len(live)
+        return type(live)(_copied(o, v) for o, v in zip(old_items, live, strict=True))
+    return copy.deepcopy(live)
 
 
 # Values of TorchState's extras kept by their state_dict() rather than pickled.

@@ -202,3 +202,43 @@ def test_a_torch_state_snapshot_pickles_and_restores_model_optimizer_and_extras_
     momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(torch.equal(a, other_optimizer.state[p]["momentum_buffer"])
                for a, p in zip(momentum, other_model.parameters(), strict=True))
+
+
+def test_a_torch_state_saves_into_its_last_copy_and_never_into_tensors_a_restore_handed_out() -> None:
+    from ringserve.torch.elastic import TorchState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+
+    def moment() -> torch.Tensor:
+        return state._optimizer_saved["state"][0]["exp_avg"]
+
+    step()
+    state = TorchState(model=model, optimizer=optimizer)
+    weight, first_moment = state._model_saved["0.weight"], moment()
+    step()
+    state.save()
+    # A commit every step allocates nothing: the same tensors hold the new copy.
+    assert state._model_saved["0.weight"] is weight and moment() is first_moment
+    assert torch.equal(weight, model[0].weight) and hasattr(state._model_saved, "_metadata")
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    kept_moment = moment().clone()
+    step()  # training goes on; the copy does not move with it
+    assert torch.equal(state._model_saved["0.weight"], kept["0.weight"]) and torch.equal(moment(), kept_moment)
+    state.restore()
+    assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())
+    step()
+    assert torch.equal(moment(), kept_moment)  # the optimizer was handed a copy, not the saved tensors
+    # Even handed the saved tensors themselves, it never trains into the next copy.
+    optimizer.load_state_dict(state._optimizer_saved)
+    state.save()
+    assert moment().data_ptr() != optimizer.state_dict()["state"][0]["exp_avg"].data_ptr()
+    kept_moment = moment().clone()
+    step()
+    assert torch.equal(moment(), kept_moment)
