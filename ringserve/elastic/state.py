@@ -31,6 +31,7 @@ decision is commits.py's, its effects resume.py's).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import logging
@@ -136,6 +137,7 @@ class State:
         # (time.monotonic()), so that the wait for its holders is bounded across syncs.
         self.loss_seen: tuple[Commit, float] | None = None
         self._writer: CheckpointWriter | None = None
+        self._check: _Check | None = None  # the last commit's pipelined check, while its answer is not taken
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Callbacks run after every change of the world (for instance to rescale a learning rate)."""
@@ -148,13 +150,26 @@ class State:
     def commit(self) -> None:
         """Saves the state, then changes the world here if workers wait to join or want to leave.
 
+        Whether they do is agreed by one small allreduce, and that check is pipelined: a commit
+        starts its check and returns, and the next commit (or the end of ``run``'s function) takes
+        the answer, which is in by then. The check finishing proves that every rank saved this
+        commit, so it is then reported to the coordinator (by rank 0 at once, on the worker's
+        loop), and written to the checkpoint directory at the next commit. When the answer says
+        that the world changes, it changes at that next commit, after its save, with the check
+        done in line (``check_host_updates``): a join or a leave waits one commit more, and a
+        step costs no wait for the slowest rank's commit.
+
         Raises:
             HostsUpdatedInterrupt: the world changes at this commit (``run`` handles it).
         """
+        changes = self._settle()
         self.save()
         self.commits += 1
         worker = api.context().worker
         view, rank = worker.running_view, worker.rank  # the commit's, before it can change the world
+        if not changes:
+            self._check = _Check.start(Commit(self.lineage, self.commits), view, rank)
+            return
         try:
             self.check_host_updates()
         except HostsUpdatedInterrupt:
@@ -162,22 +177,45 @@ class State:
             raise
         self._confirmed(view, rank, world_changes=False)
 
+    def _settle(self) -> bool:
+        """Takes the answer of the last commit's pipelined check, if one is out; returns whether
+        the world changes at this commit.
+
+        Raises:
+            RecoverableError: the check failed (a rank died, the ring changed): ``run`` restores
+                the last commit, which every survivor saved before the check.
+        """
+        check, self._check = self._check, None
+        if check is None:
+            return False
+        changes = check.changes()
+        self._checkpoint(check.rank)
+        return changes
+
+    def finish(self) -> None:
+        """Takes the answer of the last commit's check: ``run`` calls this when the function
+        returns, so that its last commit is confirmed and written like the others."""
+        self._settle()
+
+    def drop_check(self) -> None:
+        """Forgets the last commit's check: the state went back to that commit (``run``), and a
+        sync is due, which reports what the world then holds."""
+        self._check = None
+
     def _confirmed(self, view: int, rank: int, *, world_changes: bool) -> None:
         """The commit-time allreduce of ``view`` finished: every rank of it entered it after saving,
         so all of them hold this commit. Reported to the coordinator (heartbeats), and written to
         the checkpoint directory by rank 0 every checkpoint_every commits."""
         ctx = api.context()
-        worker, cfg = ctx.worker, ctx.config
-        previous = worker.committed
-        if rank == 0 and previous is not None:
-            # The mark may trail the world by this commit, never by two (see worker/control/reports.py).
-            ctx.call(lambda w: w.wait_reported(previous, cfg.rpc_timeout_s), timeout_s=cfg.rpc_timeout_s + THREAD_WAIT_SLACK_S)
-        # Rank 0's at once, and everyone's where it matters: before the world changes (the next
-        # view may admit workers holding nothing) and at the first commit (until then the mark
-        # says 0, which no fresh process could be found to fall short of). Else with the next
-        # heartbeat.
-        worker.report_committed(Commit(self.lineage, self.commits), view=view,
-                                now=rank == 0 or world_changes or self.commits == 1)
+        commit = Commit(self.lineage, self.commits)
+        wait_s = ctx.config.rpc_timeout_s
+        ctx.call(lambda w: _report(w, w.committed, commit, view, rank, now=world_changes, wait_s=wait_s),
+                 timeout_s=wait_s + THREAD_WAIT_SLACK_S)
+        self._checkpoint(rank)
+
+    def _checkpoint(self, rank: int) -> None:
+        """Rank 0 of the commit's view writes the saved state, confirmed, every checkpoint_every commits."""
+        cfg = api.context().config
         if cfg.checkpoint_dir and rank == 0 and self.commits % cfg.checkpoint_every == 0:
             if self._writer is None:
                 self._writer = CheckpointWriter(resume.store(cfg.checkpoint_dir, cfg.checkpoint_keep))
@@ -208,8 +246,8 @@ class State:
         # installed before the request below goes, and a rank that is rank 0 there must not ask again.
         view, rank = worker.running_view, worker.rank
         leave = _Leave.requested.is_set()
-        mine = np.array([worker.pending_workers, 1 if leave else 0], dtype=np.int64)
-        agreed = ctx.call(lambda w: w.allreduce(mine, op="max", name="ringserve.elastic.hosts"))
+        mine = _flags(worker)
+        agreed = ctx.call(lambda w: w.allreduce(mine, op="max", name=HOSTS))
         joining, leaving = int(agreed[0]), int(agreed[1])
         if not (joining or leaving):
             return
@@ -265,6 +303,7 @@ class State:
         Raises:
             StateLostError: no member holds the job's last commit and no durable copy exists.
         """
+        self.drop_check()
         root = resume.agree_root(self)
         self.take(root)
         api.context().worker.report_committed(Commit(self.lineage, self.commits), now=True)
@@ -310,6 +349,59 @@ class ObjectState(State):
     def load_snapshot(self, snapshot: object) -> None:
         assert isinstance(snapshot, dict)
         self._saved = snapshot
+
+
+HOSTS = "ringserve.elastic.hosts"  # the name of a commit's check
+
+
+def _flags(worker: Worker) -> np.ndarray:
+    """What this rank adds to a commit's check: how many workers its heartbeats say wait to join,
+    and whether it wants to leave (SIGTERM). Their maximum over the ranks is the decision."""
+    return np.array([worker.pending_workers, 1 if _Leave.requested.is_set() else 0], dtype=np.int64)
+
+
+async def _report(w: Worker, held: Commit | None, commit: Commit, view: int, rank: int, *, now: bool,
+                  wait_s: float) -> None:
+    """Reports ``commit``, which every rank of ``view`` holds, in place of ``held``; nothing when
+    the worker no longer holds ``held`` (a sync reported since). Rank 0 first waits until the
+    coordinator has recorded ``held``: the mark may trail the world by this commit, never by two
+    (see worker/control/reports.py). Rank 0's report goes at once, and everyone's where it
+    matters: before the world changes (``now``: the next view may admit workers holding nothing)
+    and at the first commit (until then the mark says 0, which no fresh process could be found
+    to fall short of). Else with the next heartbeat."""
+    if rank == 0 and held is not None:
+        await w.wait_reported(held, wait_s)
+    if w.committed == held:
+        w.report_committed(commit, view=view, now=now or rank == 0 or commit.step == 1)
+
+
+class _Check:
+    """A commit's check, pipelined: the allreduce of every rank's flags (``_flags``), running on
+    the worker's loop while training goes on, and then, on the loop too, the commit's report."""
+
+    def __init__(self, future: concurrent.futures.Future[np.ndarray], rank: int) -> None:
+        self._future = future
+        self.rank = rank  # the commit's rank
+
+    @classmethod
+    def start(cls, commit: Commit, view: int, rank: int) -> _Check:
+        ctx = api.context()
+        mine, held, wait_s = _flags(ctx.worker), ctx.worker.committed, ctx.config.rpc_timeout_s
+
+        async def check(w: Worker) -> np.ndarray:
+            agreed = await w.allreduce(mine, op="max", name=HOSTS)
+            await _report(w, held, commit, view, rank, now=False, wait_s=wait_s)
+            return agreed
+
+        return cls(ctx.submit(check), rank)
+
+    def changes(self) -> bool:
+        """Whether some rank saw workers waiting to join, or wants to leave.
+
+        Raises:
+            RecoverableError: the check failed.
+        """
+        return bool(api.context().wait(self._future).any())
 
 
 ADMIT_RETRY_S = 0.5  # between rank 0's requests to admit, while the coordinator does not answer
@@ -461,7 +553,9 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
                 state.on_reset()
                 reset = False
             state.sync()
-            return func(state, *args, **kwargs)
+            result = func(state, *args, **kwargs)
+            state.finish()
+            return result
         except HostsUpdatedInterrupt as exc:
             # Only a worker that was named a leaver at this commit goes: a SIGTERM that came after
             # its flag was read leaves at its next commit (the coordinator keeps it in this world).
@@ -476,10 +570,12 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
                 raise
             log.warning("%s: %s; restoring the last commit and retrying in the same view (%d of %d)",
                         worker.tag, exc, corrupt, CORRUPT_RETRIES)
+            state.drop_check()
             state.restore()
             same_view = True
         except RecoverableError as exc:
             log.warning("%s: %s; restoring the last commit", worker.tag, exc)
+            state.drop_check()
             state.restore()
         finally:
             worker.pin_view(None)

@@ -31,7 +31,7 @@ def test_an_epoch_resumes_in_the_smaller_world_with_every_index_processed_once(t
     assert sorted(processed) == list(range(worker.LENGTH)), "an index was lost or processed twice"
     before = [r for r in records if r["size"] == 3]
     after = [r for r in records if r["size"] == 2]
-    assert len(before) == 3 * 3 and {r["rank"] for r in after} == {0, 1}
+    assert len(before) == 3 * 4 and {r["rank"] for r in after} == {0, 1}
     # Resets record the world's size after each: one to 3 where the first view held only the two
     # workers that came first (they wait for the third before the epoch starts), then one to 2.
     assert all(set(r["resets"]) <= {3} for r in before), before
