@@ -157,7 +157,7 @@ def _copied(saved: Any, live: Any) -> Any:
         old = saved if isinstance(saved, dict) else {}
         out = type(live)((k, _copied(old.get(k), v)) for k, v in live.items())
         if hasattr(live, "_metadata"):  # a module's state_dict: its version, which load_state_dict reads
-            out._metadata = copy.deepcopy(live._metadata)  # type: ignore[attr-defined]
+            out._metadata = copy.deepcopy(live._metadata)
         return out
     if isinstance(live, (list, tuple)) and type(live) in (list, tuple):
         old_items = saved if isinstance(saved, (list, tuple)) and len(saved) == len(live) else [None] * len(live)
