@@ -198,8 +198,8 @@ class State:
         self._settle()
 
     def drop_check(self) -> None:
-        """Forgets the last commit's check: the state went back to that commit (``run``), and a
-        sync is due, which reports what the world then holds."""
+        """Forgets the last commit's check: a sync (after a restore, or at ``run``'s start) reports
+        what the world then holds."""
         self._check = None
 
     def _confirmed(self, view: int, rank: int, *, world_changes: bool) -> None:
@@ -246,7 +246,7 @@ class State:
         # installed before the request below goes, and a rank that is rank 0 there must not ask again.
         view, rank = worker.running_view, worker.rank
         leave = _Leave.requested.is_set()
-        mine = _flags(worker)
+        mine = _flags(worker, leave)
         agreed = ctx.call(lambda w: w.allreduce(mine, op="max", name=HOSTS))
         joining, leaving = int(agreed[0]), int(agreed[1])
         if not (joining or leaving):
@@ -354,10 +354,10 @@ class ObjectState(State):
 HOSTS = "ringserve.elastic.hosts"  # the name of a commit's check
 
 
-def _flags(worker: Worker) -> np.ndarray:
+def _flags(worker: Worker, leave: bool) -> np.ndarray:
     """What this rank adds to a commit's check: how many workers its heartbeats say wait to join,
     and whether it wants to leave (SIGTERM). Their maximum over the ranks is the decision."""
-    return np.array([worker.pending_workers, 1 if _Leave.requested.is_set() else 0], dtype=np.int64)
+    return np.array([worker.pending_workers, 1 if leave else 0], dtype=np.int64)
 
 
 async def _report(w: Worker, held: Commit | None, commit: Commit, view: int, rank: int, *, now: bool,
@@ -386,7 +386,7 @@ class _Check:
     @classmethod
     def start(cls, commit: Commit, view: int, rank: int) -> _Check:
         ctx = api.context()
-        mine, held, wait_s = _flags(ctx.worker), ctx.worker.committed, ctx.config.rpc_timeout_s
+        mine, held, wait_s = _flags(ctx.worker, _Leave.requested.is_set()), ctx.worker.committed, ctx.config.rpc_timeout_s
 
         async def check(w: Worker) -> np.ndarray:
             agreed = await w.allreduce(mine, op="max", name=HOSTS)
@@ -570,12 +570,10 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
                 raise
             log.warning("%s: %s; restoring the last commit and retrying in the same view (%d of %d)",
                         worker.tag, exc, corrupt, CORRUPT_RETRIES)
-            state.drop_check()
-            state.restore()
+            state.restore()  # the sync that follows drops the last commit's check
             same_view = True
         except RecoverableError as exc:
             log.warning("%s: %s; restoring the last commit", worker.tag, exc)
-            state.drop_check()
             state.restore()
         finally:
             worker.pin_view(None)
