@@ -11,7 +11,8 @@ With ``blackhole`` set (a byte pattern such as an RPC's path, which plaintext gR
 its headers), :meth:`cut` stands in for a route that drops one kind of traffic: connections that
 carried the pattern are reset, and from then on their bytes, and those of every new connection
 that carries it, go nowhere (no RST, no FIN: they just stop), while other connections (a health
-probe's) pass. :meth:`heal` resets the blackholed connections, so that their clients dial again.
+probe's) pass. :meth:`heal` resets the blackholed connections, so that their clients dial again
+(or leaves them stuck, as a route that came back leaves a connection in TCP's backoff).
 
 With ``delay_s`` set, every byte is passed on ``delay_s`` after it arrived, both ways and in
 order: a link with that much more latency than loopback's, and the same bandwidth.
@@ -30,6 +31,7 @@ class _Link:
 
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     marked: bool = False
+    stuck: bool = False  # its bytes go nowhere for good (see Relay.heal)
 
 
 class Relay:
@@ -74,10 +76,16 @@ class Relay:
         self.cutting = True
         self._reset(marked_only=True)
 
-    def heal(self) -> None:
-        """Lets the pattern through again; the connections blackholed so far are reset."""
+    def heal(self, *, reset: bool = True) -> None:
+        """Lets the pattern through again, on new connections. The connections blackholed so far
+        are reset, or with ``reset=False`` stay blackholed, as a TCP connection that lived through
+        an outage stays stuck in its retransmission backoff after the route is back."""
         self.cutting = False
-        self._reset(marked_only=True)
+        if reset:
+            self._reset(marked_only=True)
+            return
+        for link in self._links:
+            link.stuck = link.stuck or link.marked
 
     def _reset(self, *, marked_only: bool) -> None:
         for link in [k for k in self._links if k.marked or not marked_only]:
@@ -98,7 +106,7 @@ class Relay:
                     data = self._flip(data)
                 if damage and self.blackhole and self.blackhole in data:
                     link.marked = True
-                if link.marked and self.cutting:
+                if (link.marked and self.cutting) or link.stuck:
                     continue
                 writer.write(data)
                 await writer.drain()

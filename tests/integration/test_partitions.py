@@ -6,6 +6,9 @@
 - The mirror: a worker that reaches its peers but not the coordinator (a relay in front of the
   coordinator, for that worker only) keeps training until the coordinator declares it dead, then
   stops with ExcludedError instead of waiting for a view it can never hear of.
+- A worker whose route to the coordinator comes back after the others went on without it, while
+  its old connection stays stuck (as TCP's retransmission backoff leaves one): it dials again,
+  finds the coordinator, and rejoins, instead of stopping with ExcludedError.
 """
 
 from __future__ import annotations
@@ -77,10 +80,12 @@ async def cluster() -> AsyncIterator[Cluster]:
     await c.close()
 
 
-async def in_view_of(workers: list[Worker], size: int, timeout_s: float) -> float:
-    """Waits until every one of ``workers`` is in a view of ``size``; returns when that was."""
+async def in_view_of(workers: list[Worker], size: int, timeout_s: float, view_id: int = 0) -> float:
+    """Waits until every one of ``workers`` is in a view of ``size`` (the view ``view_id``, if
+    given: a worker dropped meanwhile may still hold an older view of that size); returns when
+    that was."""
     async with asyncio.timeout(timeout_s):
-        while not all(w.node.planes.current is not None and w.size == size for w in workers):
+        while not all(w.node.planes.current is not None and w.size == size and w.view_id >= view_id for w in workers):
             await asyncio.sleep(0.02)
     return time.monotonic()
 
@@ -135,3 +140,26 @@ async def test_a_worker_cut_off_from_the_coordinator_trains_on_until_declared_de
     assert await cluster.allreduce([w0, w1], "after") == [[3.0]] * 2
     assert stopped - cut < 2 * TIMEOUT_S + 3, f"stopped {stopped - cut:.1f} s after the cut"
     print(f"\nmirror: dropped {dropped - cut:.2f} s, worker stopped {stopped - cut:.2f} s after the cut")
+
+
+async def test_a_worker_whose_route_to_the_coordinator_is_back_after_it_was_dropped_rejoins_instead_of_stopping(
+    cluster: Cluster,
+) -> None:
+    await cluster.start(relay_peer_server=False)
+    w0, w1, w2 = cluster.workers
+    assert cluster.relay is not None
+    cut = time.monotonic()
+    cluster.relay.cut()
+    await asyncio.sleep(0.5)
+    # The route is back for new connections; the ones that carried its heartbeats stay stuck.
+    cluster.relay.heal(reset=False)
+    dropped = await in_view_of([w0, w1], 2, timeout_s=TIMEOUT_S + 5)
+    async with asyncio.timeout(TIMEOUT_S + 10):
+        while not w0.pending_workers:
+            assert w2.node.failure is None, f"it stopped: {w2.node.failure}"
+            await asyncio.sleep(0.05)
+        without = w0.view_id
+        await w0.admit_waiting()
+    back = await in_view_of(cluster.workers, 3, timeout_s=10, view_id=without + 1)
+    assert await cluster.allreduce(cluster.workers, "again") == [[6.0]] * 3
+    print(f"\nroute back: dropped {dropped - cut:.2f} s, back in the ring {back - cut:.2f} s after the cut")

@@ -4,7 +4,8 @@ the view watch."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 
 import grpc
 
@@ -130,6 +131,11 @@ class HeartbeatStream:
         wait = REOPEN_MAX_S if give_up else min(REOPEN_MAX_S, REOPEN_FIRST_S * 2 ** (self._failures - 1))
         self._reopen_at = now + wait
 
+    def rebind(self, stub: pb_grpc.CoordinatorStub) -> None:
+        """Ends the stream; the next beats go through ``stub`` (a channel dialled afresh)."""
+        self.close()
+        self._stub = stub
+
     def close(self) -> None:
         """Ends the stream (the channel's owner closes the channel)."""
         if self._call is not None:
@@ -150,9 +156,46 @@ class ControlClient:
         self._call_metadata = security.call_metadata()  # client streams send the token themselves
         self.heartbeats = HeartbeatStream(self._stub, self.address, config.rpc_timeout_s, metadata=self._call_metadata)
 
+    async def redial(self, timeout_s: float) -> bool:
+        """Dials the coordinator on a new connection, and takes it if it is up within ``timeout_s``.
+
+        A connection that lived through a link outage can stay stuck in TCP's retransmission
+        backoff (seconds, doubling, and no FIN or RST to end it) for a while after the link is back,
+        and gRPC's keepalive gives up on it only after 15 s; a new connection is up at once. The
+        calls in flight on the old channel end with it (the view watch is then watched again).
+        """
+        # A channel of its own subchannel pool: one with the same target and options would share
+        # the old connection (gRPC's global pool), stuck or not.
+        options = [*control_channel_options(64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+        channel = self._security.channel(self.address, options)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await channel.channel_ready()
+        except TimeoutError:
+            await channel.close()
+            return False
+        old, self._channel, self._stub = self._channel, channel, pb_grpc.CoordinatorStub(channel)
+        self.heartbeats.rebind(self._stub)
+        await old.close()  # its calls end with a CancelledError, which _on_old_channel turns into a failure
+        return True
+
+    @contextlib.contextmanager
+    def _on_old_channel(self, timeout_s: float) -> Iterator[None]:
+        """A call whose channel ``redial`` closed under it ends with a CancelledError that nobody
+        asked of its task: it fails as the coordinator unreachable on that connection (its caller
+        tries again, on the new one). A cancellation of the task itself goes through."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() > 0:
+                raise
+            raise CoordinatorUnreachableError(self.address, timeout_s, "CANCELLED: its connection was replaced") from None
+
     async def _call(self, method: str, request: object, timeout_s: float, wait_for_ready: bool = False) -> object:
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+            with self._on_old_channel(timeout_s):
+                return await getattr(self._stub, method)(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, timeout_s) from None
 
@@ -257,8 +300,9 @@ class ControlClient:
         and from heartbeats, which also carry the current view id."""
         call = self._stub.WatchView(pb.WatchViewRequest(worker_id=worker_id))
         try:
-            async for view in call:
-                yield view
+            with self._on_old_channel(self._config.rpc_timeout_s):
+                async for view in call:
+                    yield view
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, self._config.rpc_timeout_s) from None
         finally:
@@ -272,7 +316,8 @@ class ControlClient:
 
         timeout = self._config.rpc_timeout_s + len(data) / (50 << 20)
         try:
-            response = await self._stub.PutParams(chunks(), timeout=timeout, metadata=self._call_metadata or None)
+            with self._on_old_channel(timeout):
+                response = await self._stub.PutParams(chunks(), timeout=timeout, metadata=self._call_metadata or None)
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, timeout) from None
         version: int = response.version
@@ -280,8 +325,9 @@ class ControlClient:
 
     async def get_params(self, key: str) -> bytes:
         try:
-            stream = self._stub.GetParams(pb.GetParamsRequest(key=key), timeout=self._config.collective_timeout_s)
-            parts = [chunk.data async for chunk in stream]
+            with self._on_old_channel(self._config.collective_timeout_s):
+                stream = self._stub.GetParams(pb.GetParamsRequest(key=key), timeout=self._config.collective_timeout_s)
+                parts = [chunk.data async for chunk in stream]
         except grpc.aio.AioRpcError as exc:
             raise coordinator_error(exc, self.address, self._config.collective_timeout_s) from None
         return b"".join(parts)

@@ -6,7 +6,9 @@ dead (it has been silent for a heartbeat timeout) and published a view without i
 on, and the worker must not go on as a second world, nor wait out the elastic timeout for a view it
 can never hear of. It asks the peers of its last view which view they are in (``Peer/Latest``,
 answered from their memory, no coordinator involved): a newer view than any it heard of is the
-proof that the world went on without it. Before a heartbeat timeout has passed, nothing is asked:
+proof that the world went on without it, unless the coordinator is reachable again: then it rejoins
+(the worker's loops dial the coordinator on a new connection before they give up, see
+``ControlClient.redial``). Before a heartbeat timeout has passed, nothing is asked:
 the coordinator cannot have declared it dead yet. If every peer is as cut off as it is, none has a
 newer view, and they all keep waiting for the coordinator together, which is the restart case.
 """

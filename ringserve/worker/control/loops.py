@@ -18,8 +18,8 @@ The loops:
   answers with the joiners waiting, the job's commit mark and the interval to keep (it stretches
   the interval as the world grows). A worker the coordinator does not know rejoins
   under its id, claiming the view it runs in. A worker silent to the coordinator for a heartbeat
-  timeout asks its peers whether they went on without it (see exclusion.py) and, if they did,
-  stops with ExcludedError.
+  timeout asks its peers whether they went on without it (see exclusion.py) and, if they did and
+  a new connection to the coordinator does not come up either, stops with ExcludedError.
 
 After each heartbeat and each break in the watch, retired planes that drained are forgotten and
 channels nobody uses are closed.
@@ -219,6 +219,16 @@ class Lifeline:
         # may have reached us before the coordinator's route went.
         newer = exclusion.excluded(place.view_id, views)
         if not newer:
+            return False
+        # The peers' newer view proves that the coordinator dropped us, not that we are out of its
+        # reach still: a link that was down and is back up (the heartbeats across the outage failed,
+        # then the peers answered) leaves a worker that rejoins, as a stopped one (SIGSTOP) does.
+        # A new connection decides (the old one may be stuck in TCP's backoff); if it is up, the
+        # next heartbeat goes at once, and the coordinator's "unknown" makes us rejoin.
+        if await self.control.redial(self.heartbeat_timeout_s / 2):
+            log.warning("%s: the peers went on to view %d without this worker, and the coordinator is "
+                        "reachable again: rejoining", self.tag, newer)
+            self.heartbeat_now.set()
             return False
         exc = ExcludedError(self.address, self.config.coordinator, silent_s, newer, place.view_id)
         log.error("%s: %s", self.tag, exc)
