@@ -211,6 +211,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("RINGSERVE_ELASTIC_TIMEOUT_S", f"{ns.elastic_timeout:g}")
     elastic = min_np < ns.np or ns.restart_failed or bool(ns.host_discovery_script)
+    # This process only launches and coordinates: its large frees go back to the system, as a
+    # coordinator's own do. Without it, glibc's adaptive threshold let a flood's freed 34 MiB sit
+    # at the top of a gRPC thread's arena, where malloc_trim does not reach (test_launcher_memory).
+    from ringserve import _malloc
+
+    _malloc.return_large_frees()
     outcome = launch(ns.np, command, coordinator=config, env=env, elastic=elastic, placement=placement,
                      restart_failed=ns.restart_failed, max_restarts=ns.max_restarts, ps_shards=ns.ps)
     if outcome.reason:
