@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -90,7 +91,10 @@ _default: Context | None = None
 
 
 def init(coordinator: str | None = None, **overrides: Any) -> None:
-    """Joins the world and blocks until the first view that includes this process forms.
+    """Joins the world and blocks until the first view that includes this process forms; or, for
+    a process that comes to a running world, until it is known there: it is admitted once it is
+    ready, at its first collective or at ``elastic.run`` (WorkerConfig.admit_when_ready), and
+    meanwhile ``rank()`` and ``size()`` say where it would stand if admitted now.
 
     Args:
         coordinator: host:port; defaults to RINGSERVE_COORDINATOR.
@@ -103,6 +107,9 @@ def init(coordinator: str | None = None, **overrides: Any) -> None:
     global _default
     if _default is not None:
         return
+    if "RINGSERVE_ADMIT_WHEN_READY" not in os.environ:
+        # A script's joiner is admitted once ready (see WorkerConfig.admit_when_ready).
+        overrides = {"admit_when_ready": True, **overrides}
     config = WorkerConfig.from_env(coordinator=coordinator, **overrides)
     _default = Context(config).start()
     # A script that ends without shutdown() (an uncaught error) still leaves cleanly: gRPC's

@@ -358,6 +358,16 @@ class WorkerConfig(SecuritySettings):
             inspector). collective_timeout_s is the later bound at which it fails.
         elastic_timeout_s: in elastic training, how long survivors wait for a new view (for
             instance while below min_workers) before they give up with a clear error.
+        admit_when_ready: a worker that comes to a running world (a replacement, a scale-up) is
+            admitted only once it is ready to train: its start (``init()``) returns at once,
+            with the rank, size and local rank it would get if admitted now (provisional), the
+            script builds its model, optimizer and data while the members train on, and the
+            worker asks to be admitted at its first collective or at ``elastic.run``. False:
+            the start waits for admission, and the members wait at their next commit for
+            whatever the script does after it. A world that forms takes every worker at once
+            either way. ``ringserve.init()`` (and ``ringserve.torch.init()``, ...) turns it on
+            unless RINGSERVE_ADMIT_WHEN_READY or an override says otherwise; a ``Worker`` made
+            by hand, and torch.distributed's ``init_process_group``, leave it off.
         join_timeout_s: how long join() waits for the last rank to join (the others may still be
             training on their remaining data meanwhile); collective_timeout_s still bounds each
             collective a joined rank takes part in.
@@ -485,6 +495,7 @@ class WorkerConfig(SecuritySettings):
     timeline: str = ""
     elastic_timeout_s: float = ELASTIC_TIMEOUT_S
     join_timeout_s: float = 3600.0
+    admit_when_ready: bool = False
     stall_warning_s: float = 60.0
     max_unverified_streams: int = 16
     max_concurrent_rpcs: int = 64

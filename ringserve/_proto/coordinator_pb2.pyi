@@ -40,7 +40,7 @@ class View(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., left_worker_ids: _Optional[_Iterable[str]] = ..., failed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("address", "hostname", "rank_hint", "worker_id", "view_id", "rank", "view_size")
+    __slots__ = ("address", "hostname", "rank_hint", "worker_id", "view_id", "rank", "view_size", "prepare")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     RANK_HINT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class JoinRequest(_message.Message):
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     rank_hint: int
@@ -55,17 +56,28 @@ class JoinRequest(_message.Message):
     view_id: int
     rank: int
     view_size: int
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., view_size: _Optional[int] = ...) -> None: ...
+    prepare: bool
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., view_size: _Optional[int] = ..., prepare: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("worker_id", "heartbeat_interval_s", "heartbeat_timeout_s", "preparing", "provisional_rank", "provisional_size", "provisional_local_rank", "provisional_local_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PREPARING_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_LOCAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    preparing: bool
+    provisional_rank: int
+    provisional_size: int
+    provisional_local_rank: int
+    provisional_local_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., preparing: _Optional[bool] = ..., provisional_rank: _Optional[int] = ..., provisional_size: _Optional[int] = ..., provisional_local_rank: _Optional[int] = ..., provisional_local_size: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -106,7 +118,7 @@ class LinkCounters(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., peer_rank: _Optional[int] = ..., lane: _Optional[str] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view")
+    __slots__ = ("worker_id", "view_id", "counters", "stalled", "committed_step", "committed_lineage", "linked_view", "committed_view", "ready")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +127,7 @@ class HeartbeatRequest(_message.Message):
     COMMITTED_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     LINKED_VIEW_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_VIEW_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     view_id: int
     counters: WorkerCounters
@@ -123,7 +136,8 @@ class HeartbeatRequest(_message.Message):
     committed_lineage: int
     linked_view: int
     committed_view: int
-    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ..., committed_view: _Optional[int] = ...) -> None: ...
+    ready: bool
+    def __init__(self, worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., counters: _Optional[_Union[WorkerCounters, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., committed_step: _Optional[int] = ..., committed_lineage: _Optional[int] = ..., linked_view: _Optional[int] = ..., committed_view: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("view_id", "known", "pending_workers", "stall_warnings", "mark_step", "mark_lineage", "heartbeat_interval_s")

@@ -21,6 +21,9 @@ Rules, in order of precedence:
   or, if they are gone by then, with the same members: every rank already waits for a newer view.
   The request also names the members that leave at that commit; they go in that same view, as
   graceful leaves (one view for the commit's whole change). An empty world admits at once.
+  A newcomer that prepares (``Join.prepare``: it builds its model, optimizer and data first) is
+  not even waiting until it says it is ready (``Ready``), so that the members neither stop for it
+  nor hear of it before; a world that forms takes it at once, ready or not.
 - **Recovery**: a restarted coordinator knows nothing; workers rejoin claiming the view they run
   in. When every member of the newest claimed view is back, that same view (same id, same ranks)
   is adopted, so the world goes on undisturbed; when some do not come back within the heartbeat
@@ -51,6 +54,7 @@ from ringserve.coordinator.roster import (
     Probe,
     ProbeResult,
     PublishView,
+    Ready,
     Removed,
     Rules,
     State,
@@ -75,7 +79,7 @@ from ringserve.coordinator.silence import (
 # that the two share it without importing each other); callers name it all from here.
 __all__ = [
     "Action", "Admit", "Claim", "Event", "Heartbeat", "Join", "Leave", "Linked", "MemberInfo", "Probe", "ProbeResult",
-    "PublishView", "Removed", "Rules", "State", "Suspect", "Tick", "ViewInfo", "admissible", "checking",
+    "PublishView", "Ready", "Removed", "Rules", "State", "Suspect", "Tick", "ViewInfo", "admissible", "checking",
     "heartbeat_interval", "is_known", "seen", "step", "waiting",
 ]
 
@@ -93,6 +97,9 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         return with_beat(state, event.worker_id, now), []
     if isinstance(event, Join):
         state = _join(state, event, now)
+    elif isinstance(event, Ready):
+        if event.worker_id in state.preparing:
+            state = replace(state, preparing=state.preparing - {event.worker_id}, dirty=True)
     elif isinstance(event, Leave):
         if event.worker_id in state.workers:
             state = _remove(state, event.worker_id, now, failed=False)
@@ -167,9 +174,31 @@ def waiting(state: State) -> int:
 
 
 def admissible(state: State) -> int:
-    """Waiting workers that the next view would take, within max_workers (none still held out)."""
+    """Waiting workers that the next view would take, within max_workers (none still held out,
+    nor still preparing)."""
     room = state.rules.max_workers - len(state.view.members)
-    return max(0, min(waiting(state) - len(state.held.keys() & state.workers.keys()), room))
+    return max(0, min(waiting(state) - len(_kept_out(state)), room))
+
+
+def _kept_out(state: State) -> set[str]:
+    """Workers that joined but may not be admitted yet: held out after a cut (ringcheck), or
+    preparing to join a running world. A world that forms (no view running) takes those preparing too."""
+    out = state.held.keys() & state.workers.keys()
+    if not state.view.members or not state.preparing:
+        return out
+    return out | {w for w in state.preparing if w in state.workers and state.view.rank_of(w) is None}
+
+
+def provisional(state: State, worker_id: str) -> tuple[int, int, int, int]:
+    """Where a joiner would stand if every worker waiting now were admitted (joiners come after
+    the members, in the order they joined): its rank, the size of that view, its local rank and
+    the number of that view's workers on its host."""
+    joiners = sorted((w for w in state.workers if state.view.rank_of(w) is None), key=lambda w: state.workers[w].join_seq)
+    order = [*(m.worker_id for m in state.view.members), *joiners][: state.rules.max_workers]
+    rank = order.index(worker_id) if worker_id in order else len(order) - 1
+    hosts = {m.worker_id: m.hostname for m in (*state.view.members, *state.workers.values())}
+    local = [w for w in order if hosts[w] == hosts[worker_id]] if worker_id in order else [worker_id]
+    return rank, len(order), local.index(worker_id), len(local)
 
 
 def _partitioned(state: State, suspect: str, now: float) -> tuple[State, list[Action]]:
@@ -253,8 +282,12 @@ def _join(state: State, event: Join, now: float) -> State:
         claims = {**claims, event.worker_id: event.claim}
         first_claim_at = min(first_claim_at, now)
     changed = old != info
+    preparing = state.preparing
+    if event.prepare and state.view.members and state.view.rank_of(event.worker_id) is None:
+        preparing = preparing | {event.worker_id}
     return replace(
         state,
+        preparing=preparing,
         workers={**state.workers, event.worker_id: info},
         last_seen={**state.last_seen, event.worker_id: now},
         changed_at=now if changed else state.changed_at,
@@ -279,10 +312,8 @@ def _desired(state: State) -> tuple[MemberInfo, ...]:
         hint = m.rank_hint if m.rank_hint >= 0 and not state.view.members else INF
         return (1, hint, m.join_seq)
 
-    members = [
-        m for m in state.workers.values()
-        if m.worker_id in current or (admitting and m.worker_id not in state.held)
-    ]
+    out = _kept_out(state)
+    members = [m for m in state.workers.values() if m.worker_id in current or (admitting and m.worker_id not in out)]
     return tuple(sorted(members, key=key)[: state.rules.max_workers])
 
 
@@ -356,7 +387,7 @@ def _full(state: State) -> bool:
     """Whether max_workers could be admitted now: nobody else can come in, so the settling wait
     (for more joiners to come in together) has nothing to wait for, and the view forms at once,
     as torchrun's rendezvous closes once max_nodes have joined."""
-    return len(state.workers) - len(state.held.keys() & state.workers.keys()) >= state.rules.max_workers
+    return len(state.workers) - len(_kept_out(state)) >= state.rules.max_workers
 
 
 def _lost_any(state: State) -> bool:

@@ -150,6 +150,9 @@ class State:
     sweep: dict[str, float] = field(default_factory=dict)
     found_dead: dict[str, str] = field(default_factory=dict)
     dead_since: float = INF
+    # Joiners of a running world that prepare before they are admitted (imports, model, optimizer,
+    # data): neither counted as waiting nor taken into a view until they say they are ready.
+    preparing: frozenset[str] = frozenset()
     # Whether the next view may differ from the current one: set by every change of membership,
     # cleared once a look finds nothing to publish, now or later, so that a quiet tick does not
     # sort every worker again.
@@ -163,6 +166,14 @@ class Join:
     hostname: str
     rank_hint: int = -1
     claim: Claim | None = None
+    prepare: bool = False  # admitted to a running world only once Ready
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A joiner that prepared (``Join.prepare``) is ready to be admitted."""
+
+    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -223,7 +234,7 @@ class Tick:
     pass
 
 
-Event = Join | Leave | Heartbeat | Suspect | ProbeResult | Linked | Admit | Tick
+Event = Join | Leave | Heartbeat | Ready | Suspect | ProbeResult | Linked | Admit | Tick
 
 
 @dataclass(frozen=True)
@@ -305,6 +316,7 @@ def remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool)
         found_dead=found,
         changed_at=now,
         suspects=state.suspects - gone,
+        preparing=state.preparing - gone if state.preparing else state.preparing,
         left=state.left if failed else state.left | gone,
         failed=state.failed | gone if failed else state.failed,
         dirty=True,

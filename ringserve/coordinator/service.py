@@ -84,7 +84,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._encoded = EncodedView(self._state.view)
         # Workers waiting to be admitted, recomputed only when the workers or the view change
         # (not on each of 2,000 heartbeats a second): the tables it was counted from, and the count.
-        self._waiting: tuple[tuple[object, object, object] | None, int] = (None, 0)
+        self._waiting: tuple[tuple[object, ...] | None, int] = (None, 0)
         self._counters: dict[str, pb.WorkerCounters] = {}
         self.params = ParamStore(config.max_param_bytes)
         self._puts = asyncio.Semaphore(PUTS_AT_ONCE)
@@ -129,9 +129,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         must not cost work proportional to the number of workers)."""
         state = self._state
         tables, count = self._waiting
-        if tables is None or tables[0] is not state.workers or tables[1] is not state.view or tables[2] is not state.held:
+        now = (state.workers, state.view, state.held, state.preparing)
+        if tables is None or any(a is not b for a, b in zip(tables, now, strict=True)):
             count = membership.admissible(state)
-            self._waiting = ((state.workers, state.view, state.held), count)
+            self._waiting = (now, count)
         return count
 
     def apply(self, event: membership.Event) -> None:
@@ -172,6 +173,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "view": self._state.view.view_id,
             "view_size": len(self._state.view.members),
             "workers_waiting": membership.waiting(self._state),
+            "workers_preparing": len(self._state.preparing),
             "watch_streams": self.watch_streams,
             "heartbeat_streams": self.heartbeat_streams.open,
             "param_bytes": self.params.stored_bytes + self.params.streaming_bytes,
@@ -199,12 +201,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"must be below the size, and the size at most max_workers ({self._config.max_workers}).",
                 )
             claim = membership.Claim(request.view_id, request.rank, request.view_size)
-        self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim))
-        return pb.JoinResponse(
+        self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim,
+                                   prepare=request.prepare))
+        answer = pb.JoinResponse(
             worker_id=worker_id,
             heartbeat_interval_s=membership.heartbeat_interval(self._state),
             heartbeat_timeout_s=self._config.heartbeat_timeout_s,
         )
+        if worker_id in self._state.preparing:
+            answer.preparing = True
+            (answer.provisional_rank, answer.provisional_size, answer.provisional_local_rank,
+             answer.provisional_local_size) = membership.provisional(self._state, worker_id)
+        return answer
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         self.apply(membership.Leave(request.worker_id))
@@ -224,6 +232,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if known:
             self.counts["heartbeats"] += 1
             self.apply(membership.Heartbeat(request.worker_id))
+            if request.ready and request.worker_id in self._state.preparing:
+                log.info("worker %s is ready to join", request.worker_id)
+                self.apply(membership.Ready(request.worker_id))
             self._counters[request.worker_id] = request.counters
             stalled = frozenset(request.stalled)
             self.stalls.heard(request.worker_id, request.view_id, stalled)

@@ -536,7 +536,12 @@ def run(func: F) -> F:
 
 
 def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    worker = api.context().worker
+    ctx = api.context()
+    worker = ctx.worker
+    # A worker that came to a running world is ready now (its model, optimizer and data are
+    # built): it asks to be admitted and waits for the members' next commit to take it in, so
+    # that they never wait for what the script did after init (WorkerConfig.admit_when_ready).
+    ctx.call(lambda w: w.ready_to_join(), timeout_s=ctx.config.rendezvous_timeout_s + THREAD_WAIT_SLACK_S)
     corrupt, corrupt_at = 0, -1  # damaged frames since the commit numbered corrupt_at
     reset = False  # the reset callbacks are due (after the first failure)
     while True:

@@ -50,6 +50,7 @@ from ringserve.worker.control.tasks import TaskOwner
 from ringserve.worker.dataplane.links.channels import ChannelCache
 from ringserve.worker.dataplane.peers import PeerServicer
 from ringserve.worker.dataplane.plane import Plane
+from ringserve.worker.dataplane.policy import Place
 from ringserve.worker.dataplane.registry import Planes
 
 log = logging.getLogger("ringserve.worker")
@@ -77,6 +78,10 @@ class Node:
         self.standing = Standing()
         self.pinned: int | None = None
         self.pending_workers = 0  # joiners waiting for the current view, as the last heartbeat said
+        # Came to a running world with admit_when_ready: in no view until it says it is ready
+        # (ready_to_join); meanwhile rank and size answer where it would stand (provisional).
+        self.preparing = False
+        self.provisional: Place | None = None
         # Why every call fails from now on: excluded, a view that could not be installed, a crash.
         self.failure: RingserveError | None = None
         self.left = False  # left the world already (or cannot: excluded)
@@ -122,8 +127,13 @@ class Node:
         self.address = f"{cfg.advertised_host()}:{cfg.advertise_port or port}"
         self.control = ControlClient(cfg, self.security)
         try:
-            joined = await self.control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint)
+            joined = await self.control.join(address=self.address, hostname=cfg.hostname, rank_hint=cfg.rank_hint,
+                                             prepare=cfg.admit_when_ready)
             self.worker_id = joined.worker_id
+            if joined.preparing:
+                self.preparing = True
+                self.provisional = Place(0, joined.provisional_rank, joined.provisional_size, (),
+                                         local_rank=joined.provisional_local_rank, local_size=joined.provisional_local_size)
             self.planes.state = replace(self.planes.state, worker_id=joined.worker_id)
             if cfg.metrics_port >= 0:
                 from ringserve.metrics import MetricsServer, WorkerCollector
@@ -133,17 +143,43 @@ class Node:
                 config=cfg, control=self.control, joined=joined, address=self.address, planes=self.planes,
                 peers=self.peers, on_event=self._on_event,
             )
+            lifeline.ready = not self.preparing
             self.tasks.spawn(lifeline.watch(), "view watch")
             self.tasks.spawn(lifeline.heartbeat(), "heartbeat")
             self.started = True
             self.publish()
-            await self.wait_for_view(lambda: self.planes.current is not None, cfg.rendezvous_timeout_s, (
-                f"No view that includes the worker at {self.address} formed within {cfg.rendezvous_timeout_s:g} s "
-                f"(coordinator {cfg.coordinator})."
-            ))
+            if self.preparing:
+                log.info("worker %s: a world is running; preparing to join it as rank %d of %d (provisional)",
+                         self.address, joined.provisional_rank, joined.provisional_size)
+                return
+            await self._wait_for_place()
         except BaseException:
             await self.close()
             raise
+
+    async def _wait_for_place(self) -> None:
+        cfg = self.config
+        await self.wait_for_view(lambda: self.planes.current is not None, cfg.rendezvous_timeout_s, (
+            f"No view that includes the worker at {self.address} formed within {cfg.rendezvous_timeout_s:g} s "
+            f"(coordinator {cfg.coordinator})."
+        ))
+
+    async def ready_to_join(self) -> None:
+        """A worker preparing to join a running world (``admit_when_ready``) says it is ready now,
+        and waits until a view takes it (within rendezvous_timeout_s): the members admit it at
+        their next commit. At once for any other worker.
+
+        Raises:
+            RendezvousTimeoutError: no view took it within rendezvous_timeout_s.
+        """
+        if not self.preparing:
+            return
+        self.preparing = False
+        if self.lifeline is not None:
+            self.lifeline.ready = True
+            self.lifeline.heartbeat_now.set()
+        log.info("%s: ready to join; waiting to be admitted", self.tag)
+        await self._wait_for_place()
 
     async def close(self) -> None:
         """Leaves the world and releases every task, stream, channel, shared ring and the server.
@@ -275,7 +311,7 @@ class Node:
         self.standing = Standing(
             running=self.started and not self.closed,
             place=current.place if current is not None else None,
-            last=self.planes.last_place,
+            last=self.planes.last_place or self.provisional,
             latest_view=self.planes.latest_view,
             pending_workers=self.pending_workers if self.lifeline is not None and current is not None else 0,
             pinned=self.pinned,

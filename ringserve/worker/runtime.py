@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
@@ -43,17 +43,32 @@ def delegate(face: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Co
     """A Worker method that calls ``method`` on the face ``worker.<face>``, with its signature and
     its docstring, marked as a delegate: the old name of a call that lives on the face now. A
     coroutine's cancellation that its caller did not ask for becomes RingChangedError there, as
-    at the synchronous API's boundary (loop.uncancelled)."""
+    at the synchronous API's boundary (loop.uncancelled). A worker still preparing to join a
+    running world (admit_when_ready) is ready at its first collective: it waits to be admitted
+    first (Node.ready_to_join)."""
 
     @functools.wraps(method)
     def forward(self: Worker, /, *args: P.args, **kwargs: P.kwargs) -> R:
         result = method(getattr(self, face), *args, **kwargs)
         if inspect.iscoroutine(result):
-            return cast(R, uncancelled(result, functools.partial(_stray, self, self.latest_view)))
+            call: Coroutine[Any, Any, Any] = result
+            if face == "collectives" and self.node.preparing:
+                call = _admitted_first(self.node, call)
+            return cast(R, uncancelled(call, functools.partial(_stray, self, self.latest_view)))
         return result
 
     forward.__doc__ = f"Delegates to ``worker.{face}.{method.__name__}``:\n\n{method.__doc__ or ''}"
     return forward
+
+
+async def _admitted_first(node: Node, call: Coroutine[Any, Any, R]) -> R:
+    """``call``, once the node is in a view (see Node.ready_to_join)."""
+    try:
+        await node.ready_to_join()
+    except BaseException:
+        call.close()  # never awaited: closed, so that no "never awaited" warning is left
+        raise
+    return await call
 
 
 def _stray(worker: Worker, view: int) -> RingChangedError:
@@ -250,4 +265,5 @@ class Worker:
     commit_mark = delegate("elastic", Elastic.commit_mark)
     wait_reported = delegate("elastic", Elastic.wait_reported)
     admit_waiting = delegate("elastic", Elastic.admit_waiting)
+    ready_to_join = delegate("elastic", Elastic.ready_to_join)
     sight = delegate("elastic", Elastic.sight)

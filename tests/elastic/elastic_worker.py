@@ -4,6 +4,9 @@ Usage: elastic_worker.py LOG STEPS PAUSE_S [FAULT]
 
 Every commit appends ``{"pid", "time", "view", "step", "sha"}`` to LOG, the sha256 of the weights.
 FAULT ``raise@K`` makes the first process that reaches step K raise inside a collective's loop.
+With ELASTIC_PREPARE_S set, the process says where it stands after ``rs.init()`` ("init: rank R
+of N") and then takes that long before its training starts, as a script that builds a large
+model and its data after init.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def main() -> None:
         index = int(os.environ.get("RINGSERVE_RANK_HINT", "0"))
         os.environ["RINGSERVE_HOSTNAME"] = f"host{index // int(os.environ['ELASTIC_HOSTS_OF'])}"
     rs.init()
+    if os.environ.get("ELASTIC_PREPARE_S"):
+        print(f"init: rank {rs.rank()} of {rs.size()}", flush=True)
+        time.sleep(float(os.environ["ELASTIC_PREPARE_S"]))
 
     class Logged(CommitLog, elastic.ObjectState):
         log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (held for the process's life)

@@ -72,7 +72,8 @@ async def test_workers_beyond_max_workers_wait_outside_the_view(make_coordinator
             await asyncio.gather(*(w.close() for w in members))
 
 
-WAITER = "import ringserve as rs; rs.init(); print('admitted', flush=True)"
+# init() returns at once in a running world (admit_when_ready); the barrier says it is ready, and waits.
+WAITER = "import ringserve as rs; rs.init(); rs.barrier(); print('admitted', flush=True)"
 
 
 async def test_a_waiting_worker_that_dies_is_dropped_at_once_and_never_admitted(make_coordinator_config) -> None:

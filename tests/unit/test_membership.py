@@ -18,13 +18,16 @@ from ringserve.coordinator.membership import (
     Probe,
     ProbeResult,
     PublishView,
+    Ready,
     Removed,
     Rules,
     State,
     Suspect,
     Tick,
     ViewInfo,
+    admissible,
     is_known,
+    provisional,
     step,
 )
 
@@ -179,6 +182,35 @@ def test_an_admit_request_publishes_a_view_at_once_with_the_joiner_at_the_end_of
     m.join(5.0, "c")
     m.admit(5.1, by="a")
     assert m.ids() == ["a", "b", "c"] and m.view.view_id == 2
+
+
+def test_a_joiner_that_prepares_is_neither_counted_nor_admitted_until_it_is_ready() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.at(5.0, Join("c", "addr-c", "host", prepare=True), Join("d", "addr-d", "other"))
+    assert admissible(m.state) == 1  # d only
+    assert provisional(m.state, "c") == (2, 4, 2, 3)  # after a and b, before d; a, b and c share "host"
+    m.admit(5.1, by="a")
+    assert m.ids() == ["a", "b", "d"]  # c prepares still: the commit's admission does not wait for it
+    m.at(6.0, Ready("c"))
+    assert admissible(m.state) == 1 and m.ids() == ["a", "b", "d"]  # counted now, admitted at the next commit
+    m.admit(6.1, by="b")
+    assert m.ids() == ["a", "b", "d", "c"] and admissible(m.state) == 0
+
+
+def test_a_world_that_forms_takes_a_worker_that_prepares_at_once() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.at(0.0, *(Join(w, f"addr-{w}", "host", prepare=True) for w in "abx"))
+    m.at(1.0)
+    assert m.ids() == ["a", "b", "x"]  # no world ran when they joined: nothing to prepare for
+    m.at(2.0, Join("c", "addr-c", "host", prepare=True), Leave("a"))
+    m.at(3.0)
+    assert m.ids() == ["b", "x"]  # c prepares for the running world of b and x
+    m.at(4.0, Leave("b"))
+    assert m.ids() == []  # below min_workers: that world ended
+    m.at(6.0)
+    assert m.ids() == ["x", "c"]  # the next one forms with c, ready or not
 
 
 def test_an_admit_request_with_nobody_waiting_still_publishes_a_new_view_of_the_same_members() -> None:

@@ -189,7 +189,8 @@ def _check(context: api.Context, rank: int, size: int, coordinator: str) -> None
 
 
 def _join(coordinator: str, overrides: dict[str, Any]) -> api.Context:
-    api.init(coordinator, **overrides)
+    # torch's process group needs its rank and size at once: no admission deferred to later.
+    api.init(coordinator, **{"admit_when_ready": False, **overrides})
     context = api.context()
     _started.add(context)
     return context

@@ -201,11 +201,11 @@ class ControlClient:
 
     async def join(
         self, *, address: str, hostname: str, rank_hint: int, worker_id: str = "",
-        view_id: int = 0, rank: int = 0, view_size: int = 0,
+        view_id: int = 0, rank: int = 0, view_size: int = 0, prepare: bool = False,
     ) -> pb.JoinResponse:
         request = pb.JoinRequest(
             address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id,
-            view_id=view_id, rank=rank, view_size=view_size,
+            view_id=view_id, rank=rank, view_size=view_size, prepare=prepare,
         )
         # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline;
         # one that refuses our TLS is not (see _unless_handshake_fails).
@@ -250,10 +250,11 @@ class ControlClient:
 
     async def heartbeat(
         self, worker_id: str, view_id: int, counters: pb.WorkerCounters, stalled: list[str] | None = None,
-        linked_view: int = 0, committed: Commit | None = None, committed_view: int = 0,
+        linked_view: int = 0, committed: Commit | None = None, committed_view: int = 0, ready: bool = True,
     ) -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(
-            worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view
+            worker_id=worker_id, view_id=view_id, counters=counters, stalled=stalled or [], linked_view=linked_view,
+            ready=ready,
         )
         if committed is not None:
             request.committed_step, request.committed_lineage = committed.step, committed.lineage

@@ -115,6 +115,9 @@ class Lifeline:
         # Set at the commit where this worker leaves (elastic, SIGTERM): the coordinator drops it
         # then (see Elastic.admit_waiting), and a heartbeat answered "unknown" must not make it rejoin.
         self.leaving = False
+        # False while the worker prepares to join a running world (Node.ready_to_join): each
+        # heartbeat says so, and a rejoin (a restarted coordinator) asks again to prepare.
+        self.ready = True
         self.beats_out = Outage("heartbeat", every_s=OUTAGE_LOG_EVERY_S)
         self.watch_out = Outage("view watch", every_s=OUTAGE_LOG_EVERY_S)
 
@@ -170,7 +173,8 @@ class Lifeline:
             committed, committed_view = self.held.committed, self.held.view
             try:
                 answer = await self.control.heartbeat(
-                    self.worker_id, view_id, counters, stalled, self.peers.linked_view(), committed, committed_view
+                    self.worker_id, view_id, counters, stalled, self.peers.linked_view(), committed, committed_view,
+                    ready=self.ready,
                 )
             except RingserveError as exc:
                 self.held.failed()
@@ -246,7 +250,7 @@ class Lifeline:
         try:
             joined = await self.control.join(
                 address=self.address, hostname=self.config.hostname, rank_hint=self.config.rank_hint,
-                worker_id=self.worker_id, **claim,
+                worker_id=self.worker_id, prepare=not self.ready, **claim,
             )
             self.heartbeat_timeout_s = joined.heartbeat_timeout_s
         except RingserveError as exc:

@@ -122,6 +122,16 @@ class Elastic:
         assert self._node.lifeline is not None
         return await self._node.lifeline.held.wait(commit, timeout_s)
 
+    async def ready_to_join(self) -> None:
+        """Says this worker is ready to be admitted, if it prepares to join a running world
+        (``admit_when_ready``), and waits until a view takes it; at once otherwise (see
+        Node.ready_to_join).
+
+        Raises:
+            RendezvousTimeoutError: no view took it within rendezvous_timeout_s.
+        """
+        await self._node.ready_to_join()
+
     async def admit_waiting(self, leaving: Sequence[str] = (), view_id: int = 0) -> int:
         """Asks the coordinator to admit the workers waiting to join (call at a commit boundary),
         and to let the members named in ``leaving`` (worker ids) go in that same view. ``view_id``:
