@@ -72,6 +72,9 @@ class Client:
             context = api.context()
         self.context = context
         worker = context.worker
+        # A worker that came to a running world (admit_when_ready) is ready now that it holds its
+        # model: the job's modes count the members of a view, so it waits to be admitted first.
+        context.call(lambda w: w.ready_to_join(), context.config.rendezvous_timeout_s + THREAD_WAIT_SLACK_S)
         self.config = config or client_config(context)
         self._thread = LoopThread(use_uvloop=context.config.use_uvloop, name="ringserve-ps-client")
         self.client = AsyncClient(self.config, worker_id=worker.worker_id, view=view_of(worker))
