@@ -107,7 +107,8 @@ def main() -> None:
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=os.environ["SCALE_LOG"])
     record("start", started=STARTED, imported=IMPORTED, ready=READY, ready_cpu=READY_CPU)
     rs.init()
-    record("init", view=rs.api.context().worker.view_id, size=rs.size())
+    # A worker that joins a running world prepares first (admit_when_ready): view 0 until admitted.
+    record("init", view=rs.api.context().worker.running_view, size=rs.size())
     # One buffer per size, reduced in place (as gradients are), and filled and checked a tile at a
     # time: the job's own arrays are the sizes plus 2 x TILE (a worker's memory is measured).
     tile = (np.arange(TILE) % PERIOD).astype(np.float32)
