@@ -80,6 +80,16 @@ async def cluster() -> AsyncIterator[Cluster]:
     await c.close()
 
 
+async def cut_from_the_coordinator(cluster: Cluster) -> float:
+    """Starts the cluster with worker 2 behind a relay to the coordinator, cuts that route, and
+    returns when."""
+    await cluster.start(relay_peer_server=False)
+    assert cluster.relay is not None
+    cut = time.monotonic()
+    cluster.relay.cut()
+    return cut
+
+
 async def in_view_of(workers: list[Worker], size: int, timeout_s: float, view_id: int = 0) -> float:
     """Waits until every one of ``workers`` is in a view of ``size`` (the view ``view_id``, if
     given: a worker dropped meanwhile may still hold an older view of that size); returns when
@@ -122,11 +132,8 @@ async def test_a_worker_cut_off_from_its_ring_but_not_from_the_coordinator_is_dr
 async def test_a_worker_cut_off_from_the_coordinator_trains_on_until_declared_dead_then_stops_with_excluded_error(
     cluster: Cluster,
 ) -> None:
-    await cluster.start(relay_peer_server=False)
+    cut = await cut_from_the_coordinator(cluster)
     w0, w1, w2 = cluster.workers
-    assert cluster.relay is not None
-    cut = time.monotonic()
-    cluster.relay.cut()
     # Within the heartbeat timeout nobody has declared it dead: the ring of three goes on.
     assert await cluster.allreduce(cluster.workers, "cut-off") == [[6.0]] * 3
     assert time.monotonic() - cut < TIMEOUT_S
@@ -145,13 +152,11 @@ async def test_a_worker_cut_off_from_the_coordinator_trains_on_until_declared_de
 async def test_a_worker_whose_route_to_the_coordinator_is_back_after_it_was_dropped_rejoins_instead_of_stopping(
     cluster: Cluster,
 ) -> None:
-    await cluster.start(relay_peer_server=False)
+    cut = await cut_from_the_coordinator(cluster)
     w0, w1, w2 = cluster.workers
-    assert cluster.relay is not None
-    cut = time.monotonic()
-    cluster.relay.cut()
     await asyncio.sleep(0.5)
     # The route is back for new connections; the ones that carried its heartbeats stay stuck.
+    assert cluster.relay is not None
     cluster.relay.heal(reset=False)
     dropped = await in_view_of([w0, w1], 2, timeout_s=TIMEOUT_S + 5)
     async with asyncio.timeout(TIMEOUT_S + 10):
