@@ -49,7 +49,7 @@ import numpy as np
 from ringserve import api
 from ringserve.commits import Commit
 from ringserve.constants import THREAD_WAIT_SLACK_S
-from ringserve.elastic import resume
+from ringserve.elastic import resume, rider
 from ringserve.elastic.checkpoint import CheckpointWriter
 from ringserve.errors import (
     STATE_LOST_EXIT_CODE,
@@ -168,7 +168,7 @@ class State:
         worker = api.context().worker
         view, rank = worker.running_view, worker.rank  # the commit's, before it can change the world
         if not changes:
-            self._check = _Check.start(Commit(self.lineage, self.commits), view, rank)
+            self._check = _Check.start(Commit(self.lineage, self.commits), view, rank, ride=self.rides())
             return
         try:
             self.check_host_updates()
@@ -201,6 +201,13 @@ class State:
         """Forgets the last commit's check: a sync (after a restore, or at ``run``'s start) reports
         what the world then holds."""
         self._check = None
+        rider.withdraw()
+
+    def rides(self) -> bool:
+        """Whether the next step's gradient allreduce can carry a commit's check (see
+        ringserve.elastic.rider): a state whose optimizer does says so; it must say the same on
+        every rank."""
+        return False
 
     def _confirmed(self, view: int, rank: int, *, world_changes: bool) -> None:
         """The commit-time allreduce of ``view`` finished: every rank of it entered it after saving,
@@ -376,24 +383,42 @@ async def _report(w: Worker, held: Commit | None, commit: Commit, view: int, ran
 
 
 class _Check:
-    """A commit's check, pipelined: the allreduce of every rank's flags (``_flags``), running on
-    the worker's loop while training goes on, and then, on the loop too, the commit's report."""
+    """A commit's check, pipelined: the allreduce of every rank's flags (``_flags``) and then the
+    commit's report, on the worker's loop while training goes on. Where the state's optimizer
+    can carry the flags (``State.rides``), the next step's gradient allreduce does (see
+    ringserve.elastic.rider), the report starts once it is back, and the check's own allreduce
+    runs only when no allreduce carried them by the next commit."""
 
-    def __init__(self, future: concurrent.futures.Future[np.ndarray], rank: int) -> None:
-        self._future = future
+    def __init__(self, commit: Commit, view: int, rank: int) -> None:
+        ctx = api.context()
         self.rank = rank  # the commit's rank
+        self._commit, self._view = commit, view
+        self._mine, self._held = _flags(ctx.worker, _Leave.requested.is_set()), ctx.worker.committed
+        self._ride: rider.Ride | None = None
+        self._future: concurrent.futures.Future[np.ndarray] | None = None
 
     @classmethod
-    def start(cls, commit: Commit, view: int, rank: int) -> _Check:
-        ctx = api.context()
-        mine, held, wait_s = _flags(ctx.worker, _Leave.requested.is_set()), ctx.worker.committed, ctx.config.rpc_timeout_s
+    def start(cls, commit: Commit, view: int, rank: int, *, ride: bool) -> _Check:
+        check = cls(commit, view, rank)
+        if ride:
+            check._ride = rider.Ride(check._mine, on_answer=check._carried)
+            rider.publish(check._ride)
+        else:
+            check._future = api.context().submit(check._own)
+        return check
 
-        async def check(w: Worker) -> np.ndarray:
-            agreed = await w.allreduce(mine, op="max", name=HOSTS)
-            await _report(w, held, commit, view, rank, now=False, wait_s=wait_s)
-            return agreed
+    async def _own(self, w: Worker) -> np.ndarray:
+        agreed = await w.allreduce(self._mine, op="max", name=HOSTS)
+        await self._report(w)
+        return agreed
 
-        return cls(ctx.submit(check), rank)
+    async def _report(self, w: Worker) -> np.ndarray:
+        await _report(w, self._held, self._commit, self._view, self.rank, now=False,
+                      wait_s=api.context().config.rpc_timeout_s)
+        return np.zeros(rider.SLOTS, dtype=np.int64)
+
+    def _carried(self) -> None:
+        self._future = api.context().submit(self._report)
 
     def changes(self) -> bool:
         """Whether some rank saw workers waiting to join, or wants to leave.
@@ -401,7 +426,16 @@ class _Check:
         Raises:
             RecoverableError: the check failed.
         """
-        return bool(api.context().wait(self._future).any())
+        ctx = api.context()
+        if self._ride is not None:
+            rider.withdraw()
+            if self._ride.answer is None:  # nothing carried it (no optimizer step since the commit)
+                return bool(ctx.wait(ctx.submit(self._own)).any())
+            if self._future is not None:
+                ctx.wait(self._future)
+            return bool(self._ride.answer.any())
+        assert self._future is not None
+        return bool(ctx.wait(self._future).any())
 
 
 ADMIT_RETRY_S = 0.5  # between rank 0's requests to admit, while the coordinator does not answer

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ringserve.elastic import rider
 from ringserve.errors import InvalidArgumentError
 
 DEFAULT_FUSION_BYTES = 4 << 20
@@ -46,10 +47,13 @@ class Bucket:
             offset += p.numel()
         self.numel = offset
         pinned = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        # Gradients, ``gap`` zeros, then one presence flag per parameter. The gap keeps the flags
+        # Gradients, ``gap`` zeros, one presence flag per parameter, then the slots of a commit's
+        # check that this allreduce may carry (ringserve.elastic.rider). The gap keeps the flags
         # out of every block of a block-scaled codec that holds gradients (see ringserve.codecs).
         self.flags_at = offset + gap
-        self.buffer = torch.zeros(self.flags_at + len(params), dtype=params[0].dtype, device="cpu", pin_memory=pinned)
+        self.rider_at = self.flags_at + len(params)
+        self.buffer = torch.zeros(self.rider_at + rider.SLOTS, dtype=params[0].dtype, device="cpu", pin_memory=pinned)
+        self.ride: rider.Ride | None = None  # the commit's check that this reduction carries
         self.residual: Any = None  # error feedback: what this rank's encodings lost last time
         self.ready = 0
         self.future: Any = None

@@ -76,6 +76,12 @@ class TorchState(ObjectState):
         self._stateful_saved = {k: _copied(self._stateful_saved.get(k), getattr(self, k).state_dict())
                                 for k in self._stateful}
 
+    def rides(self) -> bool:
+        """Whether a DistributedOptimizer of this state can carry a commit's check in its next
+        step's gradient allreduce (ringserve.elastic.rider), which then needs none of its own."""
+        kept = [self.optimizer, *self._stateful.values()]
+        return any(isinstance(o, DistributedOptimizer) and o.carries_rides for o in kept)
+
     def restore(self) -> None:
         super().restore()
         if isinstance(self.optimizer, DistributedOptimizer):

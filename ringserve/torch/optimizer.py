@@ -43,11 +43,21 @@ import torch
 
 from ringserve import api
 from ringserve.codecs import INT8_BLOCK, sum_dtype
+from ringserve.elastic import rider
 from ringserve.errors import InvalidArgumentError, UnsupportedError, UsageError
 from ringserve.torch import _powersgd, _tensors, adasum, basics, ops, sparse
 from ringserve.torch._buckets import Bucket, fusion_bytes_from_env, plan
 from ringserve.torch._wrapping import Wrapping
-from ringserve.torch.compression import Compression, Compressor, NoneCompressor, PowerSGDCompressor, split, wire_codec
+from ringserve.torch.compression import (
+    BF16Compressor,
+    Compression,
+    Compressor,
+    FP16Compressor,
+    NoneCompressor,
+    PowerSGDCompressor,
+    split,
+    wire_codec,
+)
 from ringserve.torch.handles import Handle
 from ringserve.worker.ops import adasum as adasum_math
 
@@ -183,6 +193,14 @@ class DistributedOptimizer(Wrapping):
         self._synchronized = False
         self.communication_intervals: list[tuple[float, float]] = []
         self._rebuild()
+
+    @property
+    def carries_rides(self) -> bool:
+        """Whether this optimizer's allreduces carry a commit's check (ringserve.elastic.rider):
+        those over the whole world, through no compressor or one of ringserve's own, which keep
+        a 0 and a 1 apart (a user's compressor need not)."""
+        kind = self._compression if isinstance(self._compression, type) else type(self._compression)
+        return self._member and self._process_set is None and kind in (NoneCompressor, FP16Compressor, BF16Compressor)
 
     # -- delegation (the rest is Wrapping's) -----------------------------------------------
 
@@ -321,7 +339,9 @@ class DistributedOptimizer(Wrapping):
                 buf[a:b].copy_(grad.reshape(-1))
             # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
             buf[bucket.numel:bucket.flags_at].zero_()
-            buf[bucket.flags_at:].copy_(torch.tensor(flags, dtype=buf.dtype, device=buf.device))
+            bucket.ride = rider.current() if self.carries_rides else None
+            ride = bucket.ride.flags.tolist() if bucket.ride is not None else [0.0] * rider.SLOTS
+            buf[bucket.flags_at:].copy_(torch.tensor(flags + ride, dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
                 buf.mul_(prescale)
         if self._powersgd is not None and _powersgd.applies(bucket):
@@ -368,7 +388,10 @@ class DistributedOptimizer(Wrapping):
             bucket.residual[bucket.numel:] = 0  # the gap and the flags are no gradient: feed back nothing
         if self._check_finite:
             self._finite = self._finite and bool(torch.isfinite(out[: bucket.numel]).all())
-        flags = out[bucket.flags_at:].tolist()
+        flags = out[bucket.flags_at:bucket.rider_at].tolist()
+        ride, bucket.ride = bucket.ride, None
+        if ride is not None:
+            ride.carried(out[bucket.rider_at:].tolist())
         with torch.no_grad():
             for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
@@ -442,7 +465,7 @@ class DistributedOptimizer(Wrapping):
             if bucket.future is not None:
                 with contextlib.suppress(Exception):
                     basics.wait(bucket.future)
-            bucket.future, bucket.finish, bucket.ready = None, None, 0
+            bucket.future, bucket.finish, bucket.ready, bucket.ride = None, None, 0, None
             bucket.residual = None  # half written by the step that failed
         for handle in self._sparse.values():
             with contextlib.suppress(Exception):
@@ -508,6 +531,11 @@ class AdasumOptimizer(DistributedOptimizer):
         if self._predivide != 1.0:
             raise InvalidArgumentError("gradient_predivide_factor needs op=Average, not Adasum.")
         self._deltas = adasum.Deltas(optimizer, adasum.casts_around(self._codec, self._compression))
+
+    @property
+    def carries_rides(self) -> bool:
+        """False: an Adasum of deltas is no sum of flags (ringserve.elastic.rider)."""
+        return False
 
     def _start(self, bucket: Bucket) -> None:
         self._deltas.start(bucket)

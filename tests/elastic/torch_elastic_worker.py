@@ -17,6 +17,7 @@ import torch
 from commit_log import CommitLog
 
 import ringserve.torch as hvd
+from ringserve import api
 from ringserve.torch import elastic
 
 
@@ -54,7 +55,10 @@ def main() -> None:
             state.commit()
 
     train(state)
-    print(f"finished at step {state.step}", flush=True)
+    # The allreduces this process ran (tests/elastic/test_rides.py): one a step where each commit's
+    # check rides on the step's gradient allreduce (a single bucket here), two where it does not.
+    allreduces = api.context().worker.counters.latency["allreduce"].count
+    print(f"finished at step {state.step} after {allreduces} allreduces", flush=True)
     hvd.shutdown()
 
 

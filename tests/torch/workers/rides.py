@@ -1,0 +1,129 @@
+"""One rank of the rides world (test_rides_world.py): a commit's check carried by the gradient allreduce.
+
+    rides.py OUT_DIR [user]
+
+Writes OUT_DIR/rank{r}.json (with ``user``: only ``user_compressor``) with, per case, what the test checks:
+
+- ``answers``: a ride published by hand, with flags set on the last rank only, carried by one
+  optimizer step of each kind of optimizer (plain, fp16, bf16, int8, PowerSGD, a predivide factor,
+  Sum): the answer every rank read, and whether the optimizer carries rides at all;
+- ``steady``: allreduces per commit while every commit is followed by a step (one bucket: one);
+- ``no_step``: allreduces per commit when commits follow each other with no step (the check's
+  own allreduce: one);
+- ``user_compressor`` (a world of its own: one job, one elastic state): allreduces per commit
+  with a compressor of the user's, which rides refuse (the bucket and the check: two);
+- ``sha``: the parameters' digest at the end (every rank alike).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import ringserve.torch as hvd
+from ringserve import api
+from ringserve.elastic import rider
+from ringserve.torch import elastic
+
+
+class Identity(hvd.Compressor):
+    """A user's compressor: it changes nothing, but ringserve cannot know that."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def train_step(model: torch.nn.Module, opt: Any, step: int) -> None:
+    g = torch.Generator().manual_seed(step * 31 + hvd.rank())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+    opt.step()
+
+
+def allreduces() -> int:
+    entry = api.context().worker.counters.latency.get("allreduce")
+    return 0 if entry is None else entry.count
+
+
+def answers() -> dict[str, Any]:
+    kinds: dict[str, dict[str, Any]] = {
+        "plain": {}, "fp16": {"compression": hvd.Compression.fp16}, "bf16": {"compression": hvd.Compression.bf16},
+        "int8": {"compression": hvd.Compression.int8}, "powersgd": {"compression": hvd.Compression.powersgd(rank=1)},
+        "predivide": {"gradient_predivide_factor": 2.0}, "sum": {"op": hvd.Sum},
+    }
+    out = {}
+    last = hvd.rank() == hvd.size() - 1
+    for name, kwargs in kinds.items():
+        model = net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                       **kwargs)
+        answered: list[int] = []
+        ride = rider.Ride(np.array([1, 0] if last else [0, 0]), on_answer=functools.partial(answered.append, 1))
+        rider.publish(ride)
+        train_step(model, opt, 0)
+        rider.withdraw()
+        out[name] = {"carries": opt.carries_rides, "answer": None if ride.answer is None else ride.answer.tolist(),
+                     "answered": len(answered)}
+    return out
+
+
+def per_commit(state: elastic.TorchState, commits: int, between: Any) -> float:
+    before = allreduces()
+    for _ in range(commits):
+        between()
+        state.commit()
+    return (allreduces() - before) / commits
+
+
+def main() -> None:
+    out_dir, user = Path(sys.argv[1]), sys.argv[2:] == ["user"]
+    hvd.init()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {} if user else {"answers": answers()}
+    model = net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=Identity if user else hvd.Compression.none)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0)
+
+    def step() -> None:
+        train_step(model, opt, state.step)
+        state.step += 1
+
+    @elastic.run
+    def train(state: elastic.TorchState) -> None:
+        per_commit(state, 2, step)  # the first check rides on the next step: warm up past it
+        if user:
+            result["user_compressor"] = per_commit(state, 8, step)
+            return
+        result["steady"] = per_commit(state, 8, step)
+        result["no_step"] = per_commit(state, 4, lambda: None)
+        per_commit(state, 1, step)
+
+    train(state)
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    result["sha"] = digest.hexdigest()
+    (out_dir / f"rank{hvd.rank()}.json").write_text(json.dumps(result))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
