@@ -127,16 +127,30 @@ class Lost:
     best_rank: int
 
 
-def plan_sync(held: Sequence[Commit], mark: Commit | None) -> TakeRoot | Lost:
+@dataclass(frozen=True)
+class Renew:
+    """Every member holds less than it reported itself: each made a new elastic state (a second
+    training in the same job, as a script may run one ``elastic.run`` after another). Nothing is
+    lost: every rank takes ``root``'s state as the first commit of ``lineage``, above the mark."""
+
+    root: int
+    lineage: int
+
+
+def plan_sync(held: Sequence[Commit], mark: Commit | None,
+              renewed: Sequence[bool] = ()) -> TakeRoot | Lost | Renew:
     """Whose state a view takes, from what each rank holds (in rank order) and the job's mark.
 
     Args:
         held: each rank's commit; a fresh process holds INITIAL.
         mark: the furthest commit the job is known to have made (the ranks' agreed maximum of
             what the coordinator told them), or None if none is known.
+        renewed: for each rank, whether it holds less than the commit it last reported itself,
+            which only a new elastic state does (a restore never goes below a reported commit).
 
     Returns:
-        TakeRoot when some member holds at least the mark (or no mark is known), else Lost.
+        TakeRoot when some member holds at least the mark (or no mark is known); Renew when
+        none does but every member renewed its state; else Lost.
     """
     if not held:
         raise ValueError("A view has at least one rank.")
@@ -144,6 +158,8 @@ def plan_sync(held: Sequence[Commit], mark: Commit | None) -> TakeRoot | Lost:
     best = held[best_rank]
     if mark is None or best >= mark:
         return TakeRoot(best_rank)
+    if renewed and all(renewed):
+        return Renew(root=best_rank, lineage=mark.lineage + 1)
     return Lost(mark=mark, best=best, best_rank=best_rank)
 
 

@@ -63,13 +63,20 @@ def agree_root(state: Synced) -> int:
     mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
-    row = np.array([state.lineage, state.commits, *known], dtype=np.int64)
-    rows = api.allgather(row, name="ringserve.elastic.commits").reshape(-1, 5)
+    reported = ctx.worker.committed
+    renewed = reported is not None and Commit(state.lineage, state.commits) < reported
+    row = np.array([state.lineage, state.commits, *known, int(renewed)], dtype=np.int64)
+    rows = api.allgather(row, name="ringserve.elastic.commits").reshape(-1, 6)
     held = [Commit(int(r[0]), int(r[1])) for r in rows]
     marks = [Commit(int(r[2]), int(r[3])) for r in rows if r[4]]
-    plan = commits.plan_sync(held, max(marks) if marks else None)
+    plan = commits.plan_sync(held, max(marks) if marks else None, [bool(r[5]) for r in rows])
     if isinstance(plan, commits.TakeRoot):
         state.loss_seen = None
+        return plan.root
+    if isinstance(plan, commits.Renew):
+        log.info("%s: every member holds a new elastic state; it starts lineage %d", ctx.worker.tag, plan.lineage)
+        state.loss_seen = None
+        state.lineage = plan.lineage
         return plan.root
     mark, why = _await_holders(state, plan, mark)
     return _after_loss(state, plan, mark, why)

@@ -16,6 +16,7 @@ from ringserve.commits import (
     Lost,
     Mark,
     Readmit,
+    Renew,
     Resume,
     Seen,
     TakeRoot,
@@ -104,6 +105,18 @@ def test_a_view_whose_members_all_hold_less_than_the_mark_has_lost_the_state(
     held: list[Commit], mark: Commit, best: Commit, best_rank: int
 ) -> None:
     assert plan_sync(held, mark) == Lost(mark=mark, best=best, best_rank=best_rank)
+
+
+def test_a_view_whose_members_all_made_a_new_state_starts_a_lineage_above_the_mark() -> None:
+    # A second elastic.run in the same job, with a new state on every member: nothing was lost.
+    assert plan_sync([INITIAL, INITIAL], c(15), [True, True]) == Renew(root=0, lineage=1)
+    assert plan_sync([INITIAL, c(3, lineage=2)], c(15, lineage=2), [True, True]) == Renew(root=1, lineage=3)
+
+
+def test_a_view_where_one_member_did_not_renew_its_state_has_lost_it() -> None:
+    # A fresh process (it reported nothing) beside renewed ones: the holders' commit is gone.
+    assert plan_sync([INITIAL, INITIAL], c(15), [True, False]) == Lost(mark=c(15), best=INITIAL, best_rank=0)
+    assert plan_sync([c(15), INITIAL], c(15), [False, True]) == TakeRoot(0)  # the mark is held: no question
 
 
 def test_a_view_of_no_ranks_is_a_bug() -> None:
