@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ringserve import api
 from ringserve.elastic import ObjectState, State, run
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
@@ -95,14 +96,34 @@ class TorchState(ObjectState):
         self._restore_stateful()
 
     def take(self, root: int) -> None:
-        if self.model is not None:
-            functions.broadcast_parameters(self.model.state_dict(), root_rank=root)
-        if self.optimizer is not None:
-            functions.broadcast_optimizer_state(self.optimizer, root_rank=root)
-        self._sync_stateful(root)
-        payload = functions.broadcast_object((self.commits, self.lineage, self._saved), root_rank=root)
+        """Every rank takes root's model, optimizer, extras, ``commits`` and ``lineage``.
+
+        In two collectives, where Horovod's calls (``broadcast_parameters``, then
+        ``broadcast_optimizer_state``, then the extras) take five: one object (the optimizer's
+        skeleton with the extras and counters), then one fused broadcast of the model's and the
+        optimizer's tensors. Only the root makes an optimizer state that does not exist yet: the
+        others load the root's (a joiner's fresh optimizer took a step of zeros here for nothing).
+        Each collective of a sync is time the members stand still while a joiner comes in.
+        """
+        is_root = api.rank() == root
+        skeleton: Any = None
+        sent: list[torch.Tensor] = []
+        if is_root and self.optimizer is not None:
+            skeleton, sent = functions.optimizer_payload(self.optimizer)
+        payload = functions.broadcast_object((skeleton, self.commits, self.lineage, self._saved), root_rank=root,
+                                             name="ringserve.elastic.torch_state")
         assert isinstance(payload, tuple)
-        self.commits, self.lineage, self._saved = payload
+        skeleton, commits, lineage, saved = payload
+        if not is_root and skeleton is not None:
+            sent = functions.receivers(skeleton)
+        model = sorted(self.model.state_dict().items()) if self.model is not None else []
+        functions.broadcast_tensors_([t for _, t in model if t is not None] + sent, root,
+                                     "ringserve.elastic.torch_tensors")
+        if not is_root and skeleton is not None:
+            assert self.optimizer is not None
+            functions.load_optimizer_payload(self.optimizer, skeleton, sent)
+        self._sync_stateful(root)
+        self.commits, self.lineage, self._saved = commits, lineage, saved
         super().restore()
         self.save()
 

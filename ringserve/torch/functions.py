@@ -176,23 +176,40 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         ```
     """
     ps = basics.resolve_set(process_set)
-    sparse_params = _sparse_parameters(model)
-    if not optimizer.state_dict()["state"]:
-        _initialize_state(optimizer, sparse_params)
     is_root = api.rank() == root_rank
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
-    skeleton = api.broadcast_object(skeleton, root=root_rank, name="ringserve.torch.optimizer_skeleton",
-                                    process_set=ps)
+    skeleton, tensors = optimizer_payload(optimizer, model)  # the state is made on every rank, as Horovod's
+    skeleton = api.broadcast_object(skeleton if is_root else None, root=root_rank,
+                                    name="ringserve.torch.optimizer_skeleton", process_set=ps)
     if not is_root:
-        slots: list[_Slot] = []
-        _slots(skeleton, slots)
-        tensors = [torch.empty(0, device="cpu")] * len(slots)
-        for slot in slots:
-            tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
+        tensors = receivers(skeleton)
     broadcast_tensors_(tensors, root_rank, "ringserve.torch.optimizer_state", ps)
     if not is_root:
-        optimizer.load_state_dict(_fill(skeleton, tensors))
+        load_optimizer_payload(optimizer, skeleton, tensors)
+
+
+def optimizer_payload(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """An optimizer's state_dict as a picklable skeleton and the tensors it stands for (what a root
+    sends), its state made first where it has none (see broadcast_optimizer_state)."""
+    sparse_params = _sparse_parameters(model)  # checks ``model`` whether or not the state is made
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer, sparse_params)
+    tensors: list[torch.Tensor] = []
+    return _strip(optimizer.state_dict(), tensors), tensors
+
+
+def receivers(skeleton: Any) -> list[torch.Tensor]:
+    """Empty CPU tensors to receive the tensors of ``skeleton`` into (``optimizer_payload``'s order)."""
+    slots: list[_Slot] = []
+    _slots(skeleton, slots)
+    tensors = [torch.empty(0, device="cpu")] * len(slots)
+    for slot in slots:
+        tensors[slot.index] = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
+    return tensors
+
+
+def load_optimizer_payload(optimizer: torch.optim.Optimizer, skeleton: Any, tensors: list[torch.Tensor]) -> None:
+    """Loads a skeleton and its received tensors (``receivers``) into ``optimizer``."""
+    optimizer.load_state_dict(_fill(skeleton, tensors))
 
 
 def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
