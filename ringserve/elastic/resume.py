@@ -39,6 +39,9 @@ class Synced(Protocol):
     lineage: int
     # On rank 0: the commit found held by no member of its view, and since when (time.monotonic()).
     loss_seen: tuple[Commit, float] | None
+    # The ranks that hold the commit the view takes, where it is one of the job's commits (not a
+    # fresh process's state, which differs from rank to rank): they hold the same state already.
+    holding: tuple[int, ...]
 
     def load_snapshot(self, snapshot: object) -> None: ...
 
@@ -50,7 +53,8 @@ def agree_root(state: Synced) -> int:
 
     Each rank asks the coordinator for the job's mark (falling back on the last heartbeat's), and
     one allgather shares what every rank holds and heard: the decision then has the same inputs
-    everywhere. After a loss, ``state`` holds the durable copy on rank 0 and a new lineage.
+    everywhere. After a loss, ``state`` holds the durable copy on rank 0 and a new lineage. Sets
+    ``state.holding``: which ranks hold the chosen commit already (none after a loss).
 
     Raises:
         HostsUpdatedInterrupt: no member holds the job's last commit, but a worker that held it
@@ -60,6 +64,7 @@ def agree_root(state: Synced) -> int:
             gone (or none came back within holder_wait_s), and no durable copy exists.
     """
     ctx = api.context()
+    state.holding = ()
     mark = ctx.call(lambda w: w.commit_mark(), timeout_s=ctx.config.rpc_timeout_s + THREAD_WAIT_SLACK_S)
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
@@ -72,6 +77,8 @@ def agree_root(state: Synced) -> int:
     plan = commits.plan_sync(held, max(marks) if marks else None, [bool(r[5]) for r in rows])
     if isinstance(plan, commits.TakeRoot):
         state.loss_seen = None
+        if held[plan.root] != commits.INITIAL:
+            state.holding = tuple(r for r, c in enumerate(held) if c == held[plan.root])
         return plan.root
     if isinstance(plan, commits.Renew):
         log.info("%s: every member holds a new elastic state; it starts lineage %d", ctx.worker.tag, plan.lineage)

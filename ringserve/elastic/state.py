@@ -32,6 +32,7 @@ decision is commits.py's, its effects resume.py's).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import logging
@@ -138,6 +139,10 @@ class State:
         self.loss_seen: tuple[Commit, float] | None = None
         self._writer: CheckpointWriter | None = None
         self._check: _Check | None = None  # the last commit's pipelined check, while its answer is not taken
+        self.holding: tuple[int, ...] = ()  # set by each sync (resume.agree_root)
+        # A sync's sends of the state to the ranks that lacked it, which the root does not wait for
+        # (TorchState.take): waited for at the next commit, or dropped at the next sync.
+        self.handoffs: list[concurrent.futures.Future[None]] = []
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Callbacks run after every change of the world (for instance to rescale a learning rate)."""
@@ -185,6 +190,7 @@ class State:
             RecoverableError: the check failed (a rank died, the ring changed): ``run`` restores
                 the last commit, which every survivor saved before the check.
         """
+        self._handed_off()
         check, self._check = self._check, None
         if check is None:
             return False
@@ -199,9 +205,24 @@ class State:
 
     def drop_check(self) -> None:
         """Forgets the last commit's check: a sync (after a restore, or at ``run``'s start) reports
-        what the world then holds."""
+        what the world then holds. The last sync's sends are over by then: they failed with their
+        view, or went through (their errors were the view's, and the sync says what it does now)."""
         self._check = None
         rider.withdraw()
+        handoffs, self.handoffs = self.handoffs, []
+        for handoff in handoffs:
+            with contextlib.suppress(Exception):
+                api.context().wait(handoff)
+
+    def _handed_off(self) -> None:
+        """Waits for the last sync's sends of the state (a root's, see TorchState.take).
+
+        Raises:
+            RecoverableError: a send failed (its receiver died, the view changed).
+        """
+        handoffs, self.handoffs = self.handoffs, []
+        for handoff in handoffs:
+            api.context().wait(handoff)
 
     def rides(self) -> bool:
         """Whether the next step's gradient allreduce can carry a commit's check (see

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import pickle
 from typing import Any
 
+import numpy as np
 import torch
 
 from ringserve import api
@@ -104,7 +107,18 @@ class TorchState(ObjectState):
         optimizer's tensors. Only the root makes an optimizer state that does not exist yet: the
         others load the root's (a joiner's fresh optimizer took a step of zeros here for nothing).
         Each collective of a sync is time the members stand still while a joiner comes in.
+
+        Where some ranks hold the root's commit already (``holding``: the members, when a joiner
+        comes in), only the others need the state, and they get it point to point: the root packs
+        it and hands the sends to its loop without waiting for them (``handoffs``, waited for at
+        the next commit), and the holders go on at once. Their first step's allreduce waits for
+        the joiner's gradients, which come once it has the state: a member stands still for the
+        transfer, not for a collective of every rank around it (torchft's live recovery does
+        the same). Extras kept by their state_dict() sync as before, in collectives of every rank.
         """
+        if self.holding and not self._stateful:
+            self._hand_over(root)
+            return
         is_root = api.rank() == root
         skeleton: Any = None
         sent: list[torch.Tensor] = []
@@ -125,6 +139,40 @@ class TorchState(ObjectState):
         self._sync_stateful(root)
         self.commits, self.lineage, self._saved = commits, lineage, saved
         super().restore()
+        self.save()
+
+    def _hand_over(self, root: int) -> None:
+        """``take`` where ranks ``holding`` hold the root's commit: the root sends it to the others
+        (two messages: the sizes, then the pickled skeleton and counters with the packed tensors)."""
+        ctx, rank = api.context(), api.rank()
+        model = [t for _, t in sorted(self.model.state_dict().items()) if t is not None] if self.model is not None else []
+        if rank == root:
+            skeleton: Any = None
+            sent: list[torch.Tensor] = []
+            if self.optimizer is not None:
+                skeleton, sent = functions.optimizer_payload(self.optimizer)
+            head = pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5)
+            body = np.concatenate([np.frombuffer(head, dtype=np.uint8), functions.pack(model + sent)])
+            sizes = np.array([len(head), body.size], dtype=np.int64)
+
+            async def send(w: Any, to: int) -> None:
+                await w.send(sizes, to, HANDOFF_SIZES)
+                await w.send(body, to, HANDOFF)
+
+            self.handoffs += [ctx.submit(functools.partial(send, to=r)) for r in range(api.size()) if r not in self.holding]
+            return
+        if rank in self.holding:
+            return  # it holds this commit already: nothing to take
+        sizes = ctx.call(lambda w: w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES))
+        body = ctx.call(lambda w: w.recv(np.empty(int(sizes[1]), dtype=np.uint8), root, HANDOFF))
+        skeleton, commits, lineage, saved = pickle.loads(body[: int(sizes[0])].tobytes())
+        received = functions.receivers(skeleton) if skeleton is not None else []
+        functions.unpack_into(body[int(sizes[0]):], model + received)
+        if skeleton is not None:
+            assert self.optimizer is not None
+            functions.load_optimizer_payload(self.optimizer, skeleton, received)
+        self.commits, self.lineage, self._saved = commits, lineage, saved
+        ObjectState.restore(self)
         self.save()
 
     def snapshot(self) -> object:
@@ -191,6 +239,10 @@ def _copied(saved: Any, live: Any) -> Any:
         return type(live)(_copied(o, v) for o, v in zip(old_items, live, strict=True))
     return copy.deepcopy(live)
 
+
+# The names of a sync's messages from the root to a rank that lacks its commit (TorchState._hand_over).
+HANDOFF_SIZES = "ringserve.elastic.handoff.sizes"
+HANDOFF = "ringserve.elastic.handoff"
 
 # Values of TorchState's extras kept by their state_dict() rather than pickled.
 _STATEFUL = (torch.nn.Module, torch.optim.Optimizer, ElasticSampler)

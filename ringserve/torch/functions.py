@@ -50,6 +50,33 @@ def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def pack(tensors: list[torch.Tensor]) -> np.ndarray:
+    """The bytes of ``tensors`` in one new array, each at an aligned offset (``unpack_into`` reads
+    them back into tensors of the same shapes and dtypes)."""
+    offsets, total = _aligned_offsets(tensors)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    for t, start in zip(tensors, offsets, strict=True):
+        flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
+    return flat.numpy()
+
+
+def unpack_into(flat: np.ndarray, tensors: list[torch.Tensor]) -> None:
+    """Copies ``pack``'s bytes into ``tensors``, in place.
+
+    Raises:
+        InvalidArgumentError: ``flat`` is not the size that tensors of these shapes and dtypes pack to.
+    """
+    offsets, total = _aligned_offsets(tensors)
+    if flat.size != total:
+        raise InvalidArgumentError(f"received {flat.size} bytes of tensors where these tensors take {total}: "
+                                   "the ranks' models or optimizers differ in their shapes or dtypes")
+    received = torch.from_numpy(flat)
+    with torch.no_grad():
+        for t, start in zip(tensors, offsets, strict=True):
+            nbytes = t.numel() * t.element_size()
+            t.copy_(received[start: start + nbytes].view(t.dtype).view(t.shape))
+
+
 def _broadcast(array: np.ndarray, root_rank: int, name: str, process_set: ProcessSet | None) -> np.ndarray:
     return basics.wait(basics.submit(lambda w: w.broadcast(array, root=root_rank, name=name, process_set=process_set)))
 

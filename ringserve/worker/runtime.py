@@ -234,6 +234,8 @@ class Worker:
     barrier = delegate("collectives", Collectives.barrier)
     broadcast_object = delegate("collectives", Collectives.broadcast_object)
     allgather_object = delegate("collectives", Collectives.allgather_object)
+    send = delegate("collectives", Collectives.send)
+    recv = delegate("collectives", Collectives.recv)
     add_process_set = delegate("collectives", Collectives.add_process_set)
     add_process_sets = delegate("collectives", Collectives.add_process_sets)
     remove_process_set = delegate("collectives", Collectives.remove_process_set)

@@ -21,6 +21,15 @@ from ringserve import api
 from ringserve.torch import elastic
 
 
+def claim(marker: str) -> bool:
+    """Whether this process is the first to create ``marker``."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def main() -> None:
     log_path, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     hvd.init()
@@ -38,6 +47,16 @@ def main() -> None:
             for tensor in model.state_dict().values():
                 digest.update(tensor.detach().contiguous().numpy().tobytes())
             return digest.hexdigest()
+
+        def _hand_over(self, root: int) -> None:
+            # DIE_AT_HANDOFF=PATH (test_handoff.py): the first root that is to send the state to a
+            # rank lacking it dies instead, before sending anything (PATH claims it, once).
+            marker = os.environ.get("DIE_AT_HANDOFF")
+            lacking = [r for r in range(hvd.size()) if r not in self.holding]
+            if marker and hvd.rank() == root and lacking and claim(marker):
+                print(f"root {root} dies before handing the state to ranks {lacking}", flush=True)
+                os._exit(9)
+            super()._hand_over(root)
 
     state = Logged(model=model, optimizer=optimizer, step=0)
 
@@ -57,8 +76,11 @@ def main() -> None:
     train(state)
     # The allreduces this process ran (tests/elastic/test_rides.py): one a step where each commit's
     # check rides on the step's gradient allreduce (a single bucket here), two where it does not.
-    allreduces = api.context().worker.counters.latency["allreduce"].count
-    print(f"finished at step {state.step} after {allreduces} allreduces", flush=True)
+    # And the broadcasts: none in a joiner, which takes the state point to point (test_handoff.py).
+    latency = api.context().worker.counters.latency
+    broadcasts = latency["broadcast"].count if "broadcast" in latency else 0
+    print(f"finished at step {state.step} after {latency['allreduce'].count} allreduces and {broadcasts} broadcasts",
+          flush=True)
     hvd.shutdown()
 
 

@@ -24,7 +24,7 @@ from ringserve.config import WorkerConfig
 from ringserve.errors import InvalidArgumentError
 from ringserve.worker.dataplane.plane import Plane
 from ringserve.worker.dataplane.session import Session
-from ringserve.worker.ops import adasum, collectives, grouped
+from ringserve.worker.ops import adasum, collectives, grouped, p2p
 from ringserve.worker.ops import join as joining
 from ringserve.worker.ops import process_sets as sets
 from ringserve.worker.ops.arguments import non_finite_error
@@ -218,6 +218,21 @@ class Collectives:
         """Returns root's picklable ``obj`` on every rank. Objects travel only between the view's peers."""
         session, position = self._rooted(process_set, root)
         return await collectives.broadcast_object(session, obj, root=position, name=name, **self._opts())
+
+    async def send(self, a: np.ndarray, dest: int, name: str) -> None:
+        """Sends ``a`` (contiguous) to rank ``dest`` of this view: done once it is on the link (see
+        worker/ops/p2p.py); the ``n``-th send called ``name`` to ``dest`` meets its ``n``-th recv
+        of that name from this rank."""
+        plane = self.plane()
+        session = plane.session(p2p.pair(plane.place.rank, dest))
+        await p2p.send(session, np.ascontiguousarray(a), name=name, **self._opts())
+
+    async def recv(self, out: np.ndarray, source: int, name: str) -> np.ndarray:
+        """Receives into ``out`` the next message called ``name`` from rank ``source`` of this view;
+        its dtype and size must be the sent array's (MismatchError names both otherwise)."""
+        plane = self.plane()
+        session = plane.session(p2p.pair(source, plane.place.rank))
+        return await p2p.recv(session, out, name=name, **self._opts())
 
     async def allgather_object(self, obj: object, name: str | None = None, *,
                                process_set: ProcessSet | None = None) -> list[object]:
