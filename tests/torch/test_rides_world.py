@@ -30,6 +30,7 @@ def test_a_commits_check_rides_on_the_gradient_allreduce_and_falls_back_where_no
             assert got["carries"], f"{kind}: the optimizer does not carry rides"
             assert got["answer"] == [True, False], f"{kind}: the last rank's flag came back as {got['answer']}"
             assert got["answered"] == 1, f"{kind}: the answer was announced {got['answered']} times"
+            assert got["buckets"] > 1, f"{kind}: one bucket carried the ride"
         assert rank["steady"] == 1.0, f"{rank['steady']} allreduces a commit with a step between: the check did not ride"
         assert rank["no_step"] == 1.0, f"{rank['no_step']} allreduces a commit with no step: no check of its own ran"
     assert len({rank["sha"] for rank in ranks}) == 1, "the replicas' parameters differ"

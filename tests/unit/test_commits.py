@@ -113,9 +113,15 @@ def test_a_view_whose_members_all_made_a_new_state_starts_a_lineage_above_the_ma
     assert plan_sync([INITIAL, c(3, lineage=2)], c(15, lineage=2), [True, True]) == Renew(root=1, lineage=3)
 
 
-def test_a_view_where_one_member_did_not_renew_its_state_has_lost_it() -> None:
-    # A fresh process (it reported nothing) beside renewed ones: the holders' commit is gone.
-    assert plan_sync([INITIAL, INITIAL], c(15), [True, False]) == Lost(mark=c(15), best=INITIAL, best_rank=0)
+def test_a_fresh_process_beside_members_that_renewed_their_state_joins_the_new_training() -> None:
+    assert plan_sync([INITIAL, INITIAL], c(15), [True, None]) == Renew(root=0, lineage=1)
+
+
+def test_a_view_where_a_member_that_reported_did_not_renew_or_nobody_renewed_has_lost_the_state() -> None:
+    # A member holding less than the mark without having renewed: the commit's holders are gone.
+    assert plan_sync([INITIAL, c(3)], c(15), [True, False]) == Lost(mark=c(15), best=c(3), best_rank=1)
+    # Fresh processes only: the restarted holders' state is gone.
+    assert plan_sync([INITIAL, INITIAL], c(15), [None, None]) == Lost(mark=c(15), best=INITIAL, best_rank=0)
     assert plan_sync([c(15), INITIAL], c(15), [False, True]) == TakeRoot(0)  # the mark is held: no question
 
 

@@ -65,22 +65,25 @@ def allreduces() -> int:
 def answers() -> dict[str, Any]:
     kinds: dict[str, dict[str, Any]] = {
         "plain": {}, "fp16": {"compression": hvd.Compression.fp16}, "bf16": {"compression": hvd.Compression.bf16},
-        "int8": {"compression": hvd.Compression.int8}, "powersgd": {"compression": hvd.Compression.powersgd(rank=1)},
+        "int8": {"compression": hvd.Compression.int8},
+        "powersgd": {"compression": hvd.Compression.powersgd(rank=1, start_powerSGD_iter=0)},
         "predivide": {"gradient_predivide_factor": 2.0}, "sum": {"op": hvd.Sum},
     }
     out = {}
     last = hvd.rank() == hvd.size() - 1
     for name, kwargs in kinds.items():
         model = net()
+        # A bucket a parameter (fusion_bytes=1): several carry the ride, and the first answer alone
+        # starts the commit's report.
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                       **kwargs)
+                                       fusion_bytes=1, **kwargs)
         answered: list[int] = []
         ride = rider.Ride(np.array([1, 0] if last else [0, 0]), on_answer=functools.partial(answered.append, 1))
         rider.publish(ride)
         train_step(model, opt, 0)
         rider.withdraw()
         out[name] = {"carries": opt.carries_rides, "answer": None if ride.answer is None else ride.answer.tolist(),
-                     "answered": len(answered)}
+                     "answered": len(answered), "buckets": len(opt._buckets)}
     return out
 
 
