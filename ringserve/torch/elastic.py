@@ -140,7 +140,8 @@ class TorchState(ObjectState):
     def _hand_over(self, root: int) -> None:
         """``take`` where ranks ``holding`` hold the root's commit: the root sends it to the others
         in two messages (the sizes, then the pickled skeleton and counters, followed by the packed
-        tensors). The root makes no optimizer state that the holders lack."""
+        tensors), and each answers once it has them. The root makes no optimizer state that the
+        holders lack."""
         ctx, rank = api.context(), api.rank()
         if rank == root:
             skeleton: Any = None
@@ -154,6 +155,10 @@ class TorchState(ObjectState):
             async def send(w: Any, to: int) -> None:
                 await w.send(sizes, to, HANDOFF_SIZES)
                 await w.send(body, to, HANDOFF)
+                # A send is done once its frames are on the link: the receiver's word that it has
+                # them keeps a root that is done (its last commit, then shutdown) from closing the
+                # link under them (chaos campaign, seed 13: a joiner admitted at the last commit).
+                await w.recv(np.zeros(1, dtype=np.int64), to, HANDOFF_ACK)
 
             self.handoffs += [ctx.submit(functools.partial(send, to=r)) for r in range(api.size()) if r not in self.holding]
         if rank in self.holding:
@@ -161,6 +166,7 @@ class TorchState(ObjectState):
             return
         sizes = ctx.call(lambda w: w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES))
         body = ctx.call(lambda w: w.recv(np.empty(int(sizes[1]), dtype=np.uint8), root, HANDOFF))
+        ctx.call(lambda w: w.send(np.ones(1, dtype=np.int64), root, HANDOFF_ACK))
         head_bytes = int(sizes[0])
         payload = pickle.loads(body[:head_bytes].tobytes())
         sent = self._receivers(payload[0])
@@ -258,6 +264,7 @@ def _copied(saved: Any, live: Any) -> Any:
 # The names of a sync's messages from the root to a rank that lacks its commit (TorchState._hand_over).
 HANDOFF_SIZES = "ringserve.elastic.handoff.sizes"
 HANDOFF = "ringserve.elastic.handoff"
+HANDOFF_ACK = "ringserve.elastic.handoff.ack"
 
 # Values of TorchState's extras kept by their state_dict() rather than pickled.
 _STATEFUL = (torch.nn.Module, torch.optim.Optimizer, ElasticSampler)

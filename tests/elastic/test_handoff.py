@@ -3,9 +3,10 @@
 When a worker comes into a running torch world, the members already hold the commit the view
 takes: only the joiner needs it, and the root sends it to the joiner alone (TorchState.take's
 handoff) instead of a broadcast that every member waits in. These tests run the torch loop of the
-chaos tests: a joiner comes in and ends with the members' parameters; and, forced, the root dies
+chaos tests: a joiner comes in and ends with the members' parameters; forced, the root dies
 before it sends anything: the joiner's receive fails, the others form a view without the root,
-and the joiner takes the state from the new root.
+and the joiner takes the state from the new root; and a joiner admitted at the last commit gets
+the state before the members, done, leave (the root waits for its word that it has it).
 """
 
 from __future__ import annotations
@@ -62,3 +63,25 @@ def test_a_root_that_dies_before_its_handoff_leaves_the_joiner_to_take_the_state
     assert re.search(r"rank \d+ view \d+: .*; restoring the last commit", joiner_log), joiner_log[-4000:]
     harness.check_invariants(records, STEPS)
     assert any(r["pid"] == joiner for r in records), "the joiner never committed"
+
+
+def test_a_joiner_admitted_at_the_last_commit_has_the_state_before_the_members_leave(tmp_path: Path) -> None:
+    run = harness.start(tmp_path, workers=2, steps=40, pause_s=0.02, min_np=2, max_np=3, restart=False,
+                        worker=harness.TORCH_WORKER, env={"HOLD_FOR_JOINER": "1"})
+    joiner = None
+    try:
+        address = harness.coordinator_address(run)
+        run.wait_for_step(38, 60)
+        joiner = harness.start_worker(address, run.log, 40, 0.02, worker=harness.TORCH_WORKER,
+                                      output=tmp_path / "joiner.log")
+        code, out = run.finish(120)
+        joiner_code = joiner.wait(90)
+    finally:
+        for p in (joiner, run.launcher):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    joiner_log = (tmp_path / "joiner.log").read_text()
+    assert code == 0, out[-4000:]
+    assert joiner_code == 0, joiner_log[-4000:]
+    assert "finished at step 40" in joiner_log, joiner_log[-4000:]
