@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from reference import numpy_reduce
 
-from ringserve import MismatchError, Worker, selection
+from ringserve import MismatchError, Worker
 from ringserve.selection import HALVING_DOUBLING, RECURSIVE_DOUBLING, RING, RING2D, TREE
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,8 +126,7 @@ async def test_workers_that_disagree_on_the_algorithm_fail_with_a_mismatch_namin
 async def test_auto_measures_the_links_once_per_view_and_the_timeline_names_the_algorithm(
         world_factory, tmp_path: Path) -> None:
     template = str(tmp_path / "trace")
-    # auto, links measured: a ring across two hosts (on one, nothing is measured: see below)
-    world = await world_factory(4, timeline=template, each=lambda i: {"hostname": f"host-{i // 2}"})
+    world = await world_factory(4, timeline=template)  # auto, links measured
     for _ in range(2):
         await world.map("allreduce", [np.ones(8, dtype=np.float32)] * 4, op="sum", name="t")
     measured = [await w.node.planes.current.measures.links(w.node.planes.current.session())  # type: ignore[union-attr]
@@ -139,14 +138,3 @@ async def test_auto_measures_the_links_once_per_view_and_the_timeline_names_the_
     events = json.loads(Path(f"{template}.0.json").read_text())
     spans = [e for e in events if e.get("name", "").startswith("allreduce t#")]
     assert len(spans) == 2 and all("algorithm" in e["args"] for e in spans)
-
-
-async def test_auto_measures_nothing_on_a_ring_of_one_host_whose_class_no_measure_changes(world_factory) -> None:
-    # selection.link_class: HOST whatever was measured. The measure cost every view's first
-    # collective about 25 ms, which each joiner's admission made the members pay (issue 45).
-    world = await world_factory(3)
-    await world.map("allreduce", [np.ones(8, dtype=np.float32)] * 3, op="sum", name="t")
-    assert all(not any(op == "links" for op, _ in w.counters.algorithms) for w in world.workers)
-    figures = [await w.node.planes.current.measures.links(w.node.planes.current.session())  # type: ignore[union-attr]
-               for w in world.workers]
-    assert all(selection.planned(f, hosts=(0, 0, 0), n=3) == selection.HOST_LINKS for f in figures)
