@@ -338,6 +338,9 @@ class WorkerConfig(SecuritySettings):
             bound port to another one; 0 (the default) advertises the bound port.
         hostname: groups workers into local ranks; defaults to the machine's name.
         rank_hint: preferred rank in the first view (the launcher's process index), or -1.
+        gang, gang_size: workers admitted only together (``ringserve.torch.hsdp`` sets them: the
+            ranks of one replica group): the coordinator takes a worker of gang ``gang`` into a
+            view only with ``gang_size`` of them. Empty (the default): no gang.
         chunk_bytes: the ring pipelines chunks of at most this size; a ring whose ranks are all
             on hosts of their own runs a large allreduce or reduce-scatter in frames of up to four
             (selection.ring_chunk). Every worker must set the same value.
@@ -482,6 +485,8 @@ class WorkerConfig(SecuritySettings):
     advertise_port: int = 0
     hostname: str = field(default_factory=socket.gethostname)
     rank_hint: int = -1
+    gang: str = ""
+    gang_size: int = 0
     chunk_bytes: int = 2 * MiB
     connect_timeout_s: float = 10.0
     rendezvous_timeout_s: float = 120.0

@@ -11,9 +11,11 @@ RuntimeError
     │   ├── CollectiveTimeoutError  a collective passed its deadline
     │   │   └── GroupTimedOutError  an op of a torch group that an earlier timeout broke
     │   ├── CorruptFrameError     a chunk failed its checksum: aborted on every rank, never summed
+    │   ├── GroupMemberFailedError  a step failed on another rank of this HSDP replica group
     │   └── ShardUnavailableError  a parameter-server shard did not answer, nor come back in time
     ├── NonFiniteError            a reduced result holds NaN or Inf (raised on every rank alike)
     ├── HostsUpdatedInterrupt     membership changes at a commit: wait for the view, no rollback
+    ├── ReplicaGroupLostError     a rank of this HSDP replica group died: exit, the group restarts
     ├── StateLostError            every worker holding the last commit died and no durable copy
     │                             exists: the job cannot go on without going back; never retried
     ├── CoordinatorUnreachableError  the coordinator did not answer within its deadline
@@ -96,6 +98,30 @@ class ShardUnavailableError(RecoverableError):
         self.address = address
         message = f"Parameter-server shard {shard} (last at {address or 'no address yet'}) was not available within {waited_s:g} s"
         super().__init__(f"{message}: {detail}" if detail else message + ".")
+
+
+class GroupMemberFailedError(RecoverableError):
+    """A step of the elastic world passed on this rank and failed on another rank of its replica
+    group (``ringserve.torch.hsdp``): every rank of the group restores its last commit, as those
+    that failed do, so that none goes on alone into the group's next collective."""
+
+    def __init__(self, group: str, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        super().__init__(f"A step failed on another rank of replica group {group!r} (this is its rank {rank}); "
+                         f"the whole group restores its last commit")
+
+
+class ReplicaGroupLostError(RingserveError):
+    """A rank of this process's replica group (``ringserve.torch.hsdp``) died: the group's own
+    backend failed under it. The group's shards cannot be served any more; the process should
+    exit, and its launcher start the whole group again (it then rejoins as a new group)."""
+
+    def __init__(self, group: str, rank: int, detail: str) -> None:
+        self.group = group
+        self.rank = rank
+        super().__init__(f"Replica group {group!r} lost a rank (this is its rank {rank}): its process group "
+                         f"failed ({detail}); exit, and start the group again whole")
 
 
 class NonFiniteError(RingserveError):

@@ -40,7 +40,7 @@ class View(_message.Message):
     def __init__(self, view_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., left_worker_ids: _Optional[_Iterable[str]] = ..., failed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("address", "hostname", "rank_hint", "worker_id", "view_id", "rank", "view_size", "prepare")
+    __slots__ = ("address", "hostname", "rank_hint", "worker_id", "view_id", "rank", "view_size", "prepare", "gang", "gang_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     RANK_HINT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class JoinRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
+    GANG_FIELD_NUMBER: _ClassVar[int]
+    GANG_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     hostname: str
     rank_hint: int
@@ -57,7 +59,9 @@ class JoinRequest(_message.Message):
     rank: int
     view_size: int
     prepare: bool
-    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., view_size: _Optional[int] = ..., prepare: _Optional[bool] = ...) -> None: ...
+    gang: str
+    gang_size: int
+    def __init__(self, address: _Optional[str] = ..., hostname: _Optional[str] = ..., rank_hint: _Optional[int] = ..., worker_id: _Optional[str] = ..., view_id: _Optional[int] = ..., rank: _Optional[int] = ..., view_size: _Optional[int] = ..., prepare: _Optional[bool] = ..., gang: _Optional[str] = ..., gang_size: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "heartbeat_timeout_s", "preparing", "provisional_rank", "provisional_size", "provisional_local_rank", "provisional_local_size")

@@ -182,11 +182,28 @@ def admissible(state: State) -> int:
 
 def _kept_out(state: State) -> set[str]:
     """Workers that joined but may not be admitted yet: held out after a cut (ringcheck), or
-    preparing to join a running world. A world that forms (no view running) takes those preparing too."""
+    preparing to join a running world (a world that forms, with no view running, takes those
+    preparing too), and the waiting workers of a gang that the view would not then hold whole."""
     out = state.held.keys() & state.workers.keys()
-    if not state.view.members or not state.preparing:
-        return out
-    return out | {w for w in state.preparing if w in state.workers and state.view.rank_of(w) is None}
+    if state.view.members and state.preparing:
+        out |= {w for w in state.preparing if w in state.workers and state.view.rank_of(w) is None}
+    return out | _short_gangs(state, out)
+
+
+def _short_gangs(state: State, out: set[str]) -> set[str]:
+    """The waiting workers of every gang (MemberInfo.gang) that has fewer than its gang_size
+    workers in the view or admissible (not in ``out``): a replica group of fault-tolerant HSDP
+    shares its model's shards, and a part of it could train nothing, so it comes in whole."""
+    waiting_gangs = {m.gang for m in state.workers.values() if m.gang and state.view.rank_of(m.worker_id) is None}
+    if not waiting_gangs:
+        return set()
+    counts: dict[str, int] = {}
+    for m in state.workers.values():
+        if m.gang in waiting_gangs and (m.worker_id not in out or state.view.rank_of(m.worker_id) is not None):
+            counts[m.gang] = counts.get(m.gang, 0) + 1
+    return {m.worker_id for m in state.workers.values()
+            if m.gang in waiting_gangs and state.view.rank_of(m.worker_id) is None
+            and counts.get(m.gang, 0) < m.gang_size}
 
 
 def provisional(state: State, worker_id: str) -> tuple[int, int, int, int]:
@@ -275,6 +292,8 @@ def _join(state: State, event: Join, now: float) -> State:
         hostname=event.hostname,
         rank_hint=event.rank_hint,
         join_seq=old.join_seq if old else state.join_seq,
+        gang=event.gang,
+        gang_size=event.gang_size,
     )
     claims = state.claims
     first_claim_at = state.first_claim_at

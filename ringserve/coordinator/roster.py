@@ -24,6 +24,8 @@ class MemberInfo:
     hostname: str
     rank_hint: int
     join_seq: int
+    gang: str = ""  # admitted only with gang_size workers of the same gang (see membership._kept_out)
+    gang_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ class Join:
     rank_hint: int = -1
     claim: Claim | None = None
     prepare: bool = False  # admitted to a running world only once Ready
+    gang: str = ""
+    gang_size: int = 0
 
 
 @dataclass(frozen=True)

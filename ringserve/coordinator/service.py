@@ -43,6 +43,8 @@ log = logging.getLogger("ringserve.coordinator")
 STALL_TICKS = 10
 STALL_MIN_S = 1.0
 PARAM_CHUNK_BYTES = 1 << 20
+# The longest gang name a join may give (JoinRequest.gang).
+MAX_GANG_NAME = 256
 # Puts whose chunks are read at once; the others wait their turn unread (HTTP/2 flow control holds
 # their data back at the client). Thirty-two puts read at once kept the loop 0.8 s at a time from
 # heartbeats, and 200 members were declared dead.
@@ -201,8 +203,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"must be below the size, and the size at most max_workers ({self._config.max_workers}).",
                 )
             claim = membership.Claim(request.view_id, request.rank, request.view_size)
+        if bool(request.gang) != (request.gang_size > 0) or request.gang_size > self._config.max_workers \
+                or len(request.gang) > MAX_GANG_NAME:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"A join names gang {request.gang[:MAX_GANG_NAME]!r} of {request.gang_size} workers; a gang needs a "
+                f"name of at most {MAX_GANG_NAME} characters and a size from 1 to max_workers "
+                f"({self._config.max_workers}), or neither.",
+            )
         self.apply(membership.Join(worker_id, request.address, request.hostname, request.rank_hint, claim,
-                                   prepare=request.prepare))
+                                   prepare=request.prepare, gang=request.gang, gang_size=request.gang_size))
         answer = pb.JoinResponse(
             worker_id=worker_id,
             heartbeat_interval_s=membership.heartbeat_interval(self._state),

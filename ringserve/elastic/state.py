@@ -67,6 +67,7 @@ from ringserve.worker.runtime import Worker
 log = logging.getLogger("ringserve.elastic")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class _Leave:
@@ -166,7 +167,7 @@ class State:
         Raises:
             HostsUpdatedInterrupt: the world changes at this commit (``run`` handles it).
         """
-        changes = self._settle()
+        changes = self._agreed(self._settle)
         self.save()
         self.commits += 1
         worker = api.context().worker
@@ -175,7 +176,7 @@ class State:
             self._check = _Check.start(Commit(self.lineage, self.commits), view, rank, ride=self.rides())
             return
         try:
-            self.check_host_updates()
+            self._agreed(self.check_host_updates)
         except HostsUpdatedInterrupt:
             self._confirmed(view, rank, world_changes=True)
             raise
@@ -200,7 +201,7 @@ class State:
     def finish(self) -> None:
         """Takes the answer of the last commit's check: ``run`` calls this when the function
         returns, so that its last commit is confirmed and written like the others."""
-        self._settle()
+        self._agreed(self._settle)
 
     def drop_check(self) -> None:
         """Forgets the last commit's check: a sync (after a restore, or at ``run``'s start) reports
@@ -226,6 +227,11 @@ class State:
                 failed = failed or exc
         if failed is not None and raising:
             raise failed
+
+    def _agreed(self, action: Callable[[], T]) -> T:
+        """Runs ``action``, a step of a commit or a sync that can fail on some ranks and pass on
+        others. A state whose ranks must fail together overrides it (hsdp's replica groups)."""
+        return action()
 
     def rides(self) -> bool:
         """Whether the next step's gradient allreduce can carry a commit's check (see
@@ -335,8 +341,8 @@ class State:
             StateLostError: no member holds the job's last commit and no durable copy exists.
         """
         self.drop_check()
-        root = resume.agree_root(self)
-        self.take(root)
+        root = self._agreed(lambda: resume.agree_root(self))
+        self._agreed(lambda: self.take(root))
         api.context().worker.report_committed(Commit(self.lineage, self.commits), now=True)
 
 class ObjectState(State):

@@ -958,3 +958,45 @@ def test_a_reported_worker_whose_probe_is_refused_is_removed_at_once_whatever_it
     m.at(2.6, probe.result(False, refused=True))
     beat_until(m, 2.7, 3.5, "a", "c")
     assert [r.worker_id for r in m.removed] == ["b"]
+
+
+def test_a_gang_is_admitted_whole_or_not_at_all() -> None:
+    """A replica group of fault-tolerant HSDP (ringserve.torch.hsdp) shares its model's shards:
+    its workers come into a view together, never some of them."""
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.at(5.0, Join("g0", "addr-g0", "host", gang="B/1", gang_size=2), Join("d", "addr-d", "other"))
+    assert admissible(m.state) == 1  # d only: half of gang B/1 is not admissible
+    m.admit(5.1, by="a")
+    assert m.ids() == ["a", "b", "d"]
+    m.at(6.0, Join("g1", "addr-g1", "host", gang="B/1", gang_size=2, prepare=True))
+    assert admissible(m.state) == 0  # both are here, but g1 prepares still: neither comes in
+    m.at(7.0, Ready("g1"))
+    assert admissible(m.state) == 2
+    m.admit(7.1, by="b")
+    assert m.ids() == ["a", "b", "d", "g0", "g1"]
+
+
+def test_a_world_forms_without_a_gang_that_is_not_whole_and_takes_it_once_it_is() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.at(0.0, *(Join(w, f"addr-{w}", "host", gang="A/7", gang_size=2) for w in ("a0", "a1")),
+         Join("c0", "addr-c0", "host", gang="C/3", gang_size=2))
+    m.at(1.5)
+    assert m.ids() == ["a0", "a1"]  # gang C/3 has one worker of two
+    m.at(2.0, Join("c1", "addr-c1", "host", gang="C/3", gang_size=2))
+    m.admit(2.1, by="a0")
+    assert m.ids() == ["a0", "a1", "c0", "c1"]
+
+
+def test_a_new_gang_does_not_complete_the_rest_of_an_old_one() -> None:
+    """A group restarts under a new gang name (hsdp draws one per start), so its new workers never
+    pair with the survivor of the group they replace, which is still in the view until it exits."""
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.at(0.0, *(Join(w, f"addr-{w}", "host", gang="A/1", gang_size=2) for w in ("a0", "a1")))
+    m.at(1.5)
+    m.at(2.0, Leave("a1"))
+    m.at(3.0, Join("n1", "addr-n1", "host", gang="A/2", gang_size=2))
+    assert admissible(m.state) == 0
+    m.at(3.5, Join("n0", "addr-n0", "host", gang="A/2", gang_size=2))
+    assert admissible(m.state) == 2

@@ -206,6 +206,7 @@ class ControlClient:
         request = pb.JoinRequest(
             address=address, hostname=hostname, rank_hint=rank_hint, worker_id=worker_id,
             view_id=view_id, rank=rank, view_size=view_size, prepare=prepare,
+            gang=self._config.gang, gang_size=self._config.gang_size,
         )
         # wait_for_ready: a coordinator that is still starting is waited for, up to the deadline;
         # one that refuses our TLS is not (see _unless_handshake_fails).
