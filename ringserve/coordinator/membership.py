@@ -177,7 +177,11 @@ def admissible(state: State) -> int:
     """Waiting workers that the next view would take, within max_workers (none still held out,
     nor still preparing)."""
     room = state.rules.max_workers - len(state.view.members)
-    return max(0, min(waiting(state) - len(_kept_out(state)), room))
+    count = max(0, min(waiting(state) - len(_kept_out(state)), room))
+    if count and any(m.gang for m in state.workers.values()):
+        # What the next view would take: max_workers may leave a gang out whole (_desired).
+        count = max(0, len(_desired(state, admitting=True)) - len(state.view.members))
+    return count
 
 
 def _kept_out(state: State) -> set[str]:
@@ -321,9 +325,9 @@ def _remove(state: State, worker_id: str, now: float, *, failed: bool) -> State:
     return remove_all(state, [worker_id], now, failed=failed)
 
 
-def _desired(state: State) -> tuple[MemberInfo, ...]:
+def _desired(state: State, *, admitting: bool = False) -> tuple[MemberInfo, ...]:
     current = {m.worker_id: r for r, m in enumerate(state.view.members)}
-    admitting = state.admit or not state.view.members
+    admitting = admitting or state.admit or not state.view.members
 
     def key(m: MemberInfo) -> tuple[float, float, int]:
         if m.worker_id in current:
@@ -333,7 +337,13 @@ def _desired(state: State) -> tuple[MemberInfo, ...]:
 
     out = _kept_out(state)
     members = [m for m in state.workers.values() if m.worker_id in current or (admitting and m.worker_id not in out)]
-    return tuple(sorted(members, key=key)[: state.rules.max_workers])
+    chosen = sorted(members, key=key)[: state.rules.max_workers]
+    # A gang that max_workers would cut in two stays out whole.
+    taken = {m.worker_id for m in chosen}
+    cut = {m.gang for m in members if m.gang and m.worker_id not in taken}
+    if cut:
+        chosen = [m for m in chosen if m.worker_id in current or m.gang not in cut]
+    return tuple(chosen)
 
 
 def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:

@@ -271,9 +271,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_inner"], name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._inner, name, value)
-
     @property
     def state(self) -> Any:  # type: ignore[override]
         return self._inner.state

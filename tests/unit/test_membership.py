@@ -1000,3 +1000,14 @@ def test_a_new_gang_does_not_complete_the_rest_of_an_old_one() -> None:
     assert admissible(m.state) == 0
     m.at(3.5, Join("n0", "addr-n0", "host", gang="A/2", gang_size=2))
     assert admissible(m.state) == 2
+
+
+def test_a_gang_that_max_workers_would_cut_in_two_stays_out_whole() -> None:
+    m = Machine(min_workers=2, max_workers=4, settle_s=1.0)
+    m.join(0.0, "a", "b")
+    m.at(1.0)
+    m.at(2.0, Join("c", "addr-c", "host"), *(Join(w, f"addr-{w}", "host", gang="G/1", gang_size=2) for w in ("g0", "g1")))
+    assert admissible(m.state) == 1  # c: the members ask for no admission that takes nobody
+    m.admit(2.1, by="a")
+    assert m.ids() == ["a", "b", "c"]  # room for one more: not for half of G/1
+    assert admissible(m.state) == 0
