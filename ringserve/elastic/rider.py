@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 SLOTS = 2  # the flags: some rank saw workers waiting to join; some rank wants to leave
+HEAL = 1  # after them: 1 from a rank whose state is still on its way (a healing step, below)
 
 
 class Ride:
@@ -53,9 +54,11 @@ class Ride:
 
 
 class _Slot:
-    """The ride that allreduces starting now carry (one per process: one elastic state runs at a time)."""
+    """The ride that allreduces starting now carry (one per process: one elastic state runs at a
+    time), and the state this rank waits for while it heals."""
 
     ride: Ride | None = None
+    heal: Callable[[], None] | None = None
 
 
 def publish(ride: Ride) -> None:
@@ -71,3 +74,37 @@ def withdraw() -> None:
 def current() -> Ride | None:
     """The ride that an allreduce starting now carries, if any."""
     return _Slot.ride
+
+
+# -- healing steps ---------------------------------------------------------------------------------
+#
+# A joiner whose state comes point to point (TorchState's handoff) need not stand still for it,
+# nor make the members wait for it: as torchft's recovering replicas do, it takes part in its
+# first step's gradient allreduce with zeros (and presence flags 0) while the state is on its way,
+# and says so in the HEAL slot. Every rank then divides the sum by the ranks that contributed,
+# not by the world's size, so the step is the members' average; the joiner loads the state
+# once the allreduce is back (``heal``, from the optimizer's synchronize, or at the latest at its
+# next commit) and applies that same average to it. The members' step costs them nothing more.
+
+
+def begin_heal(finish: Callable[[], None]) -> None:
+    """This rank heals: ``finish`` waits for its state and loads it."""
+    _Slot.heal = finish
+
+
+def healing() -> bool:
+    """Whether this rank's state is still on its way (its allreduces send zeros and HEAL 1)."""
+    return _Slot.heal is not None
+
+
+def heal() -> None:
+    """Loads the state this rank waits for, if any (once)."""
+    finish, _Slot.heal = _Slot.heal, None
+    if finish is not None:
+        finish()
+
+
+def drop_heal() -> None:
+    """Forgets the state this rank waited for (a failure came first; the next sync sends it again)."""
+    _Slot.heal = None
+

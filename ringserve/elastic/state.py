@@ -167,6 +167,7 @@ class State:
         Raises:
             HostsUpdatedInterrupt: the world changes at this commit (``run`` handles it).
         """
+        rider.heal()  # a joiner's state that no optimizer step took in yet (rider.py)
         changes = self._agreed(self._settle)
         self.save()
         self.commits += 1
@@ -201,6 +202,7 @@ class State:
     def finish(self) -> None:
         """Takes the answer of the last commit's check: ``run`` calls this when the function
         returns, so that its last commit is confirmed and written like the others."""
+        rider.heal()
         self._agreed(self._settle)
 
     def drop_check(self) -> None:
@@ -209,6 +211,7 @@ class State:
         view, or went through (their errors were the view's, and the sync says what it does now)."""
         self._check = None
         rider.withdraw()
+        rider.drop_heal()
         self._handed_off(raising=False)
 
     def _handed_off(self, *, raising: bool = True) -> None:
@@ -595,6 +598,7 @@ def run(func: F) -> F:
             return _run(func, state, args, kwargs)
         finally:
             rider.withdraw()  # a ride published by a commit of a run that ended on an error stays unridden
+            rider.drop_heal()
             state.close_checkpoints(timeout_s)
 
     return wrapper  # type: ignore[return-value]

@@ -52,7 +52,8 @@ class Bucket:
         # out of every block of a block-scaled codec that holds gradients (see ringserve.codecs).
         self.flags_at = offset + gap
         self.rider_at = self.flags_at + len(params)
-        self.buffer = torch.zeros(self.rider_at + rider.SLOTS, dtype=params[0].dtype, device="cpu", pin_memory=pinned)
+        self.heal_at = self.rider_at + rider.SLOTS
+        self.buffer = torch.zeros(self.heal_at + rider.HEAL, dtype=params[0].dtype, device="cpu", pin_memory=pinned)
         self.ride: rider.Ride | None = None  # the commit's check that this reduction carries
         self.residual: Any = None  # error feedback: what this rank's encodings lost last time
         self.ready = 0

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ringserve import api
-from ringserve.elastic import ObjectState, State, run
+from ringserve.elastic import ObjectState, State, rider, run
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
 from ringserve.torch.sampler import ElasticSampler
@@ -148,12 +148,14 @@ class TorchState(ObjectState):
             sent: list[torch.Tensor] = []
             if self.optimizer is not None:
                 skeleton, sent = functions.optimizer_payload(self.optimizer, make=False)
-            head = pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5)
-            body = functions.pack(self._model_tensors() + sent, prefix=head)
-            sizes = np.array([len(head), body.size], dtype=np.int64)
+            head = np.frombuffer(pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5),
+                                 dtype=np.uint8)
+            body = functions.pack(self._model_tensors() + sent)
+            sizes = np.array([head.size, body.size], dtype=np.int64)
 
             async def send(w: Any, to: int) -> None:
                 await w.send(sizes, to, HANDOFF_SIZES)
+                await w.send(head, to, HANDOFF_HEAD)
                 await w.send(body, to, HANDOFF)
                 # A send is done once its frames are on the link: the receiver's word that it has
                 # them keeps a root that is done (its last commit, then shutdown) from closing the
@@ -165,14 +167,37 @@ class TorchState(ObjectState):
             self.save()  # as every rank does after a sync: the live state, reset callbacks' changes included
             return
         sizes = ctx.call(lambda w: w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES))
-        body = ctx.call(lambda w: w.recv(np.empty(int(sizes[1]), dtype=np.uint8), root, HANDOFF))
-        ctx.call(lambda w: w.send(np.ones(1, dtype=np.int64), root, HANDOFF_ACK))
-        head_bytes = int(sizes[0])
-        payload = pickle.loads(body[:head_bytes].tobytes())
+        head = ctx.call(lambda w: w.recv(np.empty(int(sizes[0]), dtype=np.uint8), root, HANDOFF_HEAD))
+        payload = pickle.loads(head.tobytes())
         sent = self._receivers(payload[0])
-        functions.unpack_into(body, self._model_tensors() + sent, prefix_bytes=head_bytes)
-        self._load(payload, sent)
-        self._taken(payload)
+
+        async def receive(w: Any) -> np.ndarray:
+            body: np.ndarray = await w.recv(np.empty(int(sizes[1]), dtype=np.uint8), root, HANDOFF)
+            await w.send(np.ones(1, dtype=np.int64), root, HANDOFF_ACK)
+            return body
+
+        arriving = ctx.submit(receive)
+        if not self.rides():
+            functions.unpack_into(ctx.wait(arriving), self._model_tensors() + sent)
+            self._load(payload, sent)
+            self._taken(payload)
+            return
+        # A healing step (ringserve.elastic.rider): the loop goes on at once with root's counters
+        # and extras, and this rank's first allreduce sends zeros while the tensors are on their
+        # way. Its commit stays the one it held until they are in, so that a failure before then
+        # neither restores nor offers anything but what it holds.
+        _, commits, lineage, saved = payload
+        self._saved = saved
+        ObjectState.restore(self)
+
+        def arrived() -> None:
+            functions.unpack_into(ctx.wait(arriving), self._model_tensors() + sent)
+            self._load(payload, sent)
+            self.commits, self.lineage = commits, lineage
+            self.save()  # root's commit, which the step under way applies its average to
+            self._saved = saved  # its extras as root saved them (the loop may have moved on since)
+
+        rider.begin_heal(arrived)
 
     def _model_tensors(self) -> list[torch.Tensor]:
         """The model's state_dict tensors, by name: what a sync sends first, and writes into in place."""
@@ -263,6 +288,7 @@ def _copied(saved: Any, live: Any) -> Any:
 
 # The names of a sync's messages from the root to a rank that lacks its commit (TorchState._hand_over).
 HANDOFF_SIZES = "ringserve.elastic.handoff.sizes"
+HANDOFF_HEAD = "ringserve.elastic.handoff.head"
 HANDOFF = "ringserve.elastic.handoff"
 HANDOFF_ACK = "ringserve.elastic.handoff.ack"
 

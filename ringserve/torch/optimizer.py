@@ -317,10 +317,11 @@ class DistributedOptimizer(Wrapping):
         core, prescale, postscale = self._scales()
         buf = bucket.buffer
         flags = []
+        heals = self.carries_rides and rider.healing()  # this rank's state is on its way: it sends zeros
         with torch.no_grad():
             for p, (a, b) in zip(bucket.params, bucket.bounds, strict=True):
                 grad = p.grad
-                if grad is None:
+                if grad is None or heals:
                     buf[a:b].zero_()
                     flags.append(0.0)
                     continue
@@ -341,7 +342,7 @@ class DistributedOptimizer(Wrapping):
             buf[bucket.numel:bucket.flags_at].zero_()
             bucket.ride = rider.current() if self.carries_rides else None
             ride = bucket.ride.flags.tolist() if bucket.ride is not None else [0.0] * rider.SLOTS
-            buf[bucket.flags_at:].copy_(torch.tensor(flags + ride, dtype=buf.dtype, device=buf.device))
+            buf[bucket.flags_at:].copy_(torch.tensor(flags + ride + [float(heals)], dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
                 buf.mul_(prescale)
         if self._powersgd is not None and _powersgd.applies(bucket):
@@ -364,10 +365,18 @@ class DistributedOptimizer(Wrapping):
                                             residual=residual, process_set=ps)
             return (result, size), time.perf_counter()
 
+        averages = self._op not in (ops.Sum, ops.Adasum)
+
         def finish(done: tuple[Any, int]) -> torch.Tensor:
             result, size = done
             reduced = self._compression.decompress(_tensors.restore(result, layout), cctx)
-            return reduced.mul_(postscale / size) if postscale else reduced
+            if postscale:
+                reduced.mul_(postscale / size)
+            healers = round(float(reduced[bucket.heal_at]) * (size if averages else 1))
+            if averages and 0 < healers < size:
+                # Ranks that heal sent zeros: the average is over the ranks that contributed.
+                reduced[:bucket.flags_at].mul_(size / (size - healers))
+            return reduced
 
         bucket.started_at = time.perf_counter()
         bucket.future = basics.submit(reduce)
@@ -391,7 +400,7 @@ class DistributedOptimizer(Wrapping):
         flags = out[bucket.flags_at:bucket.rider_at].tolist()
         ride, bucket.ride = bucket.ride, None
         if ride is not None:
-            ride.carried(out[bucket.rider_at:].tolist())
+            ride.carried(out[bucket.rider_at:bucket.heal_at].tolist())
         with torch.no_grad():
             for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
@@ -454,6 +463,8 @@ class DistributedOptimizer(Wrapping):
         self.communication_intervals = intervals
         self._synchronized = True
         self._powersgd_iter += 1
+        if self.carries_rides:
+            rider.heal()  # this rank's state, which the step's average now applies to (rider.py)
 
     def reset(self) -> None:
         """Forgets a step cut short by a failure (elastic training calls it on restore).

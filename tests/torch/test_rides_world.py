@@ -4,6 +4,9 @@ real world of three processes (workers/rides.py).
 - The flags that one rank sets come back above zero on every rank, through every reduction the
   optimizer's buckets use that carries them (plain, fp16, bf16, the int8 codec, PowerSGD, a
   predivide factor, Sum).
+- A rank that heals (its state on its way, rider.begin_heal) sends zeros, and every rank's step
+  is the average (or the sum) of the others' gradients; the heal's load runs once, after the
+  step's reductions, on that rank only.
 - A commit followed by a step costs no allreduce of its own; commits with no step between them
   fall back to the check's own allreduce; a user's compressor (which might not keep a 0 and a 1
   apart) carries nothing, and its commits run their own check.
@@ -34,6 +37,12 @@ def test_a_commits_check_rides_on_the_gradient_allreduce_and_falls_back_where_no
         assert rank["steady"] == 1.0, f"{rank['steady']} allreduces a commit with a step between: the check did not ride"
         assert rank["no_step"] == 1.0, f"{rank['no_step']} allreduces a commit with no step: no check of its own ran"
     assert len({rank["sha"] for rank in ranks}) == 1, "the replicas' parameters differ"
+    for r, rank in enumerate(ranks):
+        for kind, got in rank["healing"].items():
+            # A rank that heals sends zeros; the others' average (or sum) is every rank's gradient.
+            assert got["error"] <= got["tolerance"] * max(1.0, got["scale"]), f"rank {r}, {kind}: {got}"
+            assert got["loads"] == ([True] if r == N - 1 else []), f"rank {r}, {kind}: the heal's load ran {got['loads']}"
+            assert not got["healing_after"], f"rank {r}, {kind}: still healing after the step"
 
 
 def test_a_users_compressor_carries_no_ride_and_each_commit_runs_its_own_check(world_runner: RunWorld) -> None:

@@ -12,6 +12,9 @@ Writes OUT_DIR/rank{r}.json (with ``user``: only ``user_compressor``) with, per 
   own allreduce: one);
 - ``user_compressor`` (a world of its own: one job, one elastic state): allreduces per commit
   with a compressor of the user's, which rides refuse (the bucket and the check: two);
+- ``healing``: the last rank heals through one step of each kind of optimizer that carries rides
+  (``rider.begin_heal``): every rank's reduced gradient against the other ranks' average (or
+  sum), and when the heal's load ran on the last rank (once, after the step's reductions);
 - ``sha``: the parameters' digest at the end (every rank alike).
 """
 
@@ -80,6 +83,44 @@ def answers() -> dict[str, Any]:
     return out
 
 
+def healing() -> dict[str, Any]:
+    """The last rank heals (its state on its way) through one step of each kind of optimizer that
+    carries rides: the gradient every rank ends with, against the average (or sum) of the other
+    ranks' own gradients, and how often the heal's load ran, and when."""
+    kinds: dict[str, dict[str, Any]] = {
+        "plain": {}, "fp16": {"compression": hvd.Compression.fp16}, "bf16": {"compression": hvd.Compression.bf16},
+        "predivide": {"gradient_predivide_factor": 2.0}, "sum": {"op": hvd.Sum},
+    }
+    out = {}
+    heals = hvd.rank() == hvd.size() - 1
+    for name, kwargs in kinds.items():
+        own = net()
+        g = torch.Generator().manual_seed(hvd.rank())
+        torch.nn.functional.cross_entropy(own(torch.randn(8, 16, generator=g)),
+                                          torch.randint(0, 4, (8,), generator=g)).backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in own.parameters()])
+        everyone = hvd.allgather(mine.unsqueeze(0), name=f"healing.{name}")
+        contributors = everyone[:-1]
+        expected = contributors.sum(0) if name == "sum" else contributors.mean(0)
+        model = net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                       fusion_bytes=1, **kwargs)
+        loads: list[bool] = []
+        if heals:
+            rider.begin_heal(lambda opt=opt, loads=loads: loads.append(opt._synchronized))
+        g = torch.Generator().manual_seed(hvd.rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
+                                          torch.randint(0, 4, (8,), generator=g)).backward()
+        opt.synchronize()
+        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        tolerance = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-6)
+        out[name] = {"error": float((got - expected).abs().max()), "tolerance": tolerance,
+                     "scale": float(expected.abs().max()), "loads": loads, "healing_after": rider.healing()}
+        rider.drop_heal()
+    return out
+
+
 def per_commit(state: elastic.TorchState, commits: int, between: Any) -> float:
     before = allreduces()
     for _ in range(commits):
@@ -92,7 +133,7 @@ def main() -> None:
     out_dir, user = Path(sys.argv[1]), sys.argv[2:] == ["user"]
     hvd.init()
     torch.set_num_threads(1)
-    result: dict[str, Any] = {} if user else {"answers": answers()}
+    result: dict[str, Any] = {} if user else {"answers": answers(), "healing": healing()}
     model = net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                                    compression=Identity if user else hvd.Compression.none)
