@@ -180,7 +180,7 @@ def admissible(state: State) -> int:
     count = max(0, min(waiting(state) - len(_kept_out(state)), room))
     if count and any(m.gang for m in state.workers.values()):
         # What the next view would take: max_workers may leave a gang out whole (_desired).
-        count = max(0, len(_desired(state, admitting=True)) - len(state.view.members))
+        count = len([m for m in _desired(state, admitting=True) if state.view.rank_of(m.worker_id) is None])
     return count
 
 
@@ -336,14 +336,23 @@ def _desired(state: State, *, admitting: bool = False) -> tuple[MemberInfo, ...]
         return (1, hint, m.join_seq)
 
     out = _kept_out(state)
-    members = [m for m in state.workers.values() if m.worker_id in current or (admitting and m.worker_id not in out)]
-    chosen = sorted(members, key=key)[: state.rules.max_workers]
-    # A gang that max_workers would cut in two stays out whole.
-    taken = {m.worker_id for m in chosen}
-    cut = {m.gang for m in members if m.gang and m.worker_id not in taken}
-    if cut:
-        chosen = [m for m in chosen if m.worker_id in current or m.gang not in cut]
-    return tuple(chosen)
+    members = sorted((m for m in state.workers.values() if m.worker_id in current or (admitting and m.worker_id not in out)),
+                     key=key)
+    if not any(m.gang for m in members):
+        return tuple(members[: state.rules.max_workers])
+    # A gang comes in whole or not at all: one that max_workers would cut in two stays out, and
+    # the workers after it may take the room it leaves.
+    chosen: list[MemberInfo] = []
+    taken: set[str] = set()
+    for m in members:
+        if m.worker_id in taken:
+            continue
+        mates = [m] if not m.gang or m.worker_id in current else \
+            [x for x in members if x.gang == m.gang and x.worker_id not in current]
+        if len(chosen) + len(mates) <= state.rules.max_workers:
+            chosen += mates
+        taken.update(x.worker_id for x in mates)
+    return tuple(sorted(chosen, key=key))
 
 
 def _recover(state: State, now: float) -> tuple[State, list[Action]] | None:

@@ -304,8 +304,13 @@ def seen(state: State) -> dict[str, float]:
 
 
 def remove_all(state: State, worker_ids: list[str], now: float, *, failed: bool) -> State:
-    """Removes several workers with one copy of each table, however many they are."""
+    """Removes several workers with one copy of each table, however many they are; and with each
+    worker of a gang, the rest of its gang (a replica group that lost a rank cannot train: its
+    other ranks, alive or not, leave the view with it, and come back only as a whole gang)."""
     gone = frozenset(worker_ids)
+    gangs = {state.workers[w].gang for w in gone if w in state.workers and state.workers[w].gang}
+    if gangs:
+        gone |= {w for w, m in state.workers.items() if m.gang in gangs}
     workers = {k: v for k, v in state.workers.items() if k not in gone}
     last_seen = {k: v for k, v in state.last_seen.items() if k not in gone}
     claims = {k: v for k, v in state.claims.items() if k not in gone} if state.claims else state.claims

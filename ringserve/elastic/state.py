@@ -521,7 +521,7 @@ def _exit(state: State, why: str) -> NoReturn:
 LEAVE_POLL_S = 0.25  # how often a worker waiting for a view checks for SIGTERM
 
 
-def _wait_for_view_after(view: int, state: State) -> None:
+def wait_for_view_after(view: int, state: State) -> None:
     """Waits up to elastic_timeout_s for a view newer than ``view``; a SIGTERM meanwhile ends the
     worker (exit 0) at once.
 
@@ -652,6 +652,6 @@ def _run(func: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: 
         finally:
             worker.pin_view(None)
         if not same_view:
-            _wait_for_view_after(view, state)
+            wait_for_view_after(view, state)
         reset = True
 

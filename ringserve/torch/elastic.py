@@ -86,6 +86,13 @@ class TorchState(ObjectState):
         kept = [self.optimizer, *self._stateful.values()]
         return any(isinstance(o, DistributedOptimizer) and o.carries_rides for o in kept)
 
+    def heals(self) -> bool:
+        """Whether a joiner of this state heals (ringserve.elastic.rider) rather than wait for its
+        state: its optimizer sends zeros while the state is on its way, and no extra is kept by
+        its state_dict() (the handoff needs none)."""
+        kept = [self.optimizer, *self._stateful.values()]
+        return any(isinstance(o, DistributedOptimizer) and o.heals_joiners for o in kept)
+
     def restore(self) -> None:
         super().restore()
         if isinstance(self.optimizer, DistributedOptimizer):
@@ -177,7 +184,7 @@ class TorchState(ObjectState):
             return body
 
         arriving = ctx.submit(receive)
-        if not self.rides():
+        if not self.heals():
             functions.unpack_into(ctx.wait(arriving), self._model_tensors() + sent)
             self._load(payload, sent)
             self._taken(payload)
@@ -187,8 +194,8 @@ class TorchState(ObjectState):
         # way. Its commit stays the one it held until they are in, so that a failure before then
         # neither restores nor offers anything but what it holds.
         _, commits, lineage, saved = payload
-        self._saved = saved
-        ObjectState.restore(self)
+        for name, value in copy.deepcopy(saved).items():  # live only: the commit it holds stays its own
+            setattr(self, name, value)
 
         def arrived() -> None:
             functions.unpack_into(ctx.wait(arriving), self._model_tensors() + sent)

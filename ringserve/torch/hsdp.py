@@ -73,7 +73,9 @@ from torch.distributed.tensor import DTensor
 from ringserve import api
 from ringserve.elastic import ObjectState
 from ringserve.elastic import run as elastic_run
+from ringserve.elastic.state import wait_for_view_after
 from ringserve.errors import (
+    CorruptFrameError,
     GroupMemberFailedError,
     HostsUpdatedInterrupt,
     InvalidArgumentError,
@@ -99,8 +101,9 @@ GROUP_TIMEOUT_S = 300.0
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a rank of a group did (ReplicaGroup.agreed): the group takes the worst.
-_PASSED, _WORLD_CHANGES, _FAILED = 0, 1, 2
+# What a rank of a group did (ReplicaGroup.agreed): the group takes the worst. A damaged frame
+# (checksums on) is retried in the same view by every rank of the group, as by the ranks that saw it.
+_PASSED, _WORLD_CHANGES, _CORRUPT, _FAILED = 0, 1, 2, 3
 
 
 @dataclass
@@ -141,22 +144,32 @@ class ReplicaGroup:
             result = action()
         except HostsUpdatedInterrupt as exc:
             mine, caught = _WORLD_CHANGES, exc
+        except CorruptFrameError as exc:
+            mine, caught = _CORRUPT, exc
         except RecoverableError as exc:
             mine, caught = _FAILED, exc
-        worst = self._vote(mine)
+        worst = self.agree_max(mine)
         if worst == mine:
             if caught is not None:
                 raise caught
             return result  # type: ignore[return-value]
         if worst == _FAILED:
             raise GroupMemberFailedError(self.name, self.rank) from caught
+        if worst == _CORRUPT:
+            raise CorruptFrameError("ringserve.hsdp", f"a damaged frame on another rank of replica group {self.name!r}") \
+                from caught
         # Another rank heard of a change of the world that this one did not: the commit's check is
         # one allreduce that either finished (with the same answer everywhere) or failed.
         raise RingChangedError(api.context().worker.running_view, api.context().worker.running_view,
                                f"rank {self.rank} of replica group {self.name!r} missed a change that another saw")
 
-    def _vote(self, mine: int) -> int:
-        word = torch.tensor([mine], dtype=torch.int32)
+    def agree_max(self, mine: int) -> int:
+        """The largest of the group's ranks' ``mine``, on every rank of the group (one allreduce).
+
+        Raises:
+            ReplicaGroupLostError: the group's own backend failed (a rank of it died).
+        """
+        word = torch.tensor([mine], dtype=torch.int64)
         try:
             dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.process_group)
         except RuntimeError as exc:  # DistBackendError: gloo's peer closed its socket
@@ -371,11 +384,27 @@ class HSDPState(ObjectState):
         self.group = group
         self._tensors: list[torch.Tensor] = []  # the model's local tensors, as last saved
         self._optimizer: tuple[Any, dict[int, dict[str, Any]]] = ([], {})
+        if api.context().config.checkpoint_dir:
+            raise UnsupportedError("HSDPState keeps no durable copies (RINGSERVE_CHECKPOINT_DIR is set): each rank "
+                                   "holds one shard, and a copy of rank 0's would not restore the others.")
         super().__init__(**kwargs)
 
     def _agreed(self, action: Callable[[], T]) -> T:
         """Every step of a commit and of a sync passes or fails on every rank of the group alike."""
         return self.group.agreed(action)
+
+    def sync(self) -> None:
+        """As State.sync, in the group's newest view: a rank that heard of a view later than
+        another rank of its group would sync in the older one while the other waits in the newer
+        one, and their agreements would pair steps of different syncs."""
+        worker = api.context().worker
+        mine = worker.view_id
+        newest = self.group.agree_max(mine)
+        if newest > mine:
+            if worker.latest_view < newest:
+                wait_for_view_after(newest - 1, self)
+            worker.pin_view(newest)
+        super().sync()
 
     # -- this rank's shard ------------------------------------------------------------------------
 

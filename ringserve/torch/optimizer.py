@@ -202,6 +202,13 @@ class DistributedOptimizer(Wrapping):
         kind = self._compression if isinstance(self._compression, type) else type(self._compression)
         return self._member and self._process_set is None and kind in (NoneCompressor, FP16Compressor, BF16Compressor)
 
+    @property
+    def heals_joiners(self) -> bool:
+        """Whether a joiner of a world training with this optimizer can heal (ringserve.elastic.rider):
+        send zeros in its first step while its state is on its way. Those that carry rides, but
+        PowerSGD, whose first steps differ with the step count that the state brings."""
+        return self.carries_rides and self._powersgd is None
+
     # -- delegation (the rest is Wrapping's) -----------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,11 +324,19 @@ class DistributedOptimizer(Wrapping):
         core, prescale, postscale = self._scales()
         buf = bucket.buffer
         flags = []
-        heals = self.carries_rides and rider.healing()  # this rank's state is on its way: it sends zeros
+        heals = self.heals_joiners and rider.healing()  # this rank's state is on its way: it sends zeros
         with torch.no_grad():
             for p, (a, b) in zip(bucket.params, bucket.bounds, strict=True):
                 grad = p.grad
-                if grad is None or heals:
+                if heals and grad is not None and grad.is_sparse and not self._sparse_as_dense:
+                    # The others gather every rank's indices: this rank gives none (the sum is
+                    # theirs; divided, as Horovod's sparse average is, by the world's size).
+                    grad = torch.sparse_coo_tensor(torch.empty((grad.sparse_dim(), 0), dtype=torch.long),
+                                                   torch.empty((0, *grad.shape[grad.sparse_dim():]), dtype=grad.dtype),
+                                                   grad.shape, device=grad.device)
+                elif heals:
+                    grad = None
+                if grad is None:
                     buf[a:b].zero_()
                     flags.append(0.0)
                     continue
@@ -463,7 +478,7 @@ class DistributedOptimizer(Wrapping):
         self.communication_intervals = intervals
         self._synchronized = True
         self._powersgd_iter += 1
-        if self.carries_rides:
+        if self.heals_joiners:
             rider.heal()  # this rank's state, which the step's average now applies to (rider.py)
 
     def reset(self) -> None:

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
         loop.call_later(0.2 + k, time.sleep, 1.0)
     began = time.monotonic()
     try:
-        elastic_state._wait_for_view_after(ctx.worker.view_id, ObjectState())
+        elastic_state.wait_for_view_after(ctx.worker.view_id, ObjectState())
     except RendezvousTimeoutError:
         print(f"rendezvous timeout after {time.monotonic() - began:.1f} s", flush=True)
     rs.shutdown()

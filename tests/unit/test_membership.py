@@ -1011,3 +1011,19 @@ def test_a_gang_that_max_workers_would_cut_in_two_stays_out_whole() -> None:
     m.admit(2.1, by="a")
     assert m.ids() == ["a", "b", "c"]  # room for one more: not for half of G/1
     assert admissible(m.state) == 0
+
+
+def test_gangs_that_join_interleaved_come_in_whole_as_room_allows() -> None:
+    m = Machine(min_workers=4, max_workers=4, settle_s=1.0)
+    m.at(0.0, *(Join(w, f"addr-{w}", "host", gang=w[0], gang_size=2) for w in ("a0", "b0", "c0", "a1", "b1", "c1")))
+    m.at(1.5)
+    assert m.ids() == ["a0", "b0", "a1", "b1"]  # a and b fill the room; c waits, whole
+
+
+def test_a_worker_of_a_gang_that_leaves_the_view_takes_the_rest_of_its_gang_with_it() -> None:
+    m = Machine(min_workers=2, settle_s=1.0)
+    m.at(0.0, *(Join(w, f"addr-{w}", "host", gang=w[0], gang_size=2) for w in ("a0", "a1", "b0", "b1")))
+    m.at(1.5)
+    assert m.ids() == ["a0", "a1", "b0", "b1"]
+    m.at(2.0, Leave("b1"))
+    assert m.ids() == ["a0", "a1"]  # b0 cannot train without b1: it goes in the same view
