@@ -36,9 +36,10 @@ Launch each group as its own job with ``RINGSERVE_HSDP_GROUP`` naming it and
 ``RINGSERVE_COORDINATOR`` pointing at the one coordinator; restart a group whole when any of its
 ranks dies. What holds it together:
 
-- **A group comes in whole.** ``init`` draws a gang name for this start of the group and the
-  coordinator admits a gang's ranks only together (``WorkerConfig.gang``), so no view holds part
-  of a group, and a restarted group never pairs with what is left of the one it replaces.
+- **A group comes in whole, and leaves whole.** ``init`` draws a gang name for this start of the
+  group and the coordinator admits a gang's ranks only together (``WorkerConfig.gang``), so no
+  view holds part of a group, and a restarted group never pairs with what is left of the one it
+  replaces; a rank of a gang that leaves the view takes the rest of its gang with it.
 - **A group fails together.** A step can fail on one rank of a group and pass on another (the
   shard-1 set lost a peer after the shard-0 set finished); a rank that went on alone would wait
   forever in FSDP's next all-gather. So every step's outcome, every commit and every sync is
@@ -51,7 +52,8 @@ ranks dies. What holds it together:
   parameters, buffers and optimizer state within the shard-``i`` set, from the rank of one group
   whose ranks all hold the furthest commit (the one of the world's root, where it does).
 
-Durable copies (RINGSERVE_CHECKPOINT_DIR) would need every shard's: a state here refuses them.
+A group syncs in the newest view any of its ranks knows of. Durable copies
+(RINGSERVE_CHECKPOINT_DIR) would need every shard's: a state here refuses them.
 """
 
 from __future__ import annotations

@@ -118,7 +118,31 @@ def healing() -> dict[str, Any]:
         out[name] = {"error": float((got - expected).abs().max()), "tolerance": tolerance,
                      "scale": float(expected.abs().max()), "loads": loads, "healing_after": rider.healing()}
         rider.drop_heal()
+    out["sparse"] = sparse_healing()
     return out
+
+
+def sparse_healing() -> dict[str, Any]:
+    """A sparse gradient (an Embedding's), gathered as Horovod gathers it, while the last rank heals:
+    it gives no index, and the others' sum, divided by the world's size, is every rank's."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    own = torch.nn.Embedding(10, 4, sparse=True)
+    own.load_state_dict(emb.state_dict())
+    idx = torch.tensor([hvd.rank(), (hvd.rank() + 3) % 10])
+    own(idx).sum().backward()
+    everyone = hvd.allgather(own.weight.grad.to_dense().unsqueeze(0), name="healing.sparse")
+    expected = everyone[:-1].sum(0) / hvd.size()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters())
+    loads: list[bool] = []
+    if hvd.rank() == hvd.size() - 1:
+        rider.begin_heal(lambda: loads.append(True))
+    emb(idx).sum().backward()
+    opt.synchronize()
+    got = emb.weight.grad.to_dense()
+    rider.drop_heal()
+    return {"error": float((got - expected).abs().max()), "tolerance": 1e-6, "scale": float(expected.abs().max()),
+            "loads": loads, "healing_after": rider.healing()}
 
 
 def per_commit(state: elastic.TorchState, commits: int, between: Any) -> float:
