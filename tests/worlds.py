@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -114,7 +116,25 @@ SMALL_CHUNK_BYTES = 52
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that need a fixed port)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that need a fixed port).
+
+    Drawn below the kernel's ephemeral range where there is room: a port that a bind to port 0
+    handed out and gave back can be handed out again at once, to a worker's own server that binds
+    port 0 before the fixed-port server starts (fresh-ci: a worker's gRPC port took the payload
+    port chosen for it, whose lane then could not bind).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(10000, low), min(64, low - 10000)) if low > 10100 else []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
