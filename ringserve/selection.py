@@ -113,11 +113,17 @@ CLASS_LINKS = {HOST: HOST_LINKS, LAN: LAN_LINKS, WAN: WAN_LINKS}
 WAN_LATENCY_S = 8e-3
 
 
+def one_host(hosts: tuple[int, ...], n: int) -> bool:
+    """Whether every rank of a ring of ``n`` ranks on ``hosts`` (each rank's host, as the view
+    says; empty: not known) is on one host."""
+    return len(hosts) == n and len(set(hosts)) == 1
+
+
 def link_class(links: LinkCosts, hosts: tuple[int, ...], n: int) -> str:
     """The class of a ring of ``n`` ranks on ``hosts`` (each rank's host, as the view says; empty:
     not known) whose links measured ``links``: HOST where every rank is on one host, whatever was
     measured; else WAN from WAN_LATENCY_S one way, LAN below it."""
-    if len(hosts) == n and len(set(hosts)) == 1:
+    if one_host(hosts, n):
         return HOST
     return WAN if links.latency_s >= WAN_LATENCY_S else LAN
 

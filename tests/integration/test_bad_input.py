@@ -105,6 +105,22 @@ async def test_a_root_mismatch_raises_mismatch_error_on_every_rank(world) -> Non
 
 
 @pytest.mark.parametrize("world", [3], indirect=True)
+async def test_a_root_mismatch_whose_two_trees_reach_a_rank_before_it_opens_is_still_a_mismatch(world) -> None:
+    # Forced: rank 2 opens the broadcast late, so the same chunk reaches it from rank 0 (root of
+    # its own tree) and from rank 1 (root of the others') before it knows which is foreign. That
+    # was a ProtocolError ("arrived twice") that broke the stream: PeerUnavailableError elsewhere.
+    async def call(w):
+        if w.rank == 2:
+            await asyncio.sleep(0.5)
+        return await w.broadcast(np.zeros(4), root=0 if w.rank == 0 else 1, name="init")
+
+    outcomes, _ = await outcomes_within(world, call)
+    assert_mismatch_everywhere(outcomes, "root=0", "root=1")
+    outs = await world.each(lambda w: w.broadcast(np.full(2, w.rank), root=1))
+    assert [o.tolist() for o in outs] == [[1, 1]] * 3
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
 async def test_an_allgather_with_different_row_shapes_raises_mismatch_error_on_every_rank(world) -> None:
     outcomes, _ = await outcomes_within(world, lambda w: w.allgather(np.zeros((2, 3 + (w.rank == 1))), name="feats"))
     assert_mismatch_everywhere(outcomes, "(*, 4)", "(*, 3)")

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ringserve import wire
+from ringserve import selection, wire
 from ringserve.errors import RingChangedError
 from ringserve.loop import fine_clock
 from ringserve.selection import FASTEST_SECONDS_PER_BYTE, LinkCosts, Measured
@@ -105,6 +105,11 @@ def pings(ring: Ring, size: int, rounds: int = ROUNDS) -> Program:
             yield Take(0, 0)
 
 
+# What a ring on one host stands for in place of a measure: its class's figures (selection.planned
+# plans by the class of a Measured, and one host's is HOST whatever was measured).
+ONE_HOST = Measured(selection.HOST_LINKS.latency_s, selection.HOST_LINKS.seconds_per_byte)
+
+
 class Measures:
     """One plane's link figures: given (``links``), or measured once per ring of its view.
 
@@ -124,9 +129,15 @@ class Measures:
 
     async def links(self, session: Session) -> LinkCosts:
         """The figures of the session's ring: given, measured already in this view, or measured now
-        (then ``Measured``, which auto plans by its class: selection.planned)."""
+        (then ``Measured``, which auto plans by its class: selection.planned).
+
+        A ring on one host is not measured: its class is HOST whatever a measure reads (see
+        selection.link_class), and the measure cost the first collective of every view about 25 ms
+        on loopback, which the members paid in full at each joiner's admission (issue 45)."""
         if self.given is not None:
             return self.given
+        if selection.one_host(session.place.hosts, session.place.size):
+            return ONE_HOST
         pending = self._figures.get(session.spec)
         if pending is None:
             pending = self._start(session)

@@ -40,6 +40,7 @@ class Inbox:
         self._failed = asyncio.get_running_loop().create_future()
         self.descriptor: str | None = None
         self.known: dict[int, str] = {}
+        self._conflicts: dict[int, str] = {}  # senders of frames refused for a held one's key: descriptor
         self.abort_reason = MISMATCH
         self.abort_sent = False
         self._timer: asyncio.TimerHandle | None = None
@@ -56,10 +57,22 @@ class Inbox:
         return ring.members[(ring.index - 1) % ring.size]
 
     def deliver(self, key: tuple[int, int], frame: Received) -> None:
+        """Holds ``frame`` for take().
+
+        A second frame for a held key is a disagreement where the two describe the collective
+        differently (ranks that disagree on a broadcast's root each send the frames of their own
+        tree, so one rank can get the same chunk from two parents before it opens the collective
+        and learns which is foreign): it is kept as a foreign descriptor for ``foreign()``, which
+        the plane turns into MismatchError. Otherwise it is a protocol error.
+        """
         fut = self._slots.get(key)
         if fut is None:
             fut = self._slots[key] = asyncio.get_running_loop().create_future()
         if fut.done():
+            held = None if fut.cancelled() or fut.exception() is not None else fut.result()
+            if held is not None and held.header.descriptor != frame.header.descriptor:
+                self._conflicts[frame.header.sender_rank] = frame.header.descriptor
+                return
             raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")
         fut.set_result(frame)
 
@@ -75,7 +88,8 @@ class Inbox:
     def foreign(self, descriptor: str) -> dict[int, str]:
         """The authors of frames already here whose descriptor differs from ``descriptor``."""
         frames = [f.result() for f in self._slots.values() if f.done() and not f.cancelled() and f.exception() is None]
-        return {f.header.sender_rank: f.header.descriptor for f in frames if f.header.descriptor != descriptor}
+        held = {f.header.sender_rank: f.header.descriptor for f in frames}
+        return {rank: d for rank, d in (self._conflicts | held).items() if d != descriptor}
 
     async def take(self, key: tuple[int, int], source: int = -1) -> Received:
         """The frame ``key``, which comes from rank ``source`` (-1: the ring's predecessor)."""
