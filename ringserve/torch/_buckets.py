@@ -58,6 +58,7 @@ class Bucket:
         self.residual: Any = None  # error feedback: what this rank's encodings lost last time
         self.ready = 0
         self.future: Any = None
+        self.ahead = False  # started before the backward pass: a healing step's zeros (DistributedOptimizer.heal_ahead)
         self.finish: Callable[[Any], torch.Tensor] | None = None
         self.started_at = 0.0
         self.done_at = 0.0

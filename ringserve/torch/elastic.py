@@ -29,6 +29,7 @@ Reset callbacks run after every change of the world.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import pickle
@@ -146,9 +147,10 @@ class TorchState(ObjectState):
 
     def _hand_over(self, root: int) -> None:
         """``take`` where ranks ``holding`` hold the root's commit: the root sends it to the others
-        in two messages (the sizes, then the pickled skeleton and counters, followed by the packed
-        tensors), and each answers once it has them. The root makes no optimizer state that the
-        holders lack."""
+        in three messages (the sizes and the head, the pickled skeleton and counters, at once; then
+        the packed tensors), and each answers once it has them. The root makes no optimizer state
+        that the holders lack. A receiver that heals starts its first step on the head, with zeros
+        (``DistributedOptimizer.heal_ahead``), and loads the tensors once that step's average is in."""
         ctx, rank = api.context(), api.rank()
         if rank == root:
             skeleton: Any = None
@@ -157,24 +159,39 @@ class TorchState(ObjectState):
                 skeleton, sent = functions.optimizer_payload(self.optimizer, make=False)
             head = np.frombuffer(pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5),
                                  dtype=np.uint8)
-            body = functions.pack(self._model_tensors() + sent)
-            sizes = np.array([head.size, body.size], dtype=np.int64)
+            tensors = self._model_tensors() + sent
+            sizes = np.array([head.size, functions.packed_size(tensors)], dtype=np.int64)
+            receivers = [r for r in range(api.size()) if r not in self.holding]
 
-            async def send(w: Any, to: int) -> None:
+            async def send_head(w: Any, to: int) -> None:
                 await w.send(sizes, to, HANDOFF_SIZES)
                 await w.send(head, to, HANDOFF_HEAD)
+
+            # The head goes out before the tensors are packed (the packing holds the interpreter
+            # that the loop needs to send): a healing receiver starts its step on it.
+            heads = [ctx.submit(functools.partial(send_head, to=r)) for r in receivers]
+            self.handoffs += heads
+            for sending in heads:
+                with contextlib.suppress(Exception):  # a failed send is _handed_off's to raise
+                    ctx.wait(sending)
+            body = functions.pack(tensors)
+
+            async def send_body(w: Any, to: int) -> None:
                 await w.send(body, to, HANDOFF)
                 # A send is done once its frames are on the link: the receiver's word that it has
                 # them keeps a root that is done (its last commit, then shutdown) from closing the
                 # link under them (chaos campaign, seed 13: a joiner admitted at the last commit).
                 await w.recv(np.zeros(1, dtype=np.int64), to, HANDOFF_ACK)
 
-            self.handoffs += [ctx.submit(functools.partial(send, to=r)) for r in range(api.size()) if r not in self.holding]
+            self.handoffs += [ctx.submit(functools.partial(send_body, to=r)) for r in receivers]
         if rank in self.holding:
             self.save()  # as every rank does after a sync: the live state, reset callbacks' changes included
             return
-        sizes = ctx.call(lambda w: w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES))
-        head = ctx.call(lambda w: w.recv(np.empty(int(sizes[0]), dtype=np.uint8), root, HANDOFF_HEAD))
+        async def receive_head(w: Any) -> tuple[np.ndarray, np.ndarray]:
+            sizes = await w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES)
+            return sizes, await w.recv(np.empty(int(sizes[0]), dtype=np.uint8), root, HANDOFF_HEAD)
+
+        sizes, head = ctx.call(receive_head)
         payload = pickle.loads(head.tobytes())
         sent = self._receivers(payload[0])
 
@@ -205,6 +222,8 @@ class TorchState(ObjectState):
             self._saved = saved  # its extras as root saved them (the loop may have moved on since)
 
         rider.begin_heal(arrived)
+        if isinstance(self.optimizer, DistributedOptimizer):
+            self.optimizer.heal_ahead()  # the members' first step waits for no forward or backward of this rank
 
     def _model_tensors(self) -> list[torch.Tensor]:
         """The model's state_dict tensors, by name: what a sync sends first, and writes into in place."""

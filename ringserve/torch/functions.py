@@ -50,16 +50,25 @@ def _aligned_offsets(group: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def packed_size(tensors: list[torch.Tensor], prefix_bytes: int = 0) -> int:
+    """The size in bytes of ``pack(tensors, prefix)`` with a prefix of ``prefix_bytes``."""
+    return _aligned(prefix_bytes) + _aligned_offsets(tensors)[1]
+
+
 def pack(tensors: list[torch.Tensor], prefix: bytes = b"") -> np.ndarray:
     """``prefix``, then the bytes of ``tensors``, in one new array, each tensor at an aligned offset
-    (``unpack_into`` reads them back into tensors of the same shapes and dtypes)."""
+    (``unpack_into`` reads them back into tensors of the same shapes and dtypes); the padding is zeros."""
     start = _aligned(len(prefix))
     offsets, total = _aligned_offsets(tensors)
-    flat = torch.zeros(start + total, dtype=torch.uint8)
+    flat = torch.empty(start + total, dtype=torch.uint8)  # every byte is written below: no pass of zeros first
     out = flat.numpy()
     out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    end = len(prefix)
     for t, at in zip(tensors, offsets, strict=True):
-        flat[start + at: start + at + t.numel() * t.element_size()] = _as_bytes(t)
+        out[end: start + at] = 0
+        end = start + at + t.numel() * t.element_size()
+        flat[start + at: end] = _as_bytes(t)
+    out[end:] = 0
     return out
 
 

@@ -308,7 +308,10 @@ class DistributedOptimizer(Wrapping):
             bucket, _ = slot
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                self._start(bucket)
+                if bucket.ahead:
+                    self._sparse_ahead(bucket)
+                else:
+                    self._start(bucket)
 
     def _scales(self) -> tuple[str, float, float]:
         """The reduction, the factor before it, and the factor after it times the world size (0:
@@ -319,8 +322,9 @@ class DistributedOptimizer(Wrapping):
             return "average", 1.0, 0.0
         return "sum", 1.0 / self._predivide, self._predivide
 
-    def _start(self, bucket: Bucket) -> None:
-        """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce."""
+    def _start(self, bucket: Bucket, *, ride: bool = True) -> None:
+        """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce
+        (carrying the current ride unless not ``ride``)."""
         core, prescale, postscale = self._scales()
         buf = bucket.buffer
         flags = []
@@ -329,11 +333,7 @@ class DistributedOptimizer(Wrapping):
             for p, (a, b) in zip(bucket.params, bucket.bounds, strict=True):
                 grad = p.grad
                 if heals and grad is not None and grad.is_sparse and not self._sparse_as_dense:
-                    # The others gather every rank's indices: this rank gives none (the sum is
-                    # theirs; divided, as Horovod's sparse average is, by the world's size).
-                    grad = torch.sparse_coo_tensor(torch.empty((grad.sparse_dim(), 0), dtype=torch.long),
-                                                   torch.empty((0, *grad.shape[grad.sparse_dim():]), dtype=grad.dtype),
-                                                   grad.shape, device=grad.device)
+                    grad = _no_indices(grad)
                 elif heals:
                     grad = None
                 if grad is None:
@@ -355,7 +355,7 @@ class DistributedOptimizer(Wrapping):
                 buf[a:b].copy_(grad.reshape(-1))
             # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
             buf[bucket.numel:bucket.flags_at].zero_()
-            bucket.ride = rider.current() if self.carries_rides else None
+            bucket.ride = rider.current() if self.carries_rides and ride else None
             ride = bucket.ride.flags.tolist() if bucket.ride is not None else [0.0] * rider.SLOTS
             buf[bucket.flags_at:].copy_(torch.tensor(flags + ride + [float(heals)], dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
@@ -397,6 +397,38 @@ class DistributedOptimizer(Wrapping):
         bucket.future = basics.submit(reduce)
         bucket.finish = finish
 
+    def heal_ahead(self) -> None:
+        """Starts this rank's healing step now, before its forward pass (rider.py): every bucket
+        sends zeros, presence flags 0 and HEAL 1 whatever this rank's backward computes, so the
+        members' first step need not wait for this rank's forward and backward (a new process's
+        first ones are its slowest). The backward that follows starts nothing but the gathers
+        of its sparse gradients (``_sparse_ahead``), and ``synchronize`` finishes the buckets as
+        usual. Nothing is started where the step would not heal, or once a bucket is under way.
+        """
+        if not (self._member and self.heals_joiners and rider.healing()):
+            return
+        if any(b.future is not None for b in self._buckets) or self._passes:
+            return
+        for bucket in self._buckets:
+            for p in bucket.params:
+                # Whatever this rank held is not sent, and a gradient that is a view of a bucket
+                # (a worker back after it was dropped) must not take backward's sums under reduction.
+                p.grad = None
+            self._start(bucket, ride=False)
+            bucket.ahead = True
+        self._synchronized = False
+
+    def _sparse_ahead(self, bucket: Bucket) -> None:
+        """A bucket started ahead became ready: its sparse gradients, which the others gather,
+        are gathered here with no index (their dense slots went as zeros with flag 0, as the
+        others' do)."""
+        for p in bucket.params:
+            grad = p.grad
+            if grad is not None and grad.is_sparse and not self._sparse_as_dense:
+                self._sparse[id(p)] = sparse.sparse_allreduce_async(
+                    _no_indices(grad), name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op,
+                    process_set=self._process_set)
+
     @staticmethod
     def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
         if bucket.residual is None:
@@ -414,6 +446,11 @@ class DistributedOptimizer(Wrapping):
             self._finite = self._finite and bool(torch.isfinite(out[: bucket.numel]).all())
         flags = out[bucket.flags_at:bucket.rider_at].tolist()
         ride, bucket.ride = bucket.ride, None
+        if bucket.ahead:
+            # Started before the backward pass, with no ride, and maybe before a commit that this
+            # rank made since (a loop that commits, then steps): the others started theirs after
+            # it, so this reduction carries what theirs carry, the ride published last.
+            ride = rider.current()
         if ride is not None:
             ride.carried(out[bucket.rider_at:bucket.heal_at].tolist())
         with torch.no_grad():
@@ -438,8 +475,10 @@ class DistributedOptimizer(Wrapping):
                 if handle is not None:
                     p.grad = handle.wait().to(p.device)
 
-    def _check_idle(self, what: str) -> None:
-        busy = any(b.future is not None for b in self.__dict__.get("_buckets", []))
+    def _check_idle(self, what: str, *, ahead: bool = False) -> None:
+        """Raises UsageError while gradients are being reduced (``ahead``: a healing step's
+        zeros started before the backward pass do not count)."""
+        busy = any(b.future is not None and not (ahead and b.ahead) for b in self.__dict__.get("_buckets", []))
         if busy or self.__dict__.get("_passes"):
             raise UsageError(
                 f"DistributedOptimizer cannot {what} between loss.backward() and step() or "
@@ -473,7 +512,7 @@ class DistributedOptimizer(Wrapping):
             raise
         finally:
             for bucket in self._buckets:
-                bucket.future, bucket.finish, bucket.ready = None, None, 0
+                bucket.future, bucket.finish, bucket.ready, bucket.ahead = None, None, 0, False
             self._passes.clear()
         self.communication_intervals = intervals
         self._synchronized = True
@@ -491,7 +530,7 @@ class DistributedOptimizer(Wrapping):
             if bucket.future is not None:
                 with contextlib.suppress(Exception):
                     basics.wait(bucket.future)
-            bucket.future, bucket.finish, bucket.ready, bucket.ride = None, None, 0, None
+            bucket.future, bucket.finish, bucket.ready, bucket.ride, bucket.ahead = None, None, 0, None, False
             bucket.residual = None  # half written by the step that failed
         for handle in self._sparse.values():
             with contextlib.suppress(Exception):
@@ -539,7 +578,7 @@ class DistributedOptimizer(Wrapping):
         Raises:
             UsageError: called between backward() and step() or synchronize().
         """
-        self._check_idle("zero the gradients")
+        self._check_idle("zero the gradients", ahead=True)
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
 
@@ -598,6 +637,15 @@ def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor, offset: int) -> bool
     """Whether ``tensor`` is the dense slice of ``buffer`` that starts at element ``offset``."""
     return (not tensor.is_sparse and tensor.device == buffer.device and tensor.dtype == buffer.dtype
             and tensor.is_contiguous() and tensor.data_ptr() == buffer.data_ptr() + offset * buffer.element_size())
+
+
+def _no_indices(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``grad``'s shape with no index: what a healing rank gives to the
+    gather of the others' (the sum is theirs; divided, as Horovod's sparse average is, by the
+    world's size)."""
+    dims = grad.sparse_dim()
+    return torch.sparse_coo_tensor(torch.empty((dims, 0), dtype=torch.long),
+                                   torch.empty((0, *grad.shape[dims:]), dtype=grad.dtype), grad.shape, device=grad.device)
 
 
 def _hook(optimizer: weakref.ref[DistributedOptimizer]) -> Callable[[torch.Tensor], None]:

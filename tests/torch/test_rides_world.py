@@ -6,7 +6,8 @@ real world of three processes (workers/rides.py).
   predivide factor, Sum).
 - A rank that heals (its state on its way, rider.begin_heal) sends zeros, and every rank's step
   is the average (or the sum) of the others' gradients; the heal's load runs once, after the
-  step's reductions, on that rank only.
+  step's reductions, on that rank only; also where it started that step ahead of its backward
+  pass (``heal_ahead``), with gradients that were views of its buckets, or with a commit between.
 - A commit followed by a step costs no allreduce of its own; commits with no step between them
   fall back to the check's own allreduce; a user's compressor (which might not keep a 0 and a 1
   apart) carries nothing, and its commits run their own check.
@@ -43,6 +44,11 @@ def test_a_commits_check_rides_on_the_gradient_allreduce_and_falls_back_where_no
             assert got["error"] <= got["tolerance"] * max(1.0, got["scale"]), f"rank {r}, {kind}: {got}"
             assert got["loads"] == ([True] if r == N - 1 else []), f"rank {r}, {kind}: the heal's load ran {got['loads']}"
             assert not got["healing_after"], f"rank {r}, {kind}: still healing after the step"
+        assert {"plain.ahead", "sum.ahead", "sparse.ahead"} <= set(rank["healing"])
+        # Started ahead, then a commit: the step's buckets carried its check on every rank alike.
+        ahead = rank["ahead_commit"]
+        assert ahead["allreduces"] == 1 + ahead["buckets"], f"rank {r}: {ahead}"
+        assert ahead["loads"] == ([True] if r == N - 1 else []), f"rank {r}: {ahead}"
 
 
 def test_a_users_compressor_carries_no_ride_and_each_commit_runs_its_own_check(world_runner: RunWorld) -> None:

@@ -15,6 +15,8 @@ Writes OUT_DIR/rank{r}.json (with ``user``: only ``user_compressor``) with, per 
 - ``healing``: the last rank heals through one step of each kind of optimizer that carries rides
   (``rider.begin_heal``): every rank's reduced gradient against the other ranks' average (or
   sum), and when the heal's load ran on the last rank (once, after the step's reductions);
+- ``ahead_commit``: allreduces over a commit, a step and a commit, where the last rank started
+  its healing step ahead (``heal_ahead``) before the first commit;
 - ``sha``: the parameters' digest at the end (every rank alike).
 """
 
@@ -102,29 +104,40 @@ def healing() -> dict[str, Any]:
         everyone = hvd.allgather(mine.unsqueeze(0), name=f"healing.{name}")
         contributors = everyone[:-1]
         expected = contributors.sum(0) if name == "sum" else contributors.mean(0)
-        model = net()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                       fusion_bytes=1, **kwargs)
-        loads: list[bool] = []
-        if heals:
-            rider.begin_heal(lambda opt=opt, loads=loads: loads.append(opt._synchronized))
-        g = torch.Generator().manual_seed(hvd.rank())
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
-                                          torch.randint(0, 4, (8,), generator=g)).backward()
-        opt.synchronize()
-        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        tolerance = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-6)
-        out[name] = {"error": float((got - expected).abs().max()), "tolerance": tolerance,
-                     "scale": float(expected.abs().max()), "loads": loads, "healing_after": rider.healing()}
-        rider.drop_heal()
-    out["sparse"] = sparse_healing()
+        for ahead in (False, True):
+            model = net()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), fusion_bytes=1, **kwargs)
+            if ahead:
+                # A reduction first, with no step: every gradient is then a view of its bucket,
+                # as on a worker that trained before it was dropped, and backward would add into it.
+                model(torch.randn(8, 16)).sum().backward()
+                opt.synchronize()
+            loads: list[bool] = []
+            if heals:
+                rider.begin_heal(lambda opt=opt, loads=loads: loads.append(opt._synchronized))
+                if ahead:
+                    opt.heal_ahead()  # as TorchState's handoff does: before the forward pass
+            g = torch.Generator().manual_seed(hvd.rank())
+            opt.zero_grad()  # not refused on the healing rank, whose buckets are under way
+            torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
+                                              torch.randint(0, 4, (8,), generator=g)).backward()
+            opt.synchronize()
+            got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            tolerance = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-6)
+            out[name + (".ahead" if ahead else "")] = {
+                "error": float((got - expected).abs().max()), "tolerance": tolerance,
+                "scale": float(expected.abs().max()), "loads": loads, "healing_after": rider.healing()}
+            rider.drop_heal()
+    out["sparse"] = sparse_healing(ahead=False)
+    out["sparse.ahead"] = sparse_healing(ahead=True)
     return out
 
 
-def sparse_healing() -> dict[str, Any]:
+def sparse_healing(*, ahead: bool) -> dict[str, Any]:
     """A sparse gradient (an Embedding's), gathered as Horovod gathers it, while the last rank heals:
-    it gives no index, and the others' sum, divided by the world's size, is every rank's."""
+    it gives no index, and the others' sum, divided by the world's size, is every rank's.
+    ``ahead``: the healing step started before the backward pass, which still gathers the sparse one."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(10, 4, sparse=True)
     own = torch.nn.Embedding(10, 4, sparse=True)
@@ -137,6 +150,8 @@ def sparse_healing() -> dict[str, Any]:
     loads: list[bool] = []
     if hvd.rank() == hvd.size() - 1:
         rider.begin_heal(lambda: loads.append(True))
+        if ahead:
+            opt.heal_ahead()
     emb(idx).sum().backward()
     opt.synchronize()
     got = emb.weight.grad.to_dense()
@@ -176,6 +191,18 @@ def main() -> None:
         result["steady"] = per_commit(state, 8, step)
         result["no_step"] = per_commit(state, 4, lambda: None)
         per_commit(state, 1, step)
+        # The last rank's healing step started ahead, then a commit before its backward (a loop
+        # that commits first): its buckets carry that commit's check as the others' do, or its
+        # next commit would run a check of its own that the others never join.
+        loads: list[bool] = []
+        if hvd.rank() == hvd.size() - 1:
+            rider.begin_heal(lambda: loads.append(True))
+            opt.heal_ahead()
+        before = allreduces()
+        state.commit()  # the last commit's check: nothing carried it (no step), so its own allreduce
+        step()
+        state.commit()
+        result["ahead_commit"] = {"allreduces": allreduces() - before, "buckets": len(opt._buckets), "loads": loads}
 
     train(state)
     digest = hashlib.sha256()
