@@ -322,9 +322,9 @@ class DistributedOptimizer(Wrapping):
             return "average", 1.0, 0.0
         return "sum", 1.0 / self._predivide, self._predivide
 
-    def _start(self, bucket: Bucket, *, ride: bool = True) -> None:
+    def _start(self, bucket: Bucket, *, carry: bool = True) -> None:
         """Packs the bucket's gradients (zeros and flag 0 where missing) and starts its allreduce
-        (carrying the current ride unless not ``ride``)."""
+        (carrying the current ride unless not ``carry``)."""
         core, prescale, postscale = self._scales()
         buf = bucket.buffer
         flags = []
@@ -355,7 +355,7 @@ class DistributedOptimizer(Wrapping):
                 buf[a:b].copy_(grad.reshape(-1))
             # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
             buf[bucket.numel:bucket.flags_at].zero_()
-            bucket.ride = rider.current() if self.carries_rides and ride else None
+            bucket.ride = rider.current() if self.carries_rides and carry else None
             ride = bucket.ride.flags.tolist() if bucket.ride is not None else [0.0] * rider.SLOTS
             buf[bucket.flags_at:].copy_(torch.tensor(flags + ride + [float(heals)], dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
@@ -414,7 +414,7 @@ class DistributedOptimizer(Wrapping):
                 # Whatever this rank held is not sent, and a gradient that is a view of a bucket
                 # (a worker back after it was dropped) must not take backward's sums under reduction.
                 p.grad = None
-            self._start(bucket, ride=False)
+            self._start(bucket, carry=False)
             bucket.ahead = True
         self._synchronized = False
 
@@ -602,8 +602,8 @@ class AdasumOptimizer(DistributedOptimizer):
         """False: an Adasum of deltas is no sum of flags (ringserve.elastic.rider)."""
         return False
 
-    def _start(self, bucket: Bucket) -> None:
-        self._deltas.start(bucket)
+    def _start(self, bucket: Bucket, *, carry: bool = True) -> None:
+        self._deltas.start(bucket)  # carries no ride (carries_rides)
 
     def _finish(self, bucket: Bucket) -> None:
         self._deltas.finish(bucket)
