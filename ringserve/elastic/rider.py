@@ -28,6 +28,7 @@ before. Pure: no I/O, no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -59,6 +60,7 @@ class _Slot:
 
     ride: Ride | None = None
     heal: Callable[[], None] | None = None
+    after_step: ClassVar[list[Callable[[], None]]] = []
 
 
 def publish(ride: Ride) -> None:
@@ -107,4 +109,23 @@ def heal() -> None:
 def drop_heal() -> None:
     """Forgets the state this rank waited for (a failure came first; the next sync sends it again)."""
     _Slot.heal = None
+    _Slot.after_step = []
+
+
+# A root that sends a healing joiner its tensors sends them once its own healing step's reductions
+# are in (``after_step``, run by the optimizer's synchronize: ``stepped``), not into that step,
+# whose allreduce they would slow on both ends; the joiner needs them only once that allreduce is
+# back. The root's next commit, or the end of ``run``, lets them go at the latest.
+
+
+def after_step(release: Callable[[], None]) -> None:
+    """Runs ``release`` once this rank's next optimizer step has its reductions (``stepped``)."""
+    _Slot.after_step.append(release)
+
+
+def stepped() -> None:
+    """This rank's optimizer step has its reductions: runs what waited for it (once)."""
+    waiting, _Slot.after_step = _Slot.after_step, []
+    for release in waiting:
+        release()
 

@@ -168,7 +168,7 @@ class State:
             HostsUpdatedInterrupt: the world changes at this commit (``run`` handles it).
         """
         rider.heal()  # a joiner's state that no optimizer step took in yet (rider.py)
-        changes = self._agreed(self._settle)
+        changes = self._agreed(functools.partial(self._settle, final=False))
         self.save()
         self.commits += 1
         worker = api.context().worker
@@ -183,7 +183,7 @@ class State:
             raise
         self._confirmed(view, rank, world_changes=False)
 
-    def _settle(self) -> bool:
+    def _settle(self, *, final: bool = True) -> bool:
         """Takes the answer of the last commit's pipelined check, if one is out; returns whether
         the world changes at this commit.
 
@@ -191,7 +191,7 @@ class State:
             RecoverableError: the check failed (a rank died, the ring changed): ``run`` restores
                 the last commit, which every survivor saved before the check.
         """
-        self._handed_off()
+        self._handed_off(everything=final)
         check, self._check = self._check, None
         if check is None:
             return False
@@ -214,14 +214,20 @@ class State:
         rider.drop_heal()
         self._handed_off(raising=False)
 
-    def _handed_off(self, *, raising: bool = True) -> None:
-        """Waits for every one of the last sync's sends of the state (a root's, see TorchState.take).
+    def _handed_off(self, *, raising: bool = True, everything: bool = True) -> None:
+        """Waits for every one of the last sync's sends of the state (a root's, see TorchState.take);
+        without ``everything`` (at a commit that is not the last), only takes those that are over:
+        the others may go on into the steps that follow, and the last commit or the next sync waits
+        for them (a root must not close a link under them).
 
         Raises:
             RecoverableError: with ``raising``, the first send that failed (its receiver died, the
-                view changed), once all of them are over.
+                view changed), once all of them are over (or, without ``everything``, of those over).
         """
         handoffs, self.handoffs = self.handoffs, []
+        if not everything:
+            self.handoffs = [h for h in handoffs if not h.done()]
+            handoffs = [h for h in handoffs if h.done()]
         failed: BaseException | None = None
         for handoff in handoffs:
             try:

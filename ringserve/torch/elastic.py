@@ -28,11 +28,15 @@ Reset callbacks run after every change of the world.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import functools
 import pickle
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,6 +69,9 @@ class TorchState(ObjectState):
         self._optimizer_saved: dict[str, Any] = {}
         self._stateful = {k: v for k, v in kwargs.items() if isinstance(v, _STATEFUL)}
         self._stateful_saved: dict[str, Any] = {}
+        self._release: Callable[[], None] = lambda: None  # packs and sends a root's held tensors (_send_commit)
+        self._packed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        self._packed.set_result(np.empty(0, dtype=np.uint8))
         for name, value in self._stateful.items():
             setattr(self, name, value)
         super().__init__(**{k: v for k, v in kwargs.items() if k not in self._stateful})
@@ -152,41 +159,13 @@ class TorchState(ObjectState):
         that the holders lack. A receiver that heals starts its first step on the head, with zeros
         (``DistributedOptimizer.heal_ahead``), and loads the tensors once that step's average is in."""
         ctx, rank = api.context(), api.rank()
-        if rank == root:
-            skeleton: Any = None
-            sent: list[torch.Tensor] = []
-            if self.optimizer is not None:
-                skeleton, sent = functions.optimizer_payload(self.optimizer, make=False)
-            head = np.frombuffer(pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5),
-                                 dtype=np.uint8)
-            tensors = self._model_tensors() + sent
-            sizes = np.array([head.size, functions.packed_size(tensors)], dtype=np.int64)
-            receivers = [r for r in range(api.size()) if r not in self.holding]
-
-            async def send_head(w: Any, to: int) -> None:
-                await w.send(sizes, to, HANDOFF_SIZES)
-                await w.send(head, to, HANDOFF_HEAD)
-
-            # The head goes out before the tensors are packed (the packing holds the interpreter
-            # that the loop needs to send): a healing receiver starts its step on it.
-            heads = [ctx.submit(functools.partial(send_head, to=r)) for r in receivers]
-            self.handoffs += heads
-            for sending in heads:
-                with contextlib.suppress(Exception):  # a failed send is _handed_off's to raise
-                    ctx.wait(sending)
-            body = functions.pack(tensors)
-
-            async def send_body(w: Any, to: int) -> None:
-                await w.send(body, to, HANDOFF)
-                # A send is done once its frames are on the link: the receiver's word that it has
-                # them keeps a root that is done (its last commit, then shutdown) from closing the
-                # link under them (chaos campaign, seed 13: a joiner admitted at the last commit).
-                await w.recv(np.zeros(1, dtype=np.int64), to, HANDOFF_ACK)
-
-            self.handoffs += [ctx.submit(functools.partial(send_body, to=r)) for r in receivers]
         if rank in self.holding:
             self.save()  # as every rank does after a sync: the live state, reset callbacks' changes included
+        if rank == root:
+            self._send_commit([r for r in range(api.size()) if r not in self.holding])
+        if rank in self.holding:
             return
+
         async def receive_head(w: Any) -> tuple[np.ndarray, np.ndarray]:
             sizes = await w.recv(np.zeros(2, dtype=np.int64), root, HANDOFF_SIZES)
             return sizes, await w.recv(np.empty(int(sizes[0]), dtype=np.uint8), root, HANDOFF_HEAD)
@@ -224,6 +203,50 @@ class TorchState(ObjectState):
         rider.begin_heal(arrived)
         if isinstance(self.optimizer, DistributedOptimizer):
             self.optimizer.heal_ahead()  # the members' first step waits for no forward or backward of this rank
+
+    def _send_commit(self, receivers: list[int]) -> None:
+        """The root's side of ``_hand_over``: its commit, just saved, to ``receivers``, from the
+        saved copy. Each gets the sizes and the head at once; the tensors are packed once, on a
+        thread (at once, or after this rank's step for receivers that heal), and sent from the
+        loop: the root's next step waits for neither. Nothing writes the saved copy before the next
+        commit, and that commit first waits for the packing (``_handed_off``)."""
+        ctx = api.context()
+        skeleton: Any = None
+        sent: list[torch.Tensor] = []
+        if self.optimizer is not None:
+            skeleton, sent = functions.state_payload(self._optimizer_saved)
+        head = np.frombuffer(pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5),
+                             dtype=np.uint8)
+        tensors = [t for _, t in sorted(self._model_saved.items()) if t is not None] + sent
+        sizes = np.array([head.size, functions.packed_size(tensors)], dtype=np.int64)
+        # A healing receiver needs the tensors only once its first step's allreduce is back: they
+        # are packed (on a thread) and sent after this rank's own step (rider.after_step), not
+        # into its allreduce, which both ends' loops would then share with them. ``_handed_off``
+        # lets them go at the latest, and waits for the packing before a commit writes the copy.
+        packed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        self._packed = packed
+        self._release = functools.partial(_pack, packed, tensors)
+        if self.heals():
+            rider.after_step(self._release)
+        else:
+            self._release()
+
+        async def send(w: Any, to: int) -> None:
+            await w.send(sizes, to, HANDOFF_SIZES)
+            await w.send(head, to, HANDOFF_HEAD)
+            await w.send(await asyncio.wrap_future(packed), to, HANDOFF)
+            # A send is done once its frames are on the link: the receiver's word that it has
+            # them keeps a root that is done (its last commit, then shutdown) from closing the
+            # link under them (chaos campaign, seed 13: a joiner admitted at the last commit).
+            await w.recv(np.zeros(1, dtype=np.int64), to, HANDOFF_ACK)
+
+        self.handoffs += [ctx.submit(functools.partial(send, to=r)) for r in receivers]
+
+    def _handed_off(self, *, raising: bool = True, everything: bool = True) -> None:
+        self._release()  # a root's tensors held back for its step go now
+        with contextlib.suppress(Exception):  # a packing that failed fails the sends, raised below
+            self._packed.result()  # the commit's save writes into the copy they are packed from
+        super()._handed_off(raising=raising, everything=everything)
 
     def _model_tensors(self) -> list[torch.Tensor]:
         """The model's state_dict tensors, by name: what a sync sends first, and writes into in place."""
@@ -285,6 +308,21 @@ class TorchState(ObjectState):
                                                       name=f"ringserve.elastic.sampler_indices.{name}")
                 merged = set(taken["processed_indices"]).union(*gathered)  # type: ignore[arg-type]
                 value.load_state_dict({**taken, "processed_indices": sorted(merged)})
+
+
+def _pack(packed: concurrent.futures.Future[np.ndarray], tensors: list[torch.Tensor]) -> None:
+    """Packs a root's tensors into ``packed``, on a thread of its own, once (the training thread
+    calls this; the sends on the loop wait for ``packed``)."""
+    if packed.running() or packed.done() or not packed.set_running_or_notify_cancel():
+        return  # already packing or packed
+
+    def run() -> None:
+        try:
+            packed.set_result(functions.pack(tensors))
+        except BaseException as exc:
+            packed.set_exception(exc)
+
+    threading.Thread(target=run, name="ringserve-handoff-pack", daemon=True).start()
 
 
 def _copied(saved: Any, live: Any) -> Any:

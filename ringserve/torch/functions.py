@@ -239,8 +239,14 @@ def optimizer_payload(optimizer: torch.optim.Optimizer, model: torch.nn.Module |
     sparse_params = _sparse_parameters(model)  # checks ``model`` whether or not the state is made
     if make and not optimizer.state_dict()["state"]:
         _initialize_state(optimizer, sparse_params)
+    return state_payload(optimizer.state_dict())
+
+
+def state_payload(state_dict: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+    """An optimizer's state_dict (or a copy of one) as a picklable skeleton and the tensors it
+    stands for, in the order ``receivers`` makes them."""
     tensors: list[torch.Tensor] = []
-    return _strip(optimizer.state_dict(), tensors), tensors
+    return _strip(state_dict, tensors), tensors
 
 
 def receivers(skeleton: Any) -> list[torch.Tensor]:

@@ -519,6 +519,7 @@ class DistributedOptimizer(Wrapping):
         self._powersgd_iter += 1
         if self.heals_joiners:
             rider.heal()  # this rank's state, which the step's average now applies to (rider.py)
+            rider.stepped()  # a root's sends of the state, held back from this step's way
 
     def reset(self) -> None:
         """Forgets a step cut short by a failure (elastic training calls it on restore).
