@@ -56,7 +56,7 @@ class Ride:
 
 class _Slot:
     """The ride that allreduces starting now carry (one per process: one elastic state runs at a
-    time), and the state this rank waits for while it heals."""
+    time), the state this rank waits for while it heals, and what waits for its next step."""
 
     ride: Ride | None = None
     heal: Callable[[], None] | None = None
@@ -107,7 +107,8 @@ def heal() -> None:
 
 
 def drop_heal() -> None:
-    """Forgets the state this rank waited for (a failure came first; the next sync sends it again)."""
+    """Forgets the state this rank waited for (a failure came first; the next sync sends it again),
+    and what waited for its next step (the sends' owner lets them go itself)."""
     _Slot.heal = None
     _Slot.after_step = []
 

@@ -141,7 +141,8 @@ class State:
         self._check: _Check | None = None  # the last commit's pipelined check, while its answer is not taken
         self.holding: tuple[int, ...] = ()  # set by each sync (resume.agree_root)
         # A sync's sends of the state to the ranks that lacked it, which the root does not wait for
-        # (TorchState.take): waited for at the next commit, or dropped at the next sync.
+        # (TorchState.take): a commit takes those that are over, the end of ``run`` and the next
+        # sync wait for every one.
         self.handoffs: list[concurrent.futures.Future[None]] = []
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:

@@ -59,6 +59,7 @@ class Bucket:
         self.ready = 0
         self.future: Any = None
         self.ahead = False  # started before the backward pass: a healing step's zeros (DistributedOptimizer.heal_ahead)
+        self.healing = False  # this reduction sends a healing rank's zeros (rider.py)
         self.finish: Callable[[Any], torch.Tensor] | None = None
         self.started_at = 0.0
         self.done_at = 0.0

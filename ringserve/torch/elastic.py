@@ -125,10 +125,9 @@ class TorchState(ObjectState):
 
         Where some ranks hold the root's commit already (``holding``: the members, when a joiner
         comes in), only the others need the state, and they get it point to point (``_hand_over``):
-        the root packs it and hands the sends to its loop without waiting for them (``handoffs``,
-        waited for at the next commit), and the holders go on at once. Their first step's
-        allreduce waits for the joiner's gradients, which come once it has the state: a member
-        stands still for the transfer, not for a collective of every rank around it. A state
+        the root hands the sends to its loop without waiting for them (``handoffs``), and the
+        holders go on at once. A joiner that heals takes part in their first step with zeros
+        before its state is in; one that does not receives the state first. A state
         with extras kept by their state_dict() (an ElasticSampler merges every rank's indices),
         or a world with checksums on (a damaged frame of a message, unlike one of a collective,
         is not seen by every rank), syncs in collectives of every rank.
@@ -153,11 +152,13 @@ class TorchState(ObjectState):
         self._taken(payload)
 
     def _hand_over(self, root: int) -> None:
-        """``take`` where ranks ``holding`` hold the root's commit: the root sends it to the others
-        in three messages (the sizes and the head, the pickled skeleton and counters, at once; then
-        the packed tensors), and each answers once it has them. The root makes no optimizer state
-        that the holders lack. A receiver that heals starts its first step on the head, with zeros
-        (``DistributedOptimizer.heal_ahead``), and loads the tensors once that step's average is in."""
+        """``take`` where ranks ``holding`` hold the root's commit: the root sends it to each of
+        the others as the sizes, the head (the pickled optimizer skeleton, counters and extras) and
+        then the packed tensors (``_send_commit``), and each answers once it has them. The root
+        makes no optimizer state that the holders lack. A receiver that heals goes on with the
+        head: its first step sends zeros, from its first forward pass on
+        (``DistributedOptimizer.heal_ahead``), and it loads the tensors once that step's average
+        is in."""
         ctx, rank = api.context(), api.rank()
         if rank in self.holding:
             self.save()  # as every rank does after a sync: the live state, reset callbacks' changes included
@@ -201,8 +202,16 @@ class TorchState(ObjectState):
             self._saved = saved  # its extras as root saved them (the loop may have moved on since)
 
         rider.begin_heal(arrived)
-        if isinstance(self.optimizer, DistributedOptimizer):
-            self.optimizer.heal_ahead()  # the members' first step waits for no forward or backward of this rank
+        optimizer = self.optimizer
+        if isinstance(optimizer, DistributedOptimizer) and self.model is not None:
+            # The members' first step then waits for none of this rank's forward and backward. It
+            # starts at the forward pass, not here: a loop that ends (or commits) first starts no
+            # allreduce that the members would never join.
+            def ahead(*_: Any) -> None:
+                handle.remove()
+                optimizer.heal_ahead()
+
+            handle = self.model.register_forward_pre_hook(ahead)
 
     def _send_commit(self, receivers: list[int]) -> None:
         """The root's side of ``_hand_over``: its commit, just saved, to ``receivers``, from the
@@ -218,6 +227,10 @@ class TorchState(ObjectState):
         head = np.frombuffer(pickle.dumps((skeleton, self.commits, self.lineage, self._saved), protocol=5),
                              dtype=np.uint8)
         tensors = [t for _, t in sorted(self._model_saved.items()) if t is not None] + sent
+        if not receivers:
+            return
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream().synchronize()  # save()'s copies, which the packing thread reads
         sizes = np.array([head.size, functions.packed_size(tensors)], dtype=np.int64)
         # A healing receiver needs the tensors only once its first step's allreduce is back: they
         # are packed (on a thread) and sent after this rank's own step (rider.after_step), not
@@ -234,7 +247,8 @@ class TorchState(ObjectState):
         async def send(w: Any, to: int) -> None:
             await w.send(sizes, to, HANDOFF_SIZES)
             await w.send(head, to, HANDOFF_HEAD)
-            await w.send(await asyncio.wrap_future(packed), to, HANDOFF)
+            # Shielded: one receiver's send cancelled must not cancel the packing the others wait for.
+            await w.send(await asyncio.shield(asyncio.wrap_future(packed)), to, HANDOFF)
             # A send is done once its frames are on the link: the receiver's word that it has
             # them keeps a root that is done (its last commit, then shutdown) from closing the
             # link under them (chaos campaign, seed 13: a joiner admitted at the last commit).

@@ -309,7 +309,7 @@ class DistributedOptimizer(Wrapping):
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 if bucket.ahead:
-                    self._sparse_ahead(bucket)
+                    self._ready_ahead(bucket)
                 else:
                     self._start(bucket)
 
@@ -343,9 +343,7 @@ class DistributedOptimizer(Wrapping):
                 if grad.is_sparse and not self._sparse_as_dense:
                     buf[a:b].zero_()
                     flags.append(0.0)  # the dense reduction leaves it alone; the gather below reduces it
-                    self._sparse[id(p)] = sparse.sparse_allreduce_async(
-                        grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op,
-                        process_set=self._process_set)
+                    self._gather_sparse(bucket, p, grad)
                     continue
                 flags.append(1.0)
                 if _is_view_of(grad, buf, a):
@@ -356,6 +354,7 @@ class DistributedOptimizer(Wrapping):
             # The gap is rewritten too: an in-place reduction of a non-finite block writes NaN there.
             buf[bucket.numel:bucket.flags_at].zero_()
             bucket.ride = rider.current() if self.carries_rides and carry else None
+            bucket.healing = heals
             ride = bucket.ride.flags.tolist() if bucket.ride is not None else [0.0] * rider.SLOTS
             buf[bucket.flags_at:].copy_(torch.tensor(flags + ride + [float(heals)], dtype=buf.dtype, device=buf.device))
             if prescale != 1.0:
@@ -418,16 +417,21 @@ class DistributedOptimizer(Wrapping):
             bucket.ahead = True
         self._synchronized = False
 
-    def _sparse_ahead(self, bucket: Bucket) -> None:
-        """A bucket started ahead became ready: its sparse gradients, which the others gather,
-        are gathered here with no index (their dense slots went as zeros with flag 0, as the
-        others' do)."""
+    def _ready_ahead(self, bucket: Bucket) -> None:
+        """A bucket started ahead reached the point where the others start theirs (its backward
+        made it ready, or synchronize came first): it takes the ride they take there, and its
+        sparse gradients, which the others gather, are gathered with no index (their dense slots
+        went as zeros with flag 0, as the others' do)."""
+        bucket.ride = rider.current() if self.carries_rides else None
         for p in bucket.params:
             grad = p.grad
             if grad is not None and grad.is_sparse and not self._sparse_as_dense:
-                self._sparse[id(p)] = sparse.sparse_allreduce_async(
-                    _no_indices(grad), name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op,
-                    process_set=self._process_set)
+                self._gather_sparse(bucket, p, _no_indices(grad))
+
+    def _gather_sparse(self, bucket: Bucket, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Starts the gather of a sparse gradient of ``p`` (Horovod's sparse allreduce), by name."""
+        self._sparse[id(p)] = sparse.sparse_allreduce_async(
+            grad, name=f"{bucket.name}.sparse.{self._names.get(id(p))}", op=self._op, process_set=self._process_set)
 
     @staticmethod
     def _residual(bucket: Bucket, array: np.ndarray) -> np.ndarray:
@@ -445,17 +449,14 @@ class DistributedOptimizer(Wrapping):
         if self._check_finite:
             self._finite = self._finite and bool(torch.isfinite(out[: bucket.numel]).all())
         flags = out[bucket.flags_at:bucket.rider_at].tolist()
-        ride, bucket.ride = bucket.ride, None
-        if bucket.ahead:
-            # Started before the backward pass, with no ride, and maybe before a commit that this
-            # rank made since (a loop that commits, then steps): the others started theirs after
-            # it, so this reduction carries what theirs carry, the ride published last.
-            ride = rider.current()
+        ride, bucket.ride = bucket.ride, None  # an ahead bucket's: taken where the others' start (_ready_ahead)
         if ride is not None:
             ride.carried(out[bucket.rider_at:bucket.heal_at].tolist())
         with torch.no_grad():
             for p, (a, b), flag in zip(bucket.params, bucket.bounds, flags, strict=True):
                 if flag == 0:  # no rank had a gradient: leave grad None everywhere
+                    if bucket.healing:
+                        p.grad = None  # a healing rank's own gradient was not sent: it is no one's
                     continue
                 value = out[a:b].view(p.shape)
                 if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense: sparse again, as Horovod
@@ -502,6 +503,8 @@ class DistributedOptimizer(Wrapping):
         for bucket in self._buckets:
             if bucket.future is None:
                 self._start(bucket)
+            elif bucket.ahead and bucket.ready < len(bucket.params):
+                self._ready_ahead(bucket)  # where the others start the buckets that backward did not fill
         intervals = []
         try:
             for bucket in self._buckets:

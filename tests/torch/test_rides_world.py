@@ -49,6 +49,11 @@ def test_a_commits_check_rides_on_the_gradient_allreduce_and_falls_back_where_no
         ahead = rank["ahead_commit"]
         assert ahead["allreduces"] == 1 + ahead["buckets"], f"rank {r}: {ahead}"
         assert ahead["loads"] == ([True] if r == N - 1 else []), f"rank {r}: {ahead}"
+        # A commit between the backward pass and the step: no step carried either commit's check,
+        # so each ran its own allreduce, on every rank alike (else the healer skips one: a hang).
+        mid = rank["ahead_commit_mid"]
+        assert mid["allreduces"] == 2 + mid["buckets"], f"rank {r}: {mid}"
+        assert mid["loads"] == ([True] if r == N - 1 else []), f"rank {r}: {mid}"
 
 
 def test_a_users_compressor_carries_no_ride_and_each_commit_runs_its_own_check(world_runner: RunWorld) -> None:

@@ -63,14 +63,15 @@ class Inbox:
         differently (ranks that disagree on a broadcast's root each send the frames of their own
         tree, so one rank can get the same chunk from two parents before it opens the collective
         and learns which is foreign): it is kept as a foreign descriptor for ``foreign()``, which
-        the plane turns into MismatchError. Otherwise it is a protocol error.
+        the plane turns into MismatchError. Otherwise (the same sender twice) it is a protocol error.
         """
         fut = self._slots.get(key)
         if fut is None:
             fut = self._slots[key] = asyncio.get_running_loop().create_future()
         if fut.done():
             held = None if fut.cancelled() or fut.exception() is not None else fut.result()
-            if held is not None and held.header.descriptor != frame.header.descriptor:
+            if (held is not None and held.header.descriptor != frame.header.descriptor
+                    and held.header.sender_rank != frame.header.sender_rank):
                 self._conflicts[frame.header.sender_rank] = frame.header.descriptor
                 return
             raise ProtocolError(f"Frame {key} of collective {frame.header.op_key!r} arrived twice.")

@@ -16,7 +16,8 @@ Writes OUT_DIR/rank{r}.json (with ``user``: only ``user_compressor``) with, per 
   (``rider.begin_heal``): every rank's reduced gradient against the other ranks' average (or
   sum), and when the heal's load ran on the last rank (once, after the step's reductions);
 - ``ahead_commit``: allreduces over a commit, a step and a commit, where the last rank started
-  its healing step ahead (``heal_ahead``) before the first commit;
+  its healing step ahead (``heal_ahead``) before the first commit; ``ahead_commit_mid``: over a
+  backward pass, a commit, the step and a commit, where it started its step ahead first;
 - ``sha``: the parameters' digest at the end (every rank alike).
 """
 
@@ -146,7 +147,12 @@ def sparse_healing(*, ahead: bool) -> dict[str, Any]:
     own(idx).sum().backward()
     everyone = hvd.allgather(own.weight.grad.to_dense().unsqueeze(0), name="healing.sparse")
     expected = everyone[:-1].sum(0) / hvd.size()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters())
+    # A parameter that gets no gradient shares the embedding's bucket, which backward then never
+    # fills: the step's synchronize starts it (and, started ahead, the embedding's gather).
+    unused = torch.nn.Linear(2, 2)
+    named = [*emb.named_parameters(), *(("unused." + n, q) for n, q in unused.named_parameters())]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([q for _, q in named], lr=0.1), named_parameters=named)
+    assert len(opt._buckets) == 1
     loads: list[bool] = []
     if hvd.rank() == hvd.size() - 1:
         rider.begin_heal(lambda: loads.append(True))
@@ -203,6 +209,23 @@ def main() -> None:
         step()
         state.commit()
         result["ahead_commit"] = {"allreduces": allreduces() - before, "buckets": len(opt._buckets), "loads": loads}
+        # Started ahead, then a commit between the backward pass and the step (a loop may do that):
+        # the buckets carry what they carry on the others, the ride of where theirs start.
+        loads = []
+        if hvd.rank() == hvd.size() - 1:
+            rider.begin_heal(lambda: loads.append(True))
+            opt.heal_ahead()
+        before = allreduces()
+        g = torch.Generator().manual_seed(state.step * 31 + hvd.rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
+                                          torch.randint(0, 4, (8,), generator=g)).backward()
+        state.commit()  # its check: the buckets under way carry the last one's, not this one's
+        opt.step()
+        state.step += 1
+        state.commit()
+        result["ahead_commit_mid"] = {"allreduces": allreduces() - before, "buckets": len(opt._buckets),
+                                      "loads": loads}
 
     train(state)
     digest = hashlib.sha256()
