@@ -259,7 +259,9 @@ def main() -> None:
         import scale_sim  # here: it loads the simulator, which the other charts do not need
 
         record = json.loads(simulated.read_text())
-        scale_sim.chart(record["rows"], str(args.out / "scale-sim.svg"), pathlib.Path(record["calibration"]).stem)
+        workers = [f["workers"] for f in record.get("fits", {}).values()]
+        calibrated = scale_sim.calibrated_on(workers) if workers else pathlib.Path(record["calibration"]).stem
+        scale_sim.chart(record["rows"], str(args.out / "scale-sim.svg"), calibrated)
         drawn += 1
     for path in sorted((args.results / "failover").glob("*.json")):
         failover_chart(json.loads(path.read_text()), args.out, path.stem)

@@ -1,8 +1,8 @@
 """The scale harness's allreduces (scale.py) against the simulator's prediction for the same job.
 
-    .venv/bin/python benchmarks/scale_sim.py RUN [RUN ...] [--calibrate RUN] [--chart F.svg] [--json F]
-    .venv/bin/python benchmarks/scale_sim.py benchmarks/results/scale/scale-{16,32,64,128}.json \
-        --calibrate benchmarks/results/scale/scale-16.json --chart docs/benchmarks/charts/scale-sim.svg
+    .venv/bin/python benchmarks/scale_sim.py RUN [RUN ...] [--calibrate RUN [RUN]] [--chart F.svg] [--json F]
+    .venv/bin/python benchmarks/scale_sim.py benchmarks/results/scale/scale-{16,32,64,128,256}.json \
+        --calibrate benchmarks/results/scale/scale-{16,128}.json --chart docs/benchmarks/charts/scale-sim.svg
 
 Each RUN is a result of scale.py (``--json``), or the directory of a run's event files
 (``--workdir``; its steps in views of the largest world, all of them). For each, the simulator
@@ -25,8 +25,10 @@ by default the smallest run given that recorded its CPU): the median CPU seconds
 an allreduce of each of its three sizes (the process's CPU, all threads, user and system:
 independent of what else the machine runs), against the frames and bytes the simulated worker
 sends and takes in that allreduce, at that run's N: three equations, three unknowns. Filling and
-checking cost their measured CPU a byte. Everything else, and every time, is predicted: at the
-calibration run's N as at the others. Where a run measured the CPU that the machine's other
+checking cost their measured CPU a byte. The CPU per call grows with the number of processes on
+the machine (cache, context switches, more streams a worker): given two calibration runs, each
+figure is calibrated at both and carried to any other N as a power law through the two (Growth).
+Everything else, and every time, is predicted: at the calibration runs' N as at the others. Where a run measured the CPU that the machine's other
 processes used meanwhile (scale.py's ``machine_cpu`` less ``workers_cpu``), the cores are that much
 slower for its workers. Which class of links ``auto`` planned by (a LAN, or, where
 a loaded machine's measure of the links read 8 ms or more one way, a WAN: selection.planned) is
@@ -163,6 +165,43 @@ class Figures:
     bytes_per_s: float
 
 
+# The figures that grow with the number of processes on the machine (Growth), with where each lives.
+GROWING = ("call_s", "frame_s", "byte_s", "fill_s", "check_s")
+
+
+def _figure(figures: Figures, name: str) -> float:
+    return getattr(figures.cpu, name) if name in ("frame_s", "byte_s") else getattr(figures, name)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """The CPU figures as a function of the number of workers N on the machine: each figure f
+    calibrated at two runs (N = a and b) and carried as a power law, f(N) = f(a) (N / a)^k with
+    k = log(f(b) / f(a)) / log(b / a). One run alone: the figures do not grow (every k is 0)."""
+
+    at_n: int
+    figures: Figures
+    exponents: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fitted: list[tuple[int, Figures]]) -> Growth:
+        (a, fa), *rest = sorted(fitted, key=lambda x: x[0])
+        if not rest:
+            return cls(a, fa)
+        (b, fb), = rest
+        if b == a:
+            raise SystemExit(f"The two calibration runs have the same N ({a}): growth with N needs two.")
+        return cls(a, fa, {name: float(np.log(_figure(fb, name) / _figure(fa, name)) / np.log(b / a))
+                           for name in GROWING})
+
+    def at(self, n: int) -> Figures:
+        k = {name: (n / self.at_n) ** self.exponents.get(name, 0.0) for name in GROWING}
+        f = self.figures
+        cpu = netsim.Cpu(f.cpu.cores, f.cpu.frame_s * k["frame_s"], f.cpu.byte_s * k["byte_s"], f.cpu.handoffs)
+        return Figures(cpu, f.call_s * k["call_s"], f.fill_s * k["fill_s"], f.check_s * k["check_s"], f.latency_s,
+                       f.bytes_per_s)
+
+
 def scale_for(sizes: list[int]) -> int:
     """Each payload byte stands for this many: the smallest size keeps 64 float32 (a power of two)."""
     scale = 1
@@ -272,6 +311,11 @@ def label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
+def calibrated_on(workers: list[int]) -> str:
+    """The chart's words for the calibration runs: "N=16", or "N=16 and 128, grown with N"."""
+    return f"N={workers[0]}" if len(workers) == 1 else f"N={' and '.join(map(str, sorted(workers)))}, grown with N"
+
+
 def chart(rows: list[dict[str, Any]], path: str, calibrated: str) -> None:
     """Real against simulated time by N, one line per size: filled the real, hollow the model."""
     import matplotlib
@@ -304,7 +348,9 @@ def chart(rows: list[dict[str, Any]], path: str, calibrated: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="scale.py results (--json) or run directories (--workdir)")
-    p.add_argument("--calibrate", help="the run whose CPU per allreduce sets the model's (default: the smallest that has it)")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN",
+                   help="the run whose CPU per allreduce sets the model's (default: the smallest that has it); with "
+                        "two runs, each figure grows with N as a power law through the two (Growth)")
     p.add_argument("--cores", type=int, default=0, help="the machine's cores (default: the calibration run's, or this machine's)")
     p.add_argument("--latency-us", type=float, default=30.0, help="one way between hosts, beside the CPU")
     p.add_argument("--gbps", type=float, default=80.0, help="per host link, beside the CPU")
@@ -316,26 +362,40 @@ def main() -> None:
     p.add_argument("--json", help="write the rows and the figures here")
     args = p.parse_args()
     runs = sorted((load(r) for r in args.runs), key=lambda r: r.workers)
-    base = load(args.calibrate) if args.calibrate else next((r for r in runs if "cpu" in r.cpu), None)
-    if base is None:
+    if args.calibrate and len(args.calibrate) > 2:
+        raise SystemExit(f"--calibrate takes one run or two, not {len(args.calibrate)}.")
+    bases = [load(c) for c in args.calibrate] if args.calibrate else [r for r in runs if "cpu" in r.cpu][:1]
+    if not bases:
         raise SystemExit("No run recorded its CPU per allreduce: give one with --calibrate.")
-    for run in (*runs, base):
+    for run in (*runs, *bases):
         run.links = args.links or ""
-    sizes = sorted({s for r in runs for s in r.sizes} | set(base.sizes))
+    sizes = sorted({s for r in (*runs, *bases) for s in r.sizes})
     scale = scale_for(sizes)
-    cores = args.cores or base.cores or os.cpu_count() or 1
+    cores = args.cores or bases[0].cores or os.cpu_count() or 1
     latency_s, bytes_per_s = args.latency_us * 1e-6, args.gbps * 1e9 / 8
-    figures, fit = calibrate(base, cores, args.handoffs, scale, latency_s, bytes_per_s)
-    print(f"calibrated on {base.source} (N={base.workers}): {cores} cores; per call {figures.call_s * 1e6:.0f} us, "
-          f"per frame {figures.cpu.frame_s * 1e6:.1f} us, per byte {figures.cpu.byte_s * 1e9:.3f} ns (sent and taken); "
-          f"fill {figures.fill_s * 1e9:.3f} ns/B, check {figures.check_s * 1e9:.3f} ns/B; each payload byte stands for {scale}",
-          flush=True)
-    for s, f in fit.items():
-        print(f"  {label(s)}: {f['frames']:.1f} frames, {f['bytes'] / s:.2f} x size sent and taken per rank; "
-              f"CPU {f['cpu_s'] * 1e3:.2f} ms", flush=True)
+    fitted: list[tuple[int, Figures]] = []
+    fits: dict[str, Any] = {}
+    for base in bases:
+        figures, fit = calibrate(base, cores, args.handoffs, scale, latency_s, bytes_per_s)
+        fitted.append((base.workers, figures))
+        fits[base.source] = {"workers": base.workers, "call_s": figures.call_s, "frame_s": figures.cpu.frame_s,
+                             "byte_s": figures.cpu.byte_s, "fill_s": figures.fill_s, "check_s": figures.check_s,
+                             "sizes": {str(s): f for s, f in fit.items()}}
+        print(f"calibrated on {base.source} (N={base.workers}): {cores} cores; per call {figures.call_s * 1e6:.0f} us, "
+              f"per frame {figures.cpu.frame_s * 1e6:.1f} us, per byte {figures.cpu.byte_s * 1e9:.3f} ns (sent and "
+              f"taken); fill {figures.fill_s * 1e9:.3f} ns/B, check {figures.check_s * 1e9:.3f} ns/B; each payload "
+              f"byte stands for {scale}", flush=True)
+        for s, f in fit.items():
+            print(f"  {label(s)}: {f['frames']:.1f} frames, {f['bytes'] / s:.2f} x size sent and taken per rank; "
+                  f"CPU {f['cpu_s'] * 1e3:.2f} ms", flush=True)
+    growth = Growth.of(fitted)
+    if growth.exponents:
+        print("each figure x (N / {}) to the power: {}".format(
+            growth.at_n, ", ".join(f"{name} {k:.3f}" for name, k in growth.exponents.items())), flush=True)
     rows: list[dict[str, Any]] = []
     for run in runs:
         cls = link_class(run)
+        figures = growth.at(run.workers)
         predicted = simulate(run, figures, scale, args.steps)
         for s in run.sizes:
             slowest, median = predicted[s]
@@ -349,19 +409,19 @@ def main() -> None:
                          "plan": planned_names(run, cls, s), "real_s": run.slowest_s[s], "predicted_s": slowest,
                          "ratio": slowest / run.slowest_s[s], "real_median_s": run.median_s.get(s, float("nan")),
                          "predicted_median_s": median, "load": run.load, "source": run.source,
-                         "real_cpu_s": run.cpu.get("cpu", {}).get(s)})
+                         "real_cpu_s": run.cpu.get("cpu", {}).get(s), "calibrated": run.source in fits})
             ratio = slowest / run.slowest_s[s]
             print(f"N={run.workers:4d} on {len(set(run.hosts)):2d} hosts ({cls}, others {run.others_cpu:.2f} core) "
                   f"{label(s):>6s} {planned_names(run, cls, s):24s} real {run.slowest_s[s] * 1e3:8.1f} ms  simulated "
                   f"{slowest * 1e3:8.1f} ms  ratio {ratio:.2f}{'' if abs(ratio - 1) <= 0.25 else '  (outside 25%)'}; "
                   f"median rank {run.median_s.get(s, float('nan')) * 1e3:.1f} against {median * 1e3:.1f} ms", flush=True)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"calibration": base.source, "figures": {
-            "cores": cores, "call_s": figures.call_s, "frame_s": figures.cpu.frame_s, "byte_s": figures.cpu.byte_s,
-            "fill_s": figures.fill_s, "check_s": figures.check_s, "latency_s": latency_s, "bytes_per_s": bytes_per_s,
-            "scale": scale}, "fit": {str(s): f for s, f in fit.items()}, "rows": rows}, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps({
+            "calibration": [b.source for b in bases], "cores": cores, "latency_s": latency_s,
+            "bytes_per_s": bytes_per_s, "scale": scale, "handoffs": args.handoffs, "fits": fits,
+            "exponents": growth.exponents, "rows": rows}, indent=1))
     if args.chart:
-        chart(rows, args.chart, f"N={base.workers}")
+        chart(rows, args.chart, calibrated_on([b.workers for b in bases]))
     sys.stdout.flush()
 
 
