@@ -366,10 +366,12 @@ def recovered_at(after: list[dict], before: int) -> float | None:
     return min(times) if times else None
 
 
-def await_whole(live: LiveJob, workers: int, timeout_s: float) -> bool:
+def await_whole(live: LiveJob, workers: int, timeout_s: float, steps: int) -> bool:
     """Waits until ``workers`` processes commit in the newest view (the killed ones' replacements
     are in): a fault then never takes the world below --min-np, where recovery would wait for a
-    new process to start rather than measure ringserve."""
+    new process to start rather than measure ringserve. False at once when training is over (a
+    rank committed the job's last step, ``steps``): a victim still waiting to join then never
+    will, and the job's ``finish`` gives it its grace and stops it, as ``ringserve run`` does."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         records = live.run.records()
@@ -377,6 +379,8 @@ def await_whole(live: LiveJob, workers: int, timeout_s: float) -> bool:
             newest = max(r["view"] for r in records)
             if len({r["pid"] for r in records if r["view"] == newest}) >= workers:
                 return True
+            if max(r["step"] for r in records) >= steps:
+                return False
         if live.run.launcher.poll() is not None:
             return False
         time.sleep(0.05)
@@ -432,7 +436,7 @@ def run_job(job: Job, index: int, faults: int, rng: random.Random, work: Path, s
             faults = 0  # it never trained: reported by its exit and its (missing) final hash
         for n in range(faults):
             gap = rng.uniform(0.2, 1.0)
-            if not await_whole(live, job.workers, job.unrecovered_s):
+            if not await_whole(live, job.workers, job.unrecovered_s, job.steps):
                 break
             time.sleep(gap)
             records = live.run.records()

@@ -41,3 +41,33 @@ def test_torchs_backend_error_is_typed_only_when_it_carries_a_typed_ringserve_er
                  "[rank1]: torch.distributed.DistBackendError: Connection closed by peer",
                  "asyncio.exceptions.CancelledError", "[rank0]: RuntimeError: ringserve: RingChangedError: x"):
         assert chaos.untyped_errors(tb + last + "\n") == [last]
+
+
+def test_a_victim_still_waiting_to_join_when_training_ends_does_not_hold_the_campaign_to_its_timeout() -> None:
+    """Seed 29's partition job: the victim (the launcher of that job) was held out of admission
+    while the others trained to the last step; waiting for the whole world held the campaign until
+    the victim's own elastic timeout failed it (exit 1), before ``finish`` could give it its grace."""
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    def rec(pid: int, view: int, step: int) -> dict[str, object]:
+        return {"pid": pid, "view": view, "step": step, "time": time.time()}
+
+    victim = subprocess.Popen(["sleep", "30"])  # waits to join: alive throughout
+    try:
+        records = [rec(p, 18, s) for p in (1, 2, 3) for s in (498, 499)]
+        live = SimpleNamespace(run=SimpleNamespace(records=lambda: records, launcher=victim))
+        started = time.monotonic()
+        assert not chaos.await_whole(live, 4, 1.0, 500)  # training not over: the whole timeout
+        assert time.monotonic() - started >= 1.0
+        records += [rec(p, 18, 500) for p in (1, 2, 3)]
+        started = time.monotonic()
+        assert not chaos.await_whole(live, 4, 20.0, 500)  # training over: at once
+        assert time.monotonic() - started < 1.0
+        records += [rec(4, 19, 1)]  # hypothetically whole again: True comes first
+        records += [rec(p, 19, 1) for p in (1, 2, 3)]
+        assert chaos.await_whole(live, 4, 20.0, 500)
+    finally:
+        victim.kill()
+        victim.wait()
