@@ -49,9 +49,20 @@ def namespaces() -> Iterator[tuple[str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def in_ns(ns: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def in_ns(ns: str, argv: list[str], env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
+    """``argv`` in namespace ``ns``, its output in the file ``out``: a pipe that nobody reads until
+    the end fills, and the process writing to it (a coordinator logging a cut) stops."""
+    with out.open("wb") as f:
+        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env},
+                                stdout=f, stderr=subprocess.STDOUT)
+
+
+def wait_for_line(process: subprocess.Popen[bytes], out: Path, text: str, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while text not in out.read_text(errors="replace"):
+        assert process.poll() is None, f"it exited with {process.returncode}: {out.read_text(errors='replace')[-3000:]}"
+        assert time.time() < deadline, f"no {text!r} within {timeout_s:g} s: {out.read_text(errors='replace')[-3000:]}"
+        time.sleep(0.05)
 
 
 def test_a_worker_whose_link_goes_down_is_dropped_the_others_go_on_and_it_rejoins_when_the_link_is_back(
@@ -61,16 +72,18 @@ def test_a_worker_whose_link_goes_down_is_dropped_the_others_go_on_and_it_rejoin
     port = 29000 + os.getpid() % 1000
     token = {"RINGSERVE_TOKEN": "network-cut-job-token"}  # off loopback: secure by default
     coordinator = in_ns(a, [sys.executable, "-m", "ringserve.cli", "coordinator", "--host", HOST_A, "--port", str(port),
-                            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", "2"], token)
-    assert coordinator.stdout is not None
-    assert "listening on" in coordinator.stdout.readline().decode()
+                            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", "2"], token,
+                      tmp_path / "coordinator.log")
+    wait_for_line(coordinator, tmp_path / "coordinator.log", "listening on", 60)
     log = tmp_path / "commits.jsonl"
     steps = 250
     common = {**token, "RINGSERVE_COORDINATOR": f"{HOST_A}:{port}", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
               "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, harness.WORKER, str(log), str(steps), "0.03"]
-    workers = [in_ns(a, argv, {**common, "RINGSERVE_BIND_HOST": HOST_A, "RINGSERVE_RANK_HINT": str(i)}) for i in range(3)]
-    victim = in_ns(b, argv, {**common, "RINGSERVE_BIND_HOST": HOST_B, "RINGSERVE_RANK_HINT": "3"})
+    workers = [in_ns(a, argv, {**common, "RINGSERVE_BIND_HOST": HOST_A, "RINGSERVE_RANK_HINT": str(i)},
+                     tmp_path / f"worker-{i}.log") for i in range(3)]
+    victim = in_ns(b, argv, {**common, "RINGSERVE_BIND_HOST": HOST_B, "RINGSERVE_RANK_HINT": "3"},
+                   tmp_path / "worker-3.log")
     run = harness.Run(log=log, launcher=workers[0])
     try:
         run.wait_for_step(20, 90)
@@ -88,9 +101,9 @@ def test_a_worker_whose_link_goes_down_is_dropped_the_others_go_on_and_it_rejoin
         time.sleep(1.0)
         ip("-n", b, "link", "set", f"rsb{b.rsplit('-', 1)[1]}", "up")
         outs = []
-        for w in [*workers, victim]:
-            out, _ = w.communicate(timeout=150)
-            outs.append(out.decode())
+        for i, w in enumerate([*workers, victim]):
+            w.wait(timeout=150)
+            outs.append((tmp_path / f"worker-{i}.log").read_text(errors="replace"))
     finally:
         for p in [*workers, victim, coordinator]:
             if p.poll() is None:
