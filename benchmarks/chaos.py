@@ -9,8 +9,9 @@ with the workers of tests/elastic: every commit appends ``{pid, time, view, step
 job's log, sha being the sha256 of that replica's parameters. The jobs cover shared memory and the
 TCP payload lane (a hostname per worker, shared memory off), ``ring`` and ``auto``, numpy, the
 torch ``DistributedOptimizer`` and DiLoCo (two fragments, so a kill lands mid-fragment), the
-parameter server under ssp (chaos_jobs/ps.py), DDP under torchrun (chaos_jobs/ddp.py), and
-partitions between hosts in network namespaces (chaos_jobs/partitions.py). The
+parameter server under ssp (chaos_jobs/ps.py), DDP under torchrun (chaos_jobs/ddp.py),
+partitions between hosts in network namespaces (chaos_jobs/partitions.py), and fault-tolerant HSDP,
+whole replica groups killed (chaos_jobs/hsdp.py). The
 schedule is drawn from ``--seed`` alone: the same seed gives the same jobs, faults, victims (by
 launch index) and gaps, and each fault is printed as it is injected.
 
@@ -60,6 +61,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness  # noqa: E402  (the elastic tests' harness: the jobs and their records)
 from _common import free_port, table  # noqa: E402
 from chaos_jobs import ddp as chaos_ddp  # noqa: E402
+from chaos_jobs import hsdp as chaos_hsdp  # noqa: E402
 from chaos_jobs import partitions as chaos_partitions  # noqa: E402
 from chaos_jobs import ps as chaos_ps  # noqa: E402
 
@@ -144,6 +146,9 @@ JOBS = [
     # A host per worker in network namespaces of the job's own, payloads on the TCP lane: cuts.
     Job("numpy-netns-lane", harness.WORKER, {"RINGSERVE_ALGORITHM": "auto"}, ("partition", "partition-one-way"),
         start=chaos_partitions.start),
+    # Fault-tolerant HSDP: three replica groups of two ranks (FSDP2 over gloo inside, ringserve across),
+    # a group restarted whole when a rank of it dies; whole groups killed at once.
+    Job("hsdp-groups", chaos_hsdp.WORKER, {}, ("kill", "group-kill"), steps=300, workers=6, start=chaos_hsdp.start),
 ]
 # Jobs this machine cannot run (no root or no iproute2 for namespaces), left out with a line that says so.
 UNAVAILABLE = {} if chaos_partitions.available() else {"numpy-netns-lane": "needs root and iproute2 (ip netns)"}
@@ -168,7 +173,7 @@ class Outcome:
     def bound_s(self) -> float:
         if self.group:
             return GROUP_RESTART_BOUND_S
-        return KILL_BOUND_S if self.kind.startswith("kill") or self.kind == "lane-reset" else STALL_BOUND_S
+        return KILL_BOUND_S if self.kind.startswith("kill") or self.kind in ("lane-reset", "group-kill") else STALL_BOUND_S
 
 
 @dataclasses.dataclass
@@ -391,7 +396,8 @@ def await_whole(live: LiveJob, workers: int, timeout_s: float, steps: int) -> bo
 TRACEBACK_END = re.compile(r"^(?:\[\d+\]\s*|\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)|[\w.]*CancelledError)(?::|$)")
 TYPED = re.compile(r"^(ringserve\.errors\.)?(RingserveError|RecoverableError|PeerUnavailableError|RingChangedError|"
                    r"CollectiveTimeoutError|CorruptFrameError|ShardUnavailableError|HostsUpdatedInterrupt|"
-                   r"StateLostError|CoordinatorUnreachableError|ExcludedError|RendezvousTimeoutError)$")
+                   r"StateLostError|CoordinatorUnreachableError|ExcludedError|RendezvousTimeoutError|"
+                   r"GroupMemberFailedError|ReplicaGroupLostError)$")
 
 
 # torch.distributed's own error for a backend's failure, as gloo's and NCCL's are raised to a DDP
@@ -406,17 +412,35 @@ def _wrapped(name: str, line: str) -> bool:
     return name.endswith("DistBackendError") and found is not None and TYPED.match(found.group(1)) is not None
 
 
+# What Python prints between two tracebacks of one chain: the first is a cause, not what was raised.
+CHAINED = ("The above exception was the direct cause of the following exception",
+           "During handling of the above exception, another exception occurred")
+
+
+def _chained_after(lines: list[str]) -> bool:
+    """Whether the lines after a traceback's last one carry on its chain (another traceback follows)."""
+    for line in lines[:6]:
+        text = re.sub(r"^\[(?:rank)?\d+\]:?\s*", "", line.strip())
+        if any(text.startswith(c) for c in CHAINED):
+            return True
+    return False
+
+
 def untyped_errors(out: str) -> list[str]:
-    """The final lines of the output's tracebacks whose exception is not a ringserve error."""
+    """The final lines of the output's tracebacks whose exception is not a ringserve error. Of a
+    chain (``raise ... from``, or an error while handling another), only the last traceback's
+    exception counts: it is what the process raised (an HSDP rank's ReplicaGroupLostError from
+    its gloo backend's RuntimeError is typed)."""
     found = []
     lines = out.splitlines()
     for i, line in enumerate(lines):
         if "Traceback (most recent call last)" not in line:
             continue
-        for end in lines[i + 1:i + 400]:
+        for j in range(i + 1, min(i + 400, len(lines))):
+            end = lines[j]
             m = TRACEBACK_END.match(end.strip())
             if m and not end.strip().startswith("File "):
-                if not TYPED.match(m.group(1)) and not _wrapped(m.group(1), end):
+                if not TYPED.match(m.group(1)) and not _wrapped(m.group(1), end) and not _chained_after(lines[j + 1:]):
                     found.append(end.strip()[:200])
                 break
     return found

@@ -71,3 +71,16 @@ def test_a_victim_still_waiting_to_join_when_training_ends_does_not_hold_the_cam
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_of_a_chain_of_tracebacks_only_the_exception_raised_last_counts() -> None:
+    cause = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in f\n"
+             "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n")
+    typed = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"hsdp.py\", line 253, in wrapper\n"
+             "[rank0]: ringserve.errors.ReplicaGroupLostError: Replica group 'g1' lost a rank\n")
+    for link in ("The above exception was the direct cause of the following exception:",
+                 "During handling of the above exception, another exception occurred:"):
+        assert chaos.untyped_errors(f"{cause}\n[rank0]: {link}\n\n{typed}") == []
+        # the other way round, the untyped error is the one raised: it counts
+        assert chaos.untyped_errors(f"{typed}\n[rank0]: {link}\n\n{cause}") == [cause.splitlines()[-1]]
+    assert chaos.untyped_errors(cause) == [cause.splitlines()[-1]]  # alone, it counts
