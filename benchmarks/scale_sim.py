@@ -28,9 +28,9 @@ sends and takes in that allreduce, at that run's N: three equations, three unkno
 checking cost their measured CPU a byte. The CPU per call grows with the number of processes on
 the machine (cache, context switches, more streams a worker): given two calibration runs, each
 figure is calibrated at both and carried to any other N as a power law through the two (Growth).
-Everything else, and every time, is predicted: at the calibration runs' N as at the others. Where a run measured the CPU that the machine's other
-processes used meanwhile (scale.py's ``machine_cpu`` less ``workers_cpu``), the cores are that much
-slower for its workers. Which class of links ``auto`` planned by (a LAN, or, where
+Everything else, and every time, is predicted: at the calibration runs' N as at the others. Where
+a run measured the CPU that the machine's other processes used meanwhile (scale.py's
+``machine_cpu`` less ``workers_cpu``), the cores are that much slower for its workers. Which class of links ``auto`` planned by (a LAN, or, where
 a loaded machine's measure of the links read 8 ms or more one way, a WAN: selection.planned) is
 read from what the run's calls ran.
 """

@@ -27,7 +27,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,8 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "elastic"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness  # noqa: E402  (the elastic tests' harness: a job's commit log and faults)
+from _common import free_port  # noqa: E402
 
 from ringserve.launch.elastic import FINISH_GRACE_S  # noqa: E402  (ringserve run's grace after training ends)
 
@@ -53,12 +54,6 @@ MIN_WORKERS = 2 * GROUP_SIZE
 POLL_S = 0.05
 ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RINGSERVE_ELASTIC_TIMEOUT_S": "60",
        "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class HSDPJob:
@@ -101,7 +96,7 @@ class HSDPJob:
 
     def _start_group(self, name: str) -> None:
         start = self.starts[name] = self.starts.get(name, -1) + 1
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         for rank in range(GROUP_SIZE):
             env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(GROUP_SIZE), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "RINGSERVE_HSDP_GROUP": name, "RINGSERVE_COORDINATOR": self.address}
