@@ -17,7 +17,7 @@ Faults:
 - **group-kill** (this job's): SIGKILL of both ranks of one group in the same millisecond, the
   fault that HSDP's replication is for.
 
-Every rank records each commit with the sha256 of its group's full parameters (hsdp_worker.py),
+Every rank records each commit with the sha256 of its group's full parameters (hsdp_rank.py),
 so the campaign's checks hold across groups: one hash per (view, step), none lost, one at the end.
 """
 
@@ -42,7 +42,7 @@ from _common import free_port  # noqa: E402
 
 from ringserve.launch.elastic import FINISH_GRACE_S  # noqa: E402  (ringserve run's grace after training ends)
 
-WORKER = str(Path(__file__).with_name("hsdp_worker.py"))
+WORKER = str(Path(__file__).with_name("hsdp_rank.py"))
 GROUPS = 3
 GROUP_SIZE = 2
 HEARTBEAT_TIMEOUT_S = 2.0  # as the campaign's other jobs

@@ -54,9 +54,9 @@ def reference(steps: int, group_size: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def main() -> None:
-    out, steps, pause_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    group = hsdp.init()
+def build(group: hsdp.ReplicaGroup) -> tuple[torch.nn.Sequential, hsdp.DistributedOptimizer, hsdp.HSDPState]:
+    """The model sharded over ``group`` by FSDP2, its optimizer and its elastic state (also the
+    chaos campaign's HSDP job's: benchmarks/chaos_jobs/hsdp_rank.py)."""
     # A different start in every group: the first sync makes them one.
     torch.manual_seed(hash(group.gang) % 1000)
     model = net()
@@ -65,18 +65,30 @@ def main() -> None:
             fully_shard(layer, mesh=group.mesh)
     fully_shard(model, mesh=group.mesh)
     optimizer = hsdp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), group)
-    state = hsdp.HSDPState(model, optimizer, group, step=0)
+    return model, optimizer, hsdp.HSDPState(model, optimizer, group, step=0)
+
+
+def step(model: torch.nn.Module, optimizer: hsdp.DistributedOptimizer, state: hsdp.HSDPState,
+         group: hsdp.ReplicaGroup) -> None:
+    """One step on this rank's batch of ``state.step``, then a commit."""
+    x, y = batch(state.step, group.rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    state.step += 1
+    state.commit()
+
+
+def main() -> None:
+    out, steps, pause_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    group = hsdp.init()
+    model, optimizer, state = build(group)
     log = out / f"{group.gang.replace('/', '-')}-{group.rank}.jsonl"
 
     @hsdp.run
     def train(state: hsdp.HSDPState) -> None:
         while state.step < steps:
-            x, y = batch(state.step, group.rank)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            state.step += 1
-            state.commit()
+            step(model, optimizer, state, group)
             with log.open("a") as f:
                 f.write(json.dumps({"group": group.name, "gang": group.gang, "rank": group.rank, "step": state.step,
                                     "view": api.context().worker.running_view,

@@ -3,14 +3,14 @@
 Started as a torchrun of its group would start it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 with RINGSERVE_HSDP_GROUP naming the group and RINGSERVE_COORDINATOR the world's coordinator.
 FSDP2 shards a small MLP inside the group over gloo; ringserve's HSDP replicates the shards across
-the groups, with a commit every step.
+the groups, with a commit every step: the model, batches and step of tests/torch/test_hsdp.py.
 
 Every rank appends one line per commit to the job's commit log, in the campaign's format: ``pid``,
 ``time``, ``view``, ``step`` and ``sha``, the sha256 of the group's *full* parameters (each shard
 gathered in the group), so that every rank of every group at one (view, step) must write the same
 hash: a replica that diverged, or a restarted group that took a wrong shard, shows as a second one.
 
-    python hsdp_worker.py LOG STEPS PAUSE_S
+    python hsdp_rank.py LOG STEPS PAUSE_S
 """
 
 from __future__ import annotations
@@ -25,22 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import fully_shard
 
 from ringserve import api
 from ringserve.torch import hsdp
 
-LR = 1e-2
-
-
-def net() -> torch.nn.Sequential:
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, 5))
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "torch" / "workers"))
+from hsdp_worker import build, step  # test_hsdp.py's model, batches and step
 
 
 def full_sha(model: torch.nn.Module) -> str:
@@ -57,25 +47,13 @@ def main() -> None:
     log, steps, pause_s = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     faulthandler.register(signal.SIGUSR1)  # the campaign's dump of a hung job's stacks
     group = hsdp.init()
-    torch.manual_seed(hash(group.gang) % 1000)  # a different start in every group: the first sync makes them one
-    model = net()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=group.mesh)
-    fully_shard(model, mesh=group.mesh)
-    optimizer = hsdp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), group)
-    state = hsdp.HSDPState(model, optimizer, group, step=0)
+    model, optimizer, state = build(group)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     @hsdp.run
     def train(state: hsdp.HSDPState) -> None:
         while state.step < steps:
-            x, y = batch(state.step, group.rank)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            state.step += 1
-            state.commit()
+            step(model, optimizer, state, group)
             line = {"pid": os.getpid(), "time": time.time(), "view": api.context().worker.running_view,
                     "step": state.step, "sha": full_sha(model), "group": group.name}
             os.write(fd, (json.dumps(line) + "\n").encode())  # one write: lines of many processes never mix
