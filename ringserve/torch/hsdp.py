@@ -255,18 +255,27 @@ def run(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_DISTRIBUTED = os.path.join(_TORCH, "distributed") + os.sep
+
+
 def _from_backend(exc: RuntimeError) -> bool:
     """Whether ``exc`` is an error of a torch.distributed backend (gloo raises a bare RuntimeError
-    when a peer closes its socket): a DistBackendError, or a RuntimeError raised in
-    torch.distributed's code, and not one of ringserve's own."""
+    when a peer closes its socket): a DistBackendError, or a RuntimeError raised under a call of
+    torch.distributed's with nothing but torch below it (a c10d call, or a functional collective's
+    wait, as a DTensor's ``full_tensor()`` or ``redistribute()`` runs, whose error comes out of
+    torch's op dispatch), and not one of ringserve's own."""
     if isinstance(exc, dist.DistBackendError):
         return True
     if isinstance(exc, RingserveError):
         return False
+    files = []
     tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
-    return tb is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+    last = max((i for i, f in enumerate(files) if f.startswith(_TORCH_DISTRIBUTED)), default=None)
+    return last is not None and all(f.startswith(_TORCH) for f in files[last:])
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -42,4 +42,8 @@ def test_every_rank_of_a_group_ends_a_step_alike_and_the_worse_outcome_wins() ->
     assert (got[0]["fails-and-corrupt"], got[1]["fails-and-corrupt"]) == ("GroupMemberFailedError", "RingChangedError")
     # Its partner died: the group's own backend fails under rank 0, named.
     assert got[0]["partner-dies"] == "ReplicaGroupLostError"
+    # Through a functional collective (a DTensor's full_tensor()), the backend's error all the same;
+    # a RuntimeError of the script's own raised inside a torch call is not.
+    assert got[0]["partner-dies-dtensor"] == "backend"
+    assert got[0]["own-error"] == "not the backend's"
     assert "partner-dies" not in got[1]

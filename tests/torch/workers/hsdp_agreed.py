@@ -13,8 +13,10 @@ import os
 import sys
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from ringserve.errors import CorruptFrameError, RingChangedError
 from ringserve.torch import hsdp
@@ -42,6 +44,8 @@ def main() -> None:
     world = dist.group.WORLD
     assert world is not None
     group = hsdp.ReplicaGroup("g", "g/1", rank, 2, init_device_mesh("cpu", (2,)), world)
+    # Sharded over the group while both ranks live; gathered again once rank 1 has died.
+    sharded = distribute_tensor(torch.arange(4.0), group.mesh, [Shard(0)])
     for case, errors in CASES.items():
         try:
             outcome = group.agreed(action(errors[rank]))
@@ -56,6 +60,27 @@ def main() -> None:
     except Exception as exc:
         outcome = type(exc).__name__
     print(json.dumps(["partner-dies", outcome]), flush=True)
+    # A functional collective's error (a DTensor gathered): it comes out of torch's op dispatch,
+    # under torch.distributed's call; hsdp.run names it as the group's loss all the same.
+    try:
+        sharded.full_tensor()
+        outcome = "passed"
+    except RuntimeError as exc:
+        outcome = "backend" if hsdp._from_backend(exc) else f"not the backend's: {exc}"
+    print(json.dumps(["partner-dies-dtensor", outcome]), flush=True)
+    # Raised in code of one's own that torch.distributed calls (here, pickling an object to send),
+    # a RuntimeError is not the backend's.
+    try:
+        dist.broadcast_object_list([_Unpicklable()], src=0)
+        outcome = "passed"
+    except RuntimeError as exc:
+        outcome = "backend" if hsdp._from_backend(exc) else "not the backend's"
+    print(json.dumps(["own-error", outcome]), flush=True)
+
+
+class _Unpicklable:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("an error of the script's own, raised inside torch.distributed's call")
 
 
 if __name__ == "__main__":
