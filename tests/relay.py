@@ -100,12 +100,14 @@ class Relay:
             finally:
                 self._links.discard(link)
             return
+        seen = b""  # the end of what came before: a pattern split across two reads is still seen
         try:
             while data := await reader.read(1 << 16):
                 if damage and self.flip_after and not self.flipped:
                     data = self._flip(data)
-                if damage and self.blackhole and self.blackhole in data:
-                    link.marked = True
+                if damage and self.blackhole:
+                    link.marked = link.marked or self.blackhole in seen + data
+                    seen = (seen + data)[-len(self.blackhole):]
                 if (link.marked and self.cutting) or link.stuck:
                     continue
                 writer.write(data)

@@ -168,3 +168,36 @@ async def test_a_worker_whose_route_to_the_coordinator_is_back_after_it_was_drop
     back = await in_view_of(cluster.workers, 3, timeout_s=10, view_id=without + 1)
     assert await cluster.allreduce(cluster.workers, "again") == [[6.0]] * 3
     print(f"\nroute back: dropped {dropped - cut:.2f} s, back in the ring {back - cut:.2f} s after the cut")
+
+
+
+HEALTH_CHECK = b"/grpc.health.v1.Health/Check"
+
+
+@pytest.mark.parametrize("dropped", [HTTP2_PREFACE, HEALTH_CHECK], ids=["every-byte", "requests"])
+async def test_a_redial_through_a_route_that_takes_connections_but_drops_their_bytes_finds_the_coordinator_still_away(
+    dropped: bytes,
+) -> None:
+    """A new connection that comes up (the coordinator's HTTP/2 SETTINGS come back, so gRPC calls
+    it READY) while what the worker sends goes nowhere is not the coordinator back. Taken for it,
+    a worker cut off rejoined into the void and stopped later than its bound (CI: 7.7 s against
+    7). Dropping every byte, READY comes or not by a race; dropping the requests, it always comes."""
+    from ringserve.worker.control.client import ControlClient
+
+    coordinator = await Coordinator(coordinator_config(heartbeat_timeout_s=TIMEOUT_S)).start()
+    relay = Relay(int(coordinator.address.rsplit(":", 1)[1]), blackhole=dropped)
+    client = None
+    try:
+        client = ControlClient(worker_config(f"127.0.0.1:{await relay.start()}", rpc_timeout_s=1.0))
+        relay.cut()
+        for _ in range(3):
+            began = time.monotonic()
+            assert not await client.redial(1.0), "a connection whose requests go nowhere was taken for the coordinator"
+            assert time.monotonic() - began < 1.5
+        relay.heal()
+        assert await client.redial(1.0)
+    finally:
+        if client is not None:
+            await client.close()
+        await relay.close()
+        await coordinator.stop()

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve._proto import coordinator_pb2 as pb
 from ringserve._proto import coordinator_pb2_grpc as pb_grpc
@@ -168,10 +169,17 @@ class ControlClient:
         # the old connection (gRPC's global pool), stuck or not.
         options = [*control_channel_options(64 << 20), ("grpc.use_local_subchannel_pool", 1)]
         channel = self._security.channel(self.address, options)
+        # READY means only that the TCP connection (and TLS) is up: a route that takes new
+        # connections but drops what goes over them (a half-broken middlebox) is READY too. A
+        # health check (open without a token) proves the coordinator answers on it.
         try:
             async with asyncio.timeout(timeout_s):
                 await channel.channel_ready()
-        except TimeoutError:
+                answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            up = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except (TimeoutError, grpc.aio.AioRpcError):
+            up = False
+        if not up:
             await channel.close()
             return False
         old, self._channel, self._stub = self._channel, channel, pb_grpc.CoordinatorStub(channel)
