@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -104,21 +105,25 @@ async def coordinator(request: pytest.FixtureRequest) -> AsyncIterator[Coordinat
 def _coordinator_process(args: list[str], pattern: str = r"listening on (\S+)") -> Iterator[str]:
     """`ringserve coordinator ARGS` as a process: yields the address from its first line
     (``pattern``'s group 1), and stops it with SIGTERM (it must exit 0) afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "coordinator", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(pattern, line)
-        assert match, f"unexpected first line {line!r}"
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    # Its log goes to a file that nobody reads while it runs (a pipe could fill and block it).
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "coordinator", *args],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
         try:
-            assert proc.wait(15) == 0
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            match = re.search(pattern, line)
+            assert match, f"unexpected first line {line!r}"
+            yield match.group(1)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(15)
+                log.seek(0)
+                assert code == 0, f"the coordinator exited {code}: {log.read()[-3000:]}"
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from worlds import free_port
@@ -38,18 +39,22 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("retry", ["retry", "once"])
-def test_the_request_to_admit_is_asked_again_until_a_stalled_coordinator_answers(retry: str) -> None:
+def test_the_request_to_admit_is_asked_again_until_a_stalled_coordinator_answers(retry: str, tmp_path: Path) -> None:
     port = free_port()
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(port), "--min-workers", "1",
-         "--settle-seconds", "0.1", "--heartbeat-timeout", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "coordinator.log"
+    with log.open("wb") as sink:  # its log, read by nobody: in a pipe it could fill and stop it
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(port), "--min-workers", "1",
+             "--settle-seconds", "0.1", "--heartbeat-timeout", "30"],
+            stdout=subprocess.PIPE, stderr=sink)
     env = {**os.environ, "RINGSERVE_COORDINATOR": f"127.0.0.1:{port}", "RINGSERVE_RPC_TIMEOUT_S": "0.5",
            "RINGSERVE_ELASTIC_TIMEOUT_S": "30", "PYTHONUNBUFFERED": "1"}
     worker = subprocess.Popen([sys.executable, "-c", SCRIPT, retry], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert coordinator.stdout is not None and "listening on" in coordinator.stdout.readline().decode()
+        assert coordinator.stdout is not None
+        first = coordinator.stdout.readline().decode()
+        assert "listening on" in first, first + log.read_text()[-3000:]
         assert worker.stdout is not None and worker.stdin is not None
         line = worker.stdout.readline()
         assert line.strip() == "ready", line + worker.stdout.read()

@@ -155,15 +155,18 @@ def test_survivors_below_min_workers_wait_for_the_elastic_timeout_then_exit_with
     harness.check_invariants(run.records(), max(r["step"] for r in run.records()))
 
 
-def start_coordinator(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(port), "--min-workers", "4",
-         "--settle-seconds", "0.2", "--heartbeat-timeout", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
+def start_coordinator(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """Its stdout (the lines saying where it listens) is a pipe; its log, read by nobody while it
+    runs, goes to the file ``log``: in a pipe, a coordinator logging a long outage could block."""
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", str(port), "--min-workers", "4",
+             "--settle-seconds", "0.2", "--heartbeat-timeout", "3"],
+            stdout=subprocess.PIPE, stderr=sink,
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
-    assert "listening on" in line, line
+    assert "listening on" in line, line + log.read_text()[-3000:]
     return proc
 
 
@@ -175,7 +178,7 @@ def test_a_killed_and_restarted_coordinator_adopts_the_running_world_and_trainin
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     log = tmp_path / "commits.jsonl"
-    coordinator = start_coordinator(port)
+    coordinator = start_coordinator(port, tmp_path / "coordinator.log")
     workers = [harness.start_worker(address, log, 200, 0.03) for _ in range(4)]
     run = harness.Run(log=log, launcher=workers[0])
     try:
@@ -184,7 +187,7 @@ def test_a_killed_and_restarted_coordinator_adopts_the_running_world_and_trainin
         coordinator.wait()
         killed_at_step = max(r["step"] for r in run.records())
         time.sleep(1.0)
-        coordinator = start_coordinator(port)
+        coordinator = start_coordinator(port, tmp_path / "coordinator.log")
         outs = []
         for w in workers:
             out, _ = w.communicate(timeout=120)

@@ -93,29 +93,37 @@ def wait_for(proc: subprocess.Popen[str], text: str, timeout_s: float) -> str:
     raise AssertionError(f"no line with {text!r} within {timeout_s} s")
 
 
-def stop(proc: subprocess.Popen[str]) -> str:
-    """Stops ``proc`` (SIGTERM, then SIGKILL) and returns its stderr."""
+def spawn(args: list[str], err: pathlib.Path) -> subprocess.Popen[str]:
+    """``args`` as a process, its stdout a pipe (the line or two it says), its stderr the file ``err``:
+    ``-X importtime`` writes a line there per module (over 20 KiB before the first line on stdout),
+    and a pipe read only at the end holds 64 KiB: a child blocked on it would never say that line."""
+    with err.open("w") as sink:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sink, text=True, env=env())
+
+
+def stop(proc: subprocess.Popen[str], err: pathlib.Path) -> str:
+    """Stops ``proc`` (SIGTERM, then SIGKILL) and returns its stderr, from ``err``."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        _, err = proc.communicate(timeout=20)
+        proc.communicate(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
-        _, err = proc.communicate()
-    return err
+        proc.communicate()
+    return err.read_text()
 
 
 def test_a_coordinator_a_shard_and_a_numpy_worker_each_load_only_their_own_layers(tmp_path: pathlib.Path) -> None:
     table = test_import_layers
     python = [sys.executable, "-X", "importtime"]
-    coordinator = subprocess.Popen([*python, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", "1",
-                                    "--settle-seconds", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env=env())
+    coordinator_err, shard_err = tmp_path / "coordinator.err", tmp_path / "shard.err"
+    coordinator = spawn([*python, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", "1",
+                         "--settle-seconds", "0.2"], coordinator_err)
     procs = [coordinator]
     try:
         address = wait_for(coordinator, "listening on", 60).split("listening on", 1)[1].split()[0]
-        shard = subprocess.Popen([*python, "-m", "ringserve.cli", "ps", "--one-shard", "--shards", "1", "--coordinator",
-                                  address], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        shard = spawn([*python, "-m", "ringserve.cli", "ps", "--one-shard", "--shards", "1", "--coordinator", address],
+                      shard_err)
         procs.append(shard)
         wait_for(shard, "serving on", 60)
         script = tmp_path / "worker.py"
@@ -124,7 +132,8 @@ def test_a_coordinator_a_shard_and_a_numpy_worker_each_load_only_their_own_layer
         worker = subprocess.run([*python, str(script)], capture_output=True, text=True, timeout=90,
                                 env={**env(), "RINGSERVE_COORDINATOR": address})
         assert worker.returncode == 0 and "done" in worker.stdout, worker.stderr[-3000:]
-        shard_loaded, coordinator_loaded = imported(stop(shard)), imported(stop(coordinator))
+        shard_loaded = imported(stop(shard, shard_err))
+        coordinator_loaded = imported(stop(coordinator, coordinator_err))
     finally:
         for proc in procs:
             if proc.poll() is None:
