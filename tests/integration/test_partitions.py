@@ -170,7 +170,6 @@ async def test_a_worker_whose_route_to_the_coordinator_is_back_after_it_was_drop
     print(f"\nroute back: dropped {dropped - cut:.2f} s, back in the ring {back - cut:.2f} s after the cut")
 
 
-
 HEALTH_CHECK = b"/grpc.health.v1.Health/Check"
 
 
