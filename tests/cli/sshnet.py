@@ -106,13 +106,16 @@ class Cluster:
             "LogLevel ERROR\n"
         )
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
-        self.sshds[host] = subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its log goes to a file, read only if it does not start: a pipe nobody reads could fill
+        # (and reading one to its end would wait for an sshd that is still up).
+        log = self.root / f"sshd_{host}.log"
+        with log.open("wb") as sink:
+            self.sshds[host] = subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
+                                                stdout=subprocess.DEVNULL, stderr=sink)
         deadline = time.monotonic() + 10
         while not pidfile.exists():  # sshd writes it once it listens
             if self.sshds[host].poll() is not None or time.monotonic() > deadline:
-                err = self.sshds[host].stderr.read().decode() if self.sshds[host].stderr else ""  # type: ignore[union-attr]
-                raise RuntimeError(f"sshd on {host} did not start: {err}")
+                raise RuntimeError(f"sshd on {host} did not start: {log.read_text(errors='replace')}")
             time.sleep(0.05)
 
     def stop_sshd(self, host: str) -> None:

@@ -217,6 +217,10 @@ class Watched:
         self.lines: list[str] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
+        # Its stderr (its coordinator's log) is drained too: a pipe read only at the end could fill.
+        self._err: list[bytes] = []
+        self._err_thread = threading.Thread(target=lambda: self._err.extend(launcher.stderr or []), daemon=True)
+        self._err_thread.start()
 
     def _read(self) -> None:
         assert self.launcher.stdout is not None
@@ -248,8 +252,8 @@ class Watched:
                 self.launcher.kill()
                 self.launcher.wait()
         self._thread.join(5)
-        assert self.launcher.stderr is not None
-        return self.launcher.returncode, self.launcher.stderr.read().decode(errors="replace")
+        self._err_thread.join(5)
+        return self.launcher.returncode, b"".join(self._err).decode(errors="replace")
 
 
 def digests(lines: list[str]) -> set[str]:

@@ -28,7 +28,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import harness
 import pytest
@@ -105,9 +104,12 @@ def net() -> Iterator[Net]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def in_ns(ns: str, argv: list[str], env: dict[str, str], out: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env},
-                            stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT)
+def in_ns(ns: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Its output goes to the file ``log``: nobody reads it while it runs, and in a pipe (64 KiB)
+    a process logging the faults could block."""
+    with log.open("wb") as out:
+        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**os.environ, **env},
+                                stdout=out, stderr=subprocess.STDOUT)
 
 
 @dataclass
@@ -117,9 +119,13 @@ class Job:
     peers: list[subprocess.Popen[bytes]]
     victim: subprocess.Popen[bytes]
     steps: int
+    logs: list[Path]  # the workers' output: the peers', then the victim's
 
     def all(self) -> list[subprocess.Popen[bytes]]:
         return [*self.peers, self.victim, self.coordinator]
+
+    def outputs(self) -> list[str]:
+        return [log.read_text(errors="replace") for log in self.logs]
 
     def training_together(self, timeout_s: float) -> int:
         """Waits until all four workers have committed; returns the newest view so far."""
@@ -153,13 +159,11 @@ def lane_env(lane: str, address: str) -> dict[str, str]:
 
 def start_job(tmp_path: Path, net: Net, steps: int, lane: str = "one-host") -> Job:
     port = 29500 + os.getpid() % 400
-    # The coordinator's log goes to a file: nobody reads a pipe of it, which could fill and stall it.
     coordinator_log = tmp_path / "coordinator.log"
     token = {"RINGSERVE_TOKEN": "partial-partition-job-token"}  # off loopback: secure by default
-    with open(coordinator_log, "wb") as out:
-        coordinator = in_ns(net.coordinator, [
-            sys.executable, "-m", "ringserve.cli", "--log-level", "info", "coordinator", "--host", COORDINATOR, "--port", str(port),
-            "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], token, out)
+    coordinator = in_ns(net.coordinator, [
+        sys.executable, "-m", "ringserve.cli", "--log-level", "info", "coordinator", "--host", COORDINATOR, "--port", str(port),
+        "--min-workers", "2", "--settle-seconds", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], token, coordinator_log)
     deadline = time.time() + 30
     while "listening on" not in coordinator_log.read_text():
         assert time.time() < deadline and coordinator.poll() is None, coordinator_log.read_text()
@@ -169,16 +173,19 @@ def start_job(tmp_path: Path, net: Net, steps: int, lane: str = "one-host") -> J
               "RINGSERVE_RENDEZVOUS_TIMEOUT_S": "60", "RINGSERVE_RPC_TIMEOUT_S": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, harness.WORKER, str(log), str(steps), "0.03"]
     # The victim takes rank 1, so that the tie-break (the latest rank goes) cannot be what drops it.
-    peers = [in_ns(net.peers, argv, {**common, **lane_env(lane, a), "RINGSERVE_BIND_HOST": a, "RINGSERVE_RANK_HINT": str(r)})
-             for a, r in zip(PEERS, (0, 2, 3), strict=True)]
+    peer_logs, victim_log = [tmp_path / f"peer-{a}.out" for a in PEERS], tmp_path / "victim.out"
+    peers = [in_ns(net.peers, argv, {**common, **lane_env(lane, a), "RINGSERVE_BIND_HOST": a, "RINGSERVE_RANK_HINT": str(r)}, out)
+             for a, r, out in zip(PEERS, (0, 2, 3), peer_logs, strict=True)]
     victim = in_ns(net.victim, argv, {**common, **lane_env(lane, VICTIM), "RINGSERVE_BIND_HOST": VICTIM,
-                                      "RINGSERVE_RANK_HINT": "1"})
-    return Job(harness.Run(log=log, launcher=peers[0]), coordinator, peers, victim, steps)
+                                      "RINGSERVE_RANK_HINT": "1"}, victim_log)
+    return Job(harness.Run(log=log, launcher=peers[0]), coordinator, peers, victim, steps, [*peer_logs, victim_log])
 
 
 def finish(job: Job, timeout_s: float) -> list[str]:
     """Waits for every worker to exit; returns their outputs."""
-    return [p.communicate(timeout=timeout_s)[0].decode() for p in [*job.peers, job.victim]]
+    for p in [*job.peers, job.victim]:
+        p.wait(timeout_s)
+    return job.outputs()
 
 
 def kill(job: Job) -> None:
@@ -235,15 +242,15 @@ def test_a_worker_cut_off_from_the_coordinator_trains_until_declared_dead_then_s
         net.blackhole(COORDINATOR)
         dropped = job.first_commit_after(cut_view, 30)
         try:
-            victim_out, _ = job.victim.communicate(timeout=30)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"the victim did not stop: {(exc.output or b'').decode()[-4000:]}") from None
+            job.victim.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the victim did not stop: {job.outputs()[-1][-4000:]}") from None
         stopped = time.time()
         outs = finish(job, 150)
     finally:
         kill(job)
     assert all(p.returncode == 0 for p in job.peers), "\n".join(o[-2000:] for o in outs)
-    victim_text = victim_out.decode()
+    victim_text = job.outputs()[-1]
     assert job.victim.returncode != 0 and "ExcludedError" in victim_text, victim_text[-3000:]
     assert "so it stops rather than train as a second world" in victim_text
     records = job.run.records()

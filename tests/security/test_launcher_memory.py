@@ -51,14 +51,21 @@ def rss(pid: int) -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024  # type: ignore[union-attr]
 
 
-async def test_oversized_messages_at_a_busy_launchers_coordinator_are_refused_and_its_memory_returns() -> None:
-    launcher = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "run", "-np", "2", sys.executable, "-c", JOB],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+async def test_oversized_messages_at_a_busy_launchers_coordinator_are_refused_and_its_memory_returns(
+    tmp_path: Path,
+) -> None:
+    # Its output goes to a file: past its first line nobody reads it while it runs, and in a pipe
+    # (64 KiB) a launcher logging the flood, or its workers' warnings, could block.
+    output = tmp_path / "launcher.out"
+    with output.open("wb") as sink:
+        launcher = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "run", "-np", "2", sys.executable, "-c", JOB],
+                                    stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        assert launcher.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(launcher.stdout.readline), 60)
-        address = re.search(r"coordinator at (\S+?);", line).group(1)  # type: ignore[union-attr]
+        async with asyncio.timeout(60):
+            while not (found := re.search(r"coordinator at (\S+?);", output.read_text(errors="replace"))):
+                assert launcher.poll() is None, output.read_text(errors="replace")
+                await asyncio.sleep(0.05)
+        address = found.group(1)
         await asyncio.sleep(3)  # the workers are allreducing
         before = rss(launcher.pid)
         # The flood comes from a process of its own, gone once it is over: a connection that a
@@ -71,11 +78,11 @@ async def test_oversized_messages_at_a_busy_launchers_coordinator_are_refused_an
         while (now := rss(launcher.pid)) > before + 32 * MiB and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         assert now <= before + 32 * MiB, f"the launcher stayed at {now / MiB:.0f} MiB, from {before / MiB:.0f} MiB"
-        assert launcher.poll() is None, "the job ended under the flood"
+        assert launcher.poll() is None, "the job ended under the flood:\n" + output.read_text(errors="replace")[-3000:]
     finally:
         launcher.terminate()
         try:
-            launcher.communicate(timeout=20)
+            launcher.wait(20)
         except subprocess.TimeoutExpired:
             launcher.kill()
-            launcher.communicate()
+            launcher.wait()

@@ -20,12 +20,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-from _worlds import REPO, WORKER_ENV, WORKERS, Run, _start_coordinator
+from _worlds import REPO, WORKER_ENV, WORKERS, Run, _output, _start_coordinator
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 DIST_WORKERS = WORKERS
@@ -48,8 +50,9 @@ def _base_env(env: dict[str, str] | None) -> dict[str, str]:
 class Started:
     """The processes of a world, in rank order (one process for the launchers)."""
 
-    procs: list[subprocess.Popen[str]]
+    procs: list[subprocess.Popen[bytes]]
     out_dir: Path
+    sinks: list[IO[bytes]]  # their output, a file each (see start_dist)
 
     def wait(self, timeout_s: float, killed: frozenset[int] = frozenset()) -> Run:
         """Waits for every process; raises AssertionError with their output if any failed or hung
@@ -57,16 +60,16 @@ class Started:
         outputs, failed = [], []
         for i, p in enumerate(self.procs):
             try:
-                out, _ = p.communicate(timeout=timeout_s)
+                p.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
+                p.wait()
                 failed.append(f"process {i} ran past {timeout_s:g} s")
             else:
                 expected = -9 if i in killed else 0
                 if p.returncode != expected:
                     failed.append(f"process {i} exited with code {p.returncode}, not {expected}")
-            outputs.append(out)
+            outputs.append(_output(self.sinks[i]))
         if failed:
             listing = "\n".join(f"--- process {i} ---\n{o[-5000:]}" for i, o in enumerate(outputs))
             raise AssertionError(f"{'; '.join(failed)}\n{listing}")
@@ -83,11 +86,16 @@ def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
     base = _base_env(env)
     argv = [str(script), *([str(out_dir)] if pass_out_dir else []), *args]
     thread = coordinator = None
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    # Each process's output goes to a file: a pipe of one is read only once those before it have
+    # ended (and not at all while the test holds the world), and a rank blocked on a full pipe
+    # (64 KiB) would stall the whole world.
+    sinks: list[IO[bytes]] = []
 
     def popen(command: list[str], extra: dict[str, str]) -> None:
-        procs.append(subprocess.Popen(command, env={**base, **extra}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=out_dir))
+        sinks.append(tempfile.TemporaryFile())  # noqa: SIM115 (closed in the finally below)
+        procs.append(subprocess.Popen(command, env={**base, **extra}, stdout=sinks[-1],
+                                      stderr=subprocess.STDOUT, cwd=out_dir))
 
     try:
         if launch in ("env", "rank0"):
@@ -106,12 +114,14 @@ def start_dist(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
             popen([TORCHRUN, "--standalone", "--nproc-per-node", str(n), *launcher_args, *argv], {})
         else:
             raise ValueError(f"unknown launch {launch!r}")
-        yield Started(procs, out_dir)
+        yield Started(procs, out_dir, sinks)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for sink in sinks:
+            sink.close()
         if thread is not None and coordinator is not None:
             try:
                 thread.run(coordinator.stop(0.2), 10.0)

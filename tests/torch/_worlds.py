@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -62,6 +64,12 @@ def _start_coordinator(n: int) -> tuple[LoopThread, Coordinator]:
     return thread, coordinator
 
 
+def _output(sink: IO[bytes]) -> str:
+    """What a process wrote to its file ``sink``, its newlines as a text-mode pipe gives them."""
+    sink.seek(0)
+    return sink.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
 def run_world(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
               timeout_s: float = 90.0, env: dict[str, str] | None = None) -> Run:
     """Runs ``n`` processes of ``script out_dir *args`` against a fresh coordinator.
@@ -71,28 +79,31 @@ def run_world(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     thread, coordinator = _start_coordinator(n)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    # Each process's output goes to a file: a pipe of one is read only once those before it have
+    # ended, and a rank blocked on a full pipe (64 KiB) would stall the whole world.
+    sinks = [tempfile.TemporaryFile() for _ in range(n)]  # noqa: SIM115 (closed in the finally below)
     try:
         base = {**os.environ, **WORKER_ENV, **(env or {}), "RINGSERVE_COORDINATOR": coordinator.address,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         for i in range(n):
             procs.append(subprocess.Popen(
                 [sys.executable, str(script), str(out_dir), *args], env={**base, "RINGSERVE_RANK_HINT": str(i)},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out_dir,
+                stdout=sinks[i], stderr=subprocess.STDOUT, cwd=out_dir,
             ))
         outputs = []
         failed = []
         for i, p in enumerate(procs):
             try:
-                out, _ = p.communicate(timeout=timeout_s)
+                p.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
+                p.wait()
                 failed.append(f"process {i} ran past {timeout_s:g} s")
             else:
                 if p.returncode != 0:
                     failed.append(f"process {i} exited with code {p.returncode}")
-            outputs.append(out)
+            outputs.append(_output(sinks[i]))
         if failed:
             listing = "\n".join(f"--- process {i} ---\n{o[-4000:]}" for i, o in enumerate(outputs))
             raise AssertionError(f"{'; '.join(failed)}\n{listing}")
@@ -102,6 +113,8 @@ def run_world(script: Path, n: int, out_dir: Path, args: Sequence[str] = (), *,
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for sink in sinks:
+            sink.close()
         try:
             thread.run(coordinator.stop(0.2), 10.0)
         finally:

@@ -53,9 +53,11 @@ def test_the_elastic_example_trains_and_ends_with_identical_parameters() -> None
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_elastic_example_survives_a_killed_worker_that_is_started_again() -> None:
-    launcher = subprocess.Popen([*RUN, "-np", "2", "--min-np", "1", "--restart-failed", sys.executable, str(EXAMPLES / "pytorch_elastic_train.py"), "--epochs", "12"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_the_elastic_example_survives_a_killed_worker_that_is_started_again(tmp_path: Path) -> None:
+    err = tmp_path / "launcher.err"  # its log (its coordinator's too), read only on failure: a pipe could fill
+    with err.open("w") as sink:
+        launcher = subprocess.Popen([*RUN, "-np", "2", "--min-np", "1", "--restart-failed", sys.executable, str(EXAMPLES / "pytorch_elastic_train.py"), "--epochs", "12"],
+                                    stdout=subprocess.PIPE, stderr=sink, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout or []), daemon=True)
     reader.start()
@@ -67,7 +69,7 @@ def test_the_elastic_example_survives_a_killed_worker_that_is_started_again() ->
         with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
             victim = int(f.read().split()[-1])
         os.kill(victim, signal.SIGKILL)
-        assert launcher.wait(240) == 0, "".join(lines) + (launcher.stderr.read() if launcher.stderr else "")
+        assert launcher.wait(240) == 0, "".join(lines) + err.read_text()
     finally:
         if launcher.poll() is None:
             launcher.kill()

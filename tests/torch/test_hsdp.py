@@ -44,11 +44,16 @@ class Job:
 
     def __init__(self, out: Path, min_workers: int) -> None:
         self.out = out
-        self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", str(min_workers),
-             "--heartbeat-timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Its stdout (the line saying where it listens) is a pipe; its log, read by nobody while it
+        # runs, goes to a file (in tails()): in a pipe, a coordinator logging the faults could block.
+        log = out / "coordinator.log"
+        with log.open("w") as sink:
+            self.coordinator = subprocess.Popen(
+                [sys.executable, "-m", "ringserve.cli", "coordinator", "--port", "0", "--min-workers", str(min_workers),
+                 "--heartbeat-timeout", "2"], stdout=subprocess.PIPE, stderr=sink, text=True)
         assert self.coordinator.stdout is not None
         line = self.coordinator.stdout.readline()
+        assert "listening on" in line, line + log.read_text()[-3000:]
         self.address = line.split("listening on ", 1)[1].split()[0]
         self.procs: dict[str, list[subprocess.Popen[bytes]]] = {}
 
