@@ -17,8 +17,9 @@ decides which slots have a worker process, as horovodrun's elastic driver does:
   ``--restart-failed`` the failed worker starts again in place until its host has failed
   HOST_FAILURE_LIMIT times. A worker exiting with 65 (the job's state is lost) ends the run.
 - **The end.** When a worker finishes with 0, training is over: no one new starts, and those still
-  running get FINISH_GRACE_S to finish before they are stopped. When no worker is left and none
-  finished, the run ends with the last failure.
+  running get FINISH_GRACE_S to finish before they are stopped. One of them that finds the job's
+  state gone (65: the holders finished and left before it joined) ends nothing either. When no
+  worker is left and none finished, the run ends with the last failure.
 
 The prefix of a worker's lines is its index: a slot keeps its index across restarts, and slots
 that appear later get new ones (after a world change the index is no longer the rank).
@@ -145,6 +146,12 @@ class _Run:
                 continue
             if code == 0:
                 self.finished_at = self.finished_at or now
+                continue
+            if code == STATE_LOST_EXIT_CODE and self.finished_at is not None:
+                # Training is over and its holders have left: one still waiting to join finds the
+                # state gone. It took no part, as one stopped at the grace's end (no failure).
+                self.workers.note(f"{name} found the job's state gone after training finished (exit code {code}); "
+                                  f"not a failure")
                 continue
             self.last_failure = Outcome(code, failed_rank=proc.index, host=proc.host, reason=proc.reason())
             if code == STATE_LOST_EXIT_CODE:

@@ -106,3 +106,15 @@ def test_a_worker_that_lost_the_state_is_not_restarted_and_ends_the_run_with_its
     assert "starting it again" not in result.stdout
     assert "rank 0 exited with code 65 (StateLostError" in result.stderr
     assert time.monotonic() - started < 40
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_finds_the_state_gone_after_training_finished_ends_nothing() -> None:
+    """A restarted worker that comes too late, after the others finished and left with the state,
+    exits 65 (StateLostError): it took no part, so the run ends as the finished worker did."""
+    script = ("import os, sys, time\nif os.environ['RINGSERVE_RANK_HINT'] == '0': sys.exit(0)\n"
+              "time.sleep(1.0)\nsys.exit(65)\n")
+    result = run(["run", "-np", "2", "--min-np", "1", "--restart-failed", sys.executable, "-c", script], timeout=80)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "worker 1 found the job's state gone after training finished" in result.stdout
+    assert "starting it again" not in result.stdout
