@@ -111,6 +111,7 @@ class HSDPJob:
         """The groups' launcher: a group with a rank that failed is stopped and started again whole,
         until training is over; then those still running get FINISH_GRACE_S, then SIGTERM."""
         while not self._ended.is_set():
+            failed = []
             with self._lock:
                 for name, procs in self.groups.items():
                     codes = [p.poll() for p in procs]
@@ -121,7 +122,12 @@ class HSDPJob:
                             if p.poll() is None:
                                 p.kill()
                                 p.wait()
-                        time.sleep(RESTART_AFTER_S)
+                        failed.append(name)
+            if failed:  # the pause before a restart holds no lock: faults and polls go on meanwhile
+                time.sleep(RESTART_AFTER_S)
+            with self._lock:
+                for name in failed:
+                    if self.finished_at is None:
                         self._start_group(name)
                 if self.finished_at is not None and time.time() - self.finished_at > FINISH_GRACE_S:
                     for p in self.live():
