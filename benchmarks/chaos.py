@@ -8,7 +8,7 @@ restarts, with a coordinator of its own that the campaign kills and starts again
 with the workers of tests/elastic: every commit appends ``{pid, time, view, step, sha}`` to the
 job's log, sha being the sha256 of that replica's parameters. The jobs cover shared memory and the
 TCP payload lane (a hostname per worker, shared memory off), ``ring`` and ``auto``, numpy, the
-torch ``DistributedOptimizer`` and DiLoCo (two fragments, so a kill lands mid-fragment), the
+torch ``DistributedOptimizer`` (committing with copies, and in place) and DiLoCo (two fragments, so a kill lands mid-fragment), the
 parameter server under ssp (chaos_jobs/ps.py), DDP under torchrun (chaos_jobs/ddp.py),
 partitions between hosts in network namespaces (chaos_jobs/partitions.py), and fault-tolerant HSDP,
 whole replica groups killed (chaos_jobs/hsdp.py). The
@@ -135,6 +135,8 @@ JOBS = [
     Job("torch-shm-auto", harness.TORCH_WORKER, {"RINGSERVE_ALGORITHM": "auto"}, KILLS, steps=300),
     Job("torch-lane-ring", harness.TORCH_WORKER, {"RINGSERVE_ALGORITHM": "ring"}, (*KILLS, "lane-reset"),
         steps=300, lane=True),
+    # Commits in place (no copy of the parameters and moments): the survivors' live tensors are the commit.
+    Job("torch-shm-in-place", harness.TORCH_WORKER, {"RINGSERVE_COMMIT_IN_PLACE": "1"}, KILLS, steps=300),
     # Two fragments, each synced one step late, and a commit every step: a kill lands mid-fragment.
     Job("diloco-shm", DILOCO, {"DILOCO_FRAGMENTS": "2", "DILOCO_SYNC_EVERY": "4", "DILOCO_DELAY": "1",
                                "DILOCO_COMMIT": "step"}, ("kill", "kill-pair"), steps=300),

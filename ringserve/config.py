@@ -476,6 +476,15 @@ class WorkerConfig(SecuritySettings):
             it. Holders whose address refuses connections are gone at once, without a wait. The
             other ranks wait in a collective meanwhile, so the wait is capped at half of
             collective_timeout_s (see ``holder_wait_bound_s``). 0: never wait.
+        commit_in_place: in elastic training with ``ringserve.torch``'s DistributedOptimizer, a
+            commit copies none of the tensors that only the optimizer's step changes (the
+            parameters it trains and its state): the last commit is the live model and optimizer
+            until the next step. A failure surfaces in the next step's gradient allreduce, before
+            that step applies, so they still hold the commit; a rank whose tensors moved past it
+            (a step or an in-place change after the commit) takes the state from a rank that holds
+            it. It needs a commit after every optimizer step (a second step refuses to run), and
+            no collective of the script's own between ``step()`` and ``commit()``. Off (the
+            default): each commit copies them, as Horovod's does.
     """
 
     coordinator: str = "127.0.0.1:50051"
@@ -526,6 +535,7 @@ class WorkerConfig(SecuritySettings):
     checkpoint_keep: int = 2
     checkpoint_timeout_s: float = 120.0
     holder_wait_s: float = 30.0
+    commit_in_place: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_bytes", "connect_timeout_s", "rendezvous_timeout_s",

@@ -42,6 +42,8 @@ class Synced(Protocol):
     # The ranks that hold the commit the view takes, where it is one of the job's commits (not a
     # fresh process's state, which differs from rank to rank): they hold the same state already.
     holding: tuple[int, ...]
+    # Whether this rank's restore found its commit gone (it then holds no commit, as a fresh process).
+    dropped: bool
 
     def load_snapshot(self, snapshot: object) -> None: ...
 
@@ -69,9 +71,11 @@ def agree_root(state: Synced) -> int:
     m = mark.commit
     known = (m.lineage, m.step, 1) if m is not None else (0, 0, 0)
     reported = ctx.worker.committed
-    # 0: it reported nothing (a fresh process); 1: it holds less than it reported (a new state);
-    # 2: it holds what it reported, or more.
-    renewed = 0 if reported is None else 1 if Commit(state.lineage, state.commits) < reported else 2
+    # 0: it reported nothing (a fresh process), or its restore found its commit gone (it holds
+    # none, and is no new state either); 1: it holds less than it reported (a new state); 2: it
+    # holds what it reported, or more.
+    renewed = (0 if reported is None or state.dropped
+               else 1 if Commit(state.lineage, state.commits) < reported else 2)
     row = np.array([state.lineage, state.commits, *known, renewed], dtype=np.int64)
     rows = api.allgather(row, name="ringserve.elastic.commits").reshape(-1, 6)
     held = [Commit(int(r[0]), int(r[1])) for r in rows]

@@ -140,6 +140,9 @@ class State:
         self._writer: CheckpointWriter | None = None
         self._check: _Check | None = None  # the last commit's pipelined check, while its answer is not taken
         self.holding: tuple[int, ...] = ()  # set by each sync (resume.agree_root)
+        # Set by a restore that found this rank's commit gone (a commit in place whose tensors
+        # moved on, see TorchState): it holds no commit of the job, as a fresh process.
+        self.dropped = False
         # A sync's sends of the state to the ranks that lacked it, which the root does not wait for
         # (TorchState.take): a commit takes those that are over, the end of ``run`` and the next
         # sync wait for every one.

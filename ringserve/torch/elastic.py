@@ -34,6 +34,7 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
+import logging
 import pickle
 import threading
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from ringserve.elastic import ObjectState, State, rider, run
 from ringserve.torch import functions
 from ringserve.torch.optimizer import DistributedOptimizer
 from ringserve.torch.sampler import ElasticSampler
+
+log = logging.getLogger("ringserve.elastic")
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
@@ -69,6 +72,10 @@ class TorchState(ObjectState):
         self._optimizer_saved: dict[str, Any] = {}
         self._stateful = {k: v for k, v in kwargs.items() if isinstance(v, _STATEFUL)}
         self._stateful_saved: dict[str, Any] = {}
+        # A commit in place (WorkerConfig.commit_in_place): the live tensors it kept instead of
+        # copies, each with its version then, and the optimizer's applied_steps then.
+        self._held: list[tuple[torch.Tensor, int]] = []
+        self._held_at = 0
         self._release: Callable[[], None] = lambda: None  # packs and sends a root's held tensors (_send_commit)
         self._packed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
         self._packed.set_result(np.empty(0, dtype=np.uint8))
@@ -79,14 +86,47 @@ class TorchState(ObjectState):
     def save(self) -> None:
         """Copies the model's and the optimizer's state into the tensors of the last save, where
         they still fit (see ``_copied``): a commit every step then allocates nothing, and copies
-        only the bytes."""
+        only the bytes.
+
+        Committing in place (``_in_place``), it copies none of the tensors that only the
+        optimizer's step changes (the parameters it trains, its state): it keeps the live ones
+        and their versions, and ``restore`` finds them unchanged or knows the commit is gone."""
         super().save()
+        optimizer, held = self.optimizer, self._in_place()
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.committed_in_place_at = optimizer.applied_steps if held is not None else None
+        kept: list[tuple[torch.Tensor, int]] = []
         if self.model is not None:
-            self._model_saved = _copied(self._model_saved, self.model.state_dict())
-        if self.optimizer is not None:
-            self._optimizer_saved = _copied(self._optimizer_saved, self.optimizer.state_dict())
+            trained = _trained_by(optimizer) if held else None
+            self._model_saved = _copied(self._model_saved, self.model.state_dict(), trained, kept)
+        if optimizer is not None:
+            self._optimizer_saved = _copied(self._optimizer_saved, optimizer.state_dict(),
+                                            (lambda _: True) if held else None, kept)
+        self._held, self._held_at = kept, getattr(optimizer, "applied_steps", 0)
+        self.dropped = False
         self._stateful_saved = {k: _copied(self._stateful_saved.get(k), getattr(self, k).state_dict())
                                 for k in self._stateful}
+
+    def _in_place(self) -> bool | None:
+        """Whether this rank commits in place: None where the state does not (the setting is
+        off, or the optimizer is not a DistributedOptimizer whose steps carry the commit's check,
+        so that a failure surfaces before a step applies); False on rank 0 of a job that writes
+        checkpoints, which pickles a commit only at the next one (it copies, as before); else True."""
+        optimizer = self.optimizer
+        if not (api.is_initialized() and api.context().config.commit_in_place):
+            return None
+        if type(optimizer) is not DistributedOptimizer or not optimizer.carries_rides:
+            return None
+        return not (api.context().config.checkpoint_dir and api.rank() == 0)
+
+    def _holds_commit(self) -> bool:
+        """Whether the tensors a commit in place kept are still that commit: no optimizer step
+        since, and no in-place change to any of them (their versions)."""
+        if not self._held:
+            return True
+        if getattr(self.optimizer, "applied_steps", 0) != self._held_at:
+            return False
+        return all(t._version == version for t, version in self._held)
 
     def rides(self) -> bool:
         """Whether a DistributedOptimizer of this state can carry a commit's check in its next
@@ -105,6 +145,17 @@ class TorchState(ObjectState):
         super().restore()
         if isinstance(self.optimizer, DistributedOptimizer):
             self.optimizer.reset()
+        if not self._holds_commit():
+            # Committed in place, and the live tensors moved past the commit: this rank holds no
+            # commit of the job now, and the sync gives it the state of one that does.
+            log.warning("the elastic state commits in place and its tensors changed since commit %d "
+                        "(an optimizer step, or an in-place change, after state.commit()); this rank "
+                        "takes the state from a rank that holds the commit", self.commits)
+            self.commits, self.dropped, self._held = 0, True, []
+            if isinstance(self.optimizer, DistributedOptimizer):
+                self.optimizer.committed_in_place_at = None  # it holds no commit for a step to overwrite
+            self._restore_stateful()
+            return
         if self.model is not None:
             self.model.load_state_dict(self._model_saved)
         if self.optimizer is not None:
@@ -220,6 +271,12 @@ class TorchState(ObjectState):
         loop: the root's next step waits for neither. Nothing writes the saved copy before the next
         commit, and that commit first waits for the packing (``_handed_off``)."""
         ctx = api.context()
+        if receivers and self._held:
+            # A commit in place is the live state, which this rank's next step changes while the
+            # sends read it: these ones are copies (and a failure then restores from them).
+            self._model_saved = _copied(None, self._model_saved)
+            self._optimizer_saved = _copied(None, self._optimizer_saved)
+            self._held = []
         skeleton: Any = None
         sent: list[torch.Tensor] = []
         if self.optimizer is not None:
@@ -292,6 +349,7 @@ class TorchState(ObjectState):
 
     def load_snapshot(self, snapshot: object) -> None:
         assert isinstance(snapshot, dict)
+        self._held = []  # the snapshot's tensors are copies
         self._saved = snapshot["values"]
         self._model_saved = snapshot["model"]
         self._optimizer_saved = snapshot["optimizer"]
@@ -339,14 +397,27 @@ def _pack(packed: concurrent.futures.Future[np.ndarray], tensors: list[torch.Ten
     threading.Thread(target=run, name="ringserve-handoff-pack", daemon=True).start()
 
 
-def _copied(saved: Any, live: Any) -> Any:
+def _trained_by(optimizer: Any) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor of a model's state_dict (a parameter's alias) is one ``optimizer`` trains."""
+    trained = {p.data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    return lambda t: t.data_ptr() in trained
+
+
+def _copied(saved: Any, live: Any, hold: Callable[[torch.Tensor], bool] | None = None,
+            held: list[tuple[torch.Tensor, int]] | None = None) -> Any:
     """A copy of the state_dict ``live`` (dicts, lists and tuples of tensors and plain values),
     written into ``saved``'s tensors (the last copy) wherever one has the same shape, dtype,
     layout and device and is not ``live``'s own tensor; elsewhere a new one (``clone``), and
     plain values deep-copied (``saved`` None: a new copy). A saved tensor that is the live one
     (an optimizer's ``load_state_dict`` keeps a tensor that needs no cast) is never written into:
-    it is replaced, and the live one is left to train on."""
+    it is replaced, and the live one is left to train on. A tensor that ``hold`` accepts is not
+    copied: it is kept as it is, and added to ``held`` with its version (a commit in place)."""
+    if live is None or type(live) in _IMMUTABLE:
+        return live  # the most of an optimizer's state_dict (param ids, hyperparameters): nothing to copy
     if isinstance(live, torch.Tensor):
+        if hold is not None and held is not None and hold(live):
+            held.append((live, live._version))
+            return live
         if (isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype
                 and saved.layout == live.layout == torch.strided and saved.device == live.device
                 and saved.data_ptr() != live.data_ptr()):
@@ -354,13 +425,13 @@ def _copied(saved: Any, live: Any) -> Any:
         return live.detach().clone()
     if type(live) in (dict, collections.OrderedDict):
         old = saved if isinstance(saved, dict) else {}
-        out = type(live)((k, _copied(old.get(k), v)) for k, v in live.items())
+        out = type(live)((k, _copied(old.get(k), v, hold, held)) for k, v in live.items())
         if hasattr(live, "_metadata"):  # a module's state_dict: its version, which load_state_dict reads
             out._metadata = copy.deepcopy(live._metadata)
         return out
     if isinstance(live, (list, tuple)) and type(live) in (list, tuple):
         old_items = saved if isinstance(saved, (list, tuple)) and len(saved) == len(live) else [None] * len(live)
-        return type(live)(_copied(o, v) for o, v in zip(old_items, live, strict=True))
+        return type(live)(_copied(o, v, hold, held) for o, v in zip(old_items, live, strict=True))
     return copy.deepcopy(live)
 
 
@@ -369,6 +440,8 @@ HANDOFF_SIZES = "ringserve.elastic.handoff.sizes"
 HANDOFF_HEAD = "ringserve.elastic.handoff.head"
 HANDOFF = "ringserve.elastic.handoff"
 HANDOFF_ACK = "ringserve.elastic.handoff.ack"
+
+_IMMUTABLE = (int, float, bool, str, bytes, complex)
 
 # Values of TorchState's extras kept by their state_dict() rather than pickled.
 _STATEFUL = (torch.nn.Module, torch.optim.Optimizer, ElasticSampler)

@@ -192,6 +192,11 @@ class DistributedOptimizer(Wrapping):
         self._should_synchronize = True
         self._synchronized = False
         self.communication_intervals: list[tuple[float, float]] = []
+        # Steps the wrapped optimizer applied; and, while an elastic state commits in place
+        # (TorchState, WorkerConfig.commit_in_place), the count at its last save: one more step
+        # before the next save would overwrite the only copy of that commit (``step`` refuses it).
+        self.applied_steps = 0
+        self.committed_in_place_at: int | None = None
         self._rebuild()
 
     @property
@@ -558,6 +563,14 @@ class DistributedOptimizer(Wrapping):
         Warns, as Horovod does, when synchronize() was called since the last backward pass and
         step() is not inside skip_synchronize(): that usually means the skip was forgotten.
         """
+        held = self.committed_in_place_at
+        if held is not None and self.applied_steps > held:
+            raise UsageError(
+                "optimizer.step() a second time since state.commit(): the elastic state commits in place "
+                "(RINGSERVE_COMMIT_IN_PLACE=1), so its last commit is the live model and optimizer, and this "
+                "step would overwrite it. Call state.commit() after every optimizer step, or turn in-place "
+                "commits off to commit less often."
+            )
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -572,6 +585,7 @@ class DistributedOptimizer(Wrapping):
             log.warning("step skipped: the averaged gradients hold NaN or Inf (on every rank alike); "
                         "%d steps skipped so far", self.skipped_steps)
             return None
+        self.applied_steps += 1  # before the step: one that fails half way has changed the state too
         result = self._optimizer.step() if closure is None else self._optimizer.step(closure)
         self._synchronized = False
         return result

@@ -29,4 +29,7 @@ def test_a_short_round_measures_every_figure_and_rolls_nothing_back(tmp_path: pa
         assert {"steps_per_s", "recovery_s", "rolled_back", "join_stall_s", "diloco_sync_s"} <= set(got[system]), got
         assert got[system]["rolled_back"] == 0, got
     assert {"diloco_int8_sync_s", "diloco_join_stall_s", "diloco_join_extra_s"} <= set(got["ringserve"])
+    # The same job committing in place (RINGSERVE_COMMIT_IN_PLACE=1), kill and rejoin included.
+    assert {"steps_per_s_in_place", "recovery_s_in_place", "join_stall_s_in_place"} <= set(got["ringserve"]), got
+    assert got["ringserve"]["rolled_back_in_place"] == 0, got
     assert all(got[s]["steps_per_s"] > 0 for s in got)
