@@ -24,7 +24,7 @@ def test_a_short_round_measures_every_figure_and_rolls_nothing_back(tmp_path: pa
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "FAILED" not in done.stderr, done.stderr[-3000:]
     got = json.loads(out.read_text())["rounds"][0]
-    assert set(got["ddp"]) == {"steps_per_s", "step_s"}
+    assert set(got["ddp"]) == {"steps_per_s", "step_s", "cpu_step_s"}
     for system in ("torchft", "ringserve"):
         assert {"steps_per_s", "recovery_s", "rolled_back", "join_stall_s", "diloco_sync_s"} <= set(got[system]), got
         assert got[system]["rolled_back"] == 0, got

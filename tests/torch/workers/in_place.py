@@ -73,8 +73,8 @@ def main() -> None:
                        for s, p in zip(state._optimizer_saved["state"].values(), model.parameters(), strict=True)),
     }
 
-    # A second step with no commit in between refuses to run, before it reduces anything... after
-    # its backward pass, whose reductions the step would have waited for: they run to their end.
+    # A second step with no commit in between refuses to run. Its backward pass had started the
+    # gradients' reductions; synchronize() below lets them end on every rank alike.
     backward(state.step)
     opt.step()
     backward(state.step + 1)
