@@ -462,21 +462,17 @@ def main() -> None:
 
 
 # (the figure, its title, its digits, the figure of torchft's and DDP's it is set against)
-METRICS = [("steps_per_s", "steps/s, steady", 1, "steps_per_s"),
-           ("step_s", "step time, steady (s)", 3, "step_s"),
-           ("commit_s", "of which ringserve's commit (s)", 4, ""),
-           ("cpu_step_s", "CPU a step, every process of the job (s)", 4, "cpu_step_s"),
-           ("recovery_s", "a SIGKILL until the survivors' next step (s)", 2, "recovery_s"),
-           ("rolled_back", "committed steps rolled back", 0, ""),
-           ("join_stall_s", "survivors' stall when the killed worker rejoins (s)", 2, "join_stall_s"),
-           ("steps_per_s_in_place", "committing in place: steps/s, steady", 1, "steps_per_s"),
-           ("step_s_in_place", "committing in place: step time, steady (s)", 3, "step_s"),
-           ("commit_s_in_place", "committing in place: of which the commit (s)", 4, ""),
-           ("cpu_step_s_in_place", "committing in place: CPU a step, every process of the job (s)", 4, "cpu_step_s"),
-           ("recovery_s_in_place", "committing in place: a SIGKILL until the survivors' next step (s)", 2, "recovery_s"),
-           ("rolled_back_in_place", "committing in place: committed steps rolled back", 0, ""),
-           ("join_stall_s_in_place", "committing in place: survivors' stall when the killed worker rejoins (s)", 2,
-            "join_stall_s"),
+TRAIN_METRICS = [("steps_per_s", "steps/s, steady", 1, "steps_per_s"),
+                 ("step_s", "step time, steady (s)", 3, "step_s"),
+                 ("commit_s", "of which ringserve's commit (s)", 4, ""),
+                 ("cpu_step_s", "CPU a step, every process of the job (s)", 4, "cpu_step_s"),
+                 ("recovery_s", "a SIGKILL until the survivors' next step (s)", 2, "recovery_s"),
+                 ("rolled_back", "committed steps rolled back", 0, ""),
+                 ("join_stall_s", "survivors' stall when the killed worker rejoins (s)", 2, "join_stall_s")]
+METRICS = [*TRAIN_METRICS,
+           # The job committing in place (train_in_place), each figure against the same of the others.
+           *[(f"{metric}_in_place", f"committing in place: {title}", digits, base)
+             for metric, title, digits, base in TRAIN_METRICS],
            ("diloco_sync_s", "DiLoCo, a step with its sync (s)", 3, "diloco_sync_s"),
            ("diloco_commit_s", "of which ringserve's commit (s)", 4, ""),
            ("diloco_inner_s", "DiLoCo, an inner step (s)", 3, "diloco_inner_s"),

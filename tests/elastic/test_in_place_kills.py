@@ -7,15 +7,12 @@ a copy while its own steps go on. No checkpoint directory: a commit lost would e
 
 from __future__ import annotations
 
-import random
 import re
-import signal
-import time
 from pathlib import Path
 
 import harness
 import pytest
-from test_chaos import report
+from test_chaos import torch_kill_9s
 from test_handoff import STEPS, run_with_joiner
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,19 +21,8 @@ IN_PLACE = {"RINGSERVE_COMMIT_IN_PLACE": "1"}
 
 
 def test_kill_9s_of_a_world_that_commits_in_place_lose_no_commit_and_the_replicas_stay_equal(tmp_path: Path) -> None:
-    rng = random.Random(11)
-    run = harness.start(tmp_path, steps=150, pause_s=0.02, worker=harness.TORCH_WORKER, env=IN_PLACE)
-    run.wait_for_step(5, 120)
-    for _ in range(3):
-        time.sleep(rng.uniform(0.5, 1.5))
-        run.signal("kill -9", signal.SIGKILL, rng.choice(run.workers()))
-    code, out = run.finish(200)
-    assert code == 0, out[-3000:]
+    out = torch_kill_9s(tmp_path, "torch kill -9 x3, in place", 11, IN_PLACE)
     assert "restoring the last commit" in out, out[-3000:]  # the survivors restored, in place
-    records = run.records()
-    harness.check_invariants(records, 150)
-    harness.check_no_silent_regression(records, out)
-    report("torch kill -9 x3, in place", run, records)
 
 
 def test_a_joiner_takes_the_state_from_a_root_that_commits_in_place(tmp_path: Path) -> None:
