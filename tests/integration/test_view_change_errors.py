@@ -58,7 +58,7 @@ async def test_a_collective_waiting_on_the_measure_of_the_links_when_a_peer_hang
     # waits. Then the third hangs (SIGSTOP): its heartbeats stop, its streams stay open, and the
     # coordinator's view without it closes the plane. The close cancelled the measure's task, and
     # each collective awaiting its figures died of that cancellation.
-    from ringserve.errors import RingChangedError
+    from ringserve.errors import PeerUnavailableError, RingChangedError
 
     world = await world_factory(2, coordinator={"min_workers": 2, "heartbeat_timeout_s": 1.5}, algorithm="auto")
     address = world.coordinator.address
@@ -76,7 +76,10 @@ async def test_a_collective_waiting_on_the_measure_of_the_links_when_a_peer_hang
     proc.send_signal(signal.SIGSTOP)
     outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
     for outcome in outcomes:
-        assert isinstance(outcome, RingChangedError), repr(outcome)
+        # The view's end, typed: RingChangedError, or, where the other member closed its plane
+        # before this one heard of the new view, the broken stream from it (PeerUnavailableError;
+        # CI on 2f94b41 under load). Never the cancellation of the measure.
+        assert isinstance(outcome, (RingChangedError, PeerUnavailableError)), repr(outcome)
     # The next view works: its measure is a new one.
     async with asyncio.timeout(20):
         while {w.size for w in world.workers} != {2}:
