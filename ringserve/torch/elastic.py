@@ -73,9 +73,9 @@ class TorchState(ObjectState):
         self._stateful = {k: v for k, v in kwargs.items() if isinstance(v, _STATEFUL)}
         self._stateful_saved: dict[str, Any] = {}
         # A commit in place (WorkerConfig.commit_in_place): the live tensors it kept instead of
-        # copies, each with its version then, and the optimizer's applied_steps then.
+        # copies, each with its version then (the optimizer's count of steps then is its
+        # ``committed_in_place_at``).
         self._held: list[tuple[torch.Tensor, int]] = []
-        self._held_at = 0
         self._release: Callable[[], None] = lambda: None  # packs and sends a root's held tensors (_send_commit)
         self._packed: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
         self._packed.set_result(np.empty(0, dtype=np.uint8))
@@ -92,17 +92,17 @@ class TorchState(ObjectState):
         optimizer's step changes (the parameters it trains, its state): it keeps the live ones
         and their versions, and ``restore`` finds them unchanged or knows the commit is gone."""
         super().save()
-        optimizer, held = self.optimizer, self._in_place()
+        optimizer, in_place = self.optimizer, self._in_place()
         if isinstance(optimizer, DistributedOptimizer):
-            optimizer.committed_in_place_at = optimizer.applied_steps if held is not None else None
+            optimizer.committed_in_place_at = optimizer.applied_steps if in_place is not None else None
         kept: list[tuple[torch.Tensor, int]] = []
         if self.model is not None:
-            trained = _trained_by(optimizer) if held else None
+            trained = _trained_by(optimizer) if in_place else None
             self._model_saved = _copied(self._model_saved, self.model.state_dict(), trained, kept)
         if optimizer is not None:
             self._optimizer_saved = _copied(self._optimizer_saved, optimizer.state_dict(),
-                                            (lambda _: True) if held else None, kept)
-        self._held, self._held_at = kept, getattr(optimizer, "applied_steps", 0)
+                                            (lambda _: True) if in_place else None, kept)
+        self._held = kept
         self.dropped = False
         self._stateful_saved = {k: _copied(self._stateful_saved.get(k), getattr(self, k).state_dict())
                                 for k in self._stateful}
@@ -124,7 +124,9 @@ class TorchState(ObjectState):
         since, and no in-place change to any of them (their versions)."""
         if not self._held:
             return True
-        if getattr(self.optimizer, "applied_steps", 0) != self._held_at:
+        optimizer = self.optimizer  # a DistributedOptimizer: only its states commit in place (_in_place)
+        assert isinstance(optimizer, DistributedOptimizer)
+        if optimizer.applied_steps != optimizer.committed_in_place_at:
             return False
         return all(t._version == version for t, version in self._held)
 
